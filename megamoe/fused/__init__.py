@@ -1,0 +1,1 @@
+"""Thin backends over the real SM90 Mega MoE kernels."""

@@ -1,0 +1,140 @@
+"""Numerics recipes: where each kernel rounds, at what granularity, in which order.
+
+A ``Recipe`` names every choice that differs between the fused kernels, so that the eager reference
+reproduces a kernel's quantization points exactly and the only residual left is how the tensor cores
+accumulate inside one 128-wide K block. The contract is ``shared/design/KERNELS.md``.
+
+Pipeline stages and the recipe fields that steer them:
+    stage x         stage_x, x_gran, x_scale               (bf16 -> e4m3 + scale per token per gran)
+    decode weights  weight_format, weight_decode          (MXFP4 -> the e4m3 value the MMA reads)
+    L1 GEMM         promote_k, accum                      (per-K-block promotion of x_sf, FP32 acc)
+    global scales   global_scales                         (gs1 on L1 acc before the clamp, gs2 on L2)
+    SwiGLU          gate_up_bf16                          (round gate/up to bf16 first: SM100 only)
+    L2 requant      l2_group, l2_scale, l2_amax_floor     (routing weight folded in before this)
+    L2 GEMM         slot_output_bf16                      (bf16 per (token, slot))
+    combine         combine_bf16                          (FP32 slot-ordered sum, one bf16 rounding)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+WEIGHT_DECODES = ("exact", "e4m3_flush_saturate", "e4m3_rn")
+L2_SCALES = ("pow2_ceil", "continuous")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One kernel's numerics. ``accum`` is the dtype the reference accumulates GEMMs in.
+
+    weight_decode:
+        ``exact``               the MXFP4 value itself (dequantized, any scale)
+        ``e4m3_flush_saturate`` FlashInfer's decoder: e2m1 * 2**s as e4m3, |v| < 2**-6 -> 0, > 448 -> 448
+        ``e4m3_rn``             DeepGEMM SM90 FP4 table: e4m3 round-to-nearest with subnormals
+    l2_scale:
+        ``pow2_ceil``   sf = 2**ceil(log2(amax * fl32(1/448))), amax 0 -> sf 0
+        ``continuous``  sf = max(amax, l2_amax_floor) * fl32(1/448)
+    """
+
+    name: str
+    kernel: str
+    weight_format: str = "mxfp4"  # "mxfp4" or "fp8_block" (e4m3 + FP32 per 128x128)
+    weight_decode: str = "exact"
+    stage_x: bool = True
+    x_gran: int = 128
+    x_scale: str = "fp32"  # "fp32" (SM90) or "ue8m0" (SM100: power of two per x_gran)
+    promote_k: int = 128
+    global_scales: bool = False
+    gate_up_bf16: bool = False
+    l2_group: int | None = 128  # None: no requant, L2 reads FP32 activations
+    l2_scale: str = "pow2_ceil"
+    l2_amax_floor: float = 0.0
+    slot_output_bf16: bool = True
+    combine_bf16: bool = True
+    accum: torch.dtype = torch.float32
+    # Legal E8M0 scale bytes for groups with nonzero codes (None: no limit). Checked, never clipped.
+    min_scale_byte: int | None = None
+    max_scale_byte: int | None = None
+    verified: str = "read from source"  # what on-hardware evidence backs this recipe
+
+    def __post_init__(self) -> None:
+        if self.weight_decode not in WEIGHT_DECODES:
+            raise ValueError(f"weight_decode must be one of {WEIGHT_DECODES}, got {self.weight_decode!r}")
+        if self.l2_scale not in L2_SCALES:
+            raise ValueError(f"l2_scale must be one of {L2_SCALES}, got {self.l2_scale!r}")
+        if self.weight_format not in ("mxfp4", "fp8_block"):
+            raise ValueError(f"weight_format must be 'mxfp4' or 'fp8_block', got {self.weight_format!r}")
+        if self.x_scale not in ("fp32", "ue8m0"):
+            raise ValueError(f"x_scale must be 'fp32' or 'ue8m0', got {self.x_scale!r}")
+        if self.l2_group is not None and (self.l2_group <= 0 or 128 % self.l2_group and self.l2_group % 128):
+            raise ValueError(f"l2_group must divide or be a multiple of 128, got {self.l2_group}")
+
+    def with_(self, **changes) -> "Recipe":
+        return replace(self, **changes)
+
+
+EXACT = Recipe(
+    name="exact",
+    kernel="none: dequantized weights, unquantized activations, float64 throughout",
+    stage_x=False,
+    l2_group=None,
+    slot_output_bf16=False,
+    combine_bf16=False,
+    accum=torch.float64,
+)
+
+FLASHINFER_MXFP4 = Recipe(
+    name="flashinfer-mxfp4",
+    kernel="flashinfer.megamoe.mxfp4_mega_moe (FlashInfer 0.7.4, SM90)",
+    weight_decode="e4m3_flush_saturate",
+    global_scales=True,
+    l2_group=128,
+    l2_scale="pow2_ceil",
+    min_scale_byte=127 - 5,  # 2**-5
+    max_scale_byte=127 + 6,  # 2**6
+)
+
+DEEPGEMM_SM90_FP4 = Recipe(
+    name="deepgemm-sm90-fp4",
+    kernel="deep_gemm fp8_fp4_mega_moe on SM90 (DeepGEMM PR #323; not in any installable package)",
+    weight_decode="e4m3_rn",
+    l2_group=64,
+    l2_scale="pow2_ceil",
+    max_scale_byte=127 + 6,
+)
+
+DEEPGEMM_SM90_FP8 = Recipe(
+    name="deepgemm-sm90-fp8",
+    kernel="deep_gemm.fp8_mega_moe (sgl-deep-gemm 0.1.5.post1, SM90, recipe (128, 128, 128))",
+    weight_format="fp8_block",
+    l2_group=64,
+    # The 0.1.5.post1 source: "Continuous FP32 activation scale", amax floored at 1e-10.
+    l2_scale="continuous",
+    l2_amax_floor=1e-10,
+)
+
+DEEPGEMM_SM100_FP4 = Recipe(
+    name="deepgemm-sm100-fp4",
+    kernel="deep_gemm fp8_fp4_mega_moe on SM100 (Blackwell; no such card here, never run)",
+    x_gran=32,
+    x_scale="ue8m0",
+    promote_k=32,
+    gate_up_bf16=True,
+    l2_group=32,
+    l2_scale="pow2_ceil",
+)
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r for r in (EXACT, FLASHINFER_MXFP4, DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, DEEPGEMM_SM100_FP4)
+}
+
+
+def get_recipe(name_or_recipe: "str | Recipe") -> Recipe:
+    if isinstance(name_or_recipe, Recipe):
+        return name_or_recipe
+    try:
+        return RECIPES[name_or_recipe]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name_or_recipe!r}; expected one of {sorted(RECIPES)}") from None

@@ -1,0 +1,219 @@
+"""The whole Mega MoE layer in eager PyTorch, stage by stage, over R expert-parallel ranks.
+
+    stage     x bf16 [T, H] -> x_q e4m3 [T, H], x_sf fp32 [T, H/128]          (recipe.stage_x)
+    dispatch  slots -> pool [P, H] per destination rank, BLOCK_M-padded          (dispatch.py)
+    L1        pool @ W1[e]^T, per-128-K promotion -> h fp32 [P, 2I] (gate | up)  (gemm.py)
+    SwiGLU    clamp, silu(g) * u * topk_weight -> FP8 requant [P, I] + sf         (swiglu.py)
+    L2        @ W2[e]^T -> [P, H], bf16 per (token, slot)                         (gemm.py)
+    combine   FP32 sum over slots in ascending slot order, skip masked, one bf16 rounding
+
+One rank is R = 1; ``moe_forward_ep`` with R ranks gives bit-identical rows for kernel recipes,
+because every row's arithmetic is independent of which other rows share its pool (see gemm.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats import e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, unpack_ue8m0_x4
+from ..geometry import Geometry
+from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
+from ..recipe import Recipe, get_recipe
+from ..testing import MoEInputs
+from ..weights import FP8BlockWeights, MXFP4Weights
+from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch, validate_topk
+from .gemm import exact_gemm, promoted_gemm
+from .swiglu import requant_fp8, swiglu
+
+
+@dataclass
+class RankStages:
+    """Every intermediate of one destination rank's pool (P rows, padding rows NaN / unused)."""
+
+    layout: DispatchLayout
+    pool_x: torch.Tensor  # [P, H] staged activations (e4m3 values as float32, or the exact x)
+    pool_x_sf: torch.Tensor | None  # [P, H/gran]
+    pool_weight: torch.Tensor  # [P] routing weight of each row
+    l1_out: torch.Tensor  # [P, 2I] fp32 (or float64), gate | up, after gs1
+    l2_in: torch.Tensor  # [P, I] e4m3 codes (or the unquantized float)
+    l2_in_sf: torch.Tensor | None  # [P, I/G]
+    l2_out: torch.Tensor  # [P, H] bf16 per (token, slot) (or float)
+
+
+@dataclass
+class MoEResult:
+    """Outputs per source rank and the stages per destination rank."""
+
+    y: list[torch.Tensor]  # y[r] [T_r, H]
+    ranks: list[RankStages] = field(default_factory=list)
+
+
+def stage_activations(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x bf16 [T, H] -> (values the L1 MMA reads as float32 [T, H], scales fp32 [T, H/gran] or None)."""
+    if not recipe.stage_x:
+        return x.to(recipe.accum), None
+    if recipe.x_scale == "fp32":
+        q, sf = per_token_cast_to_fp8(x, gran=recipe.x_gran)
+        return q.float(), sf
+    q, packed = per_token_cast_to_fp8_ue8m0_packed(x, gran=recipe.x_gran)
+    return q.float(), e8m0_to_float(unpack_ue8m0_x4(packed))
+
+
+def decode_expert(weights, e: int, recipe: Recipe):
+    """Expert e as the kernel's MMA sees it: (w1 [2I, H], w1_sf, w2 [H, I], w2_sf, gs1, gs2).
+
+    w*_sf are FP32 [N/128, K/128] block scales (FP8 block weights) or None (scale folded into the
+    e4m3 values, as the FP4 decoders do). gs* are per-expert FP32 scalars applied to accumulators.
+    """
+    if isinstance(weights, FP8BlockWeights):
+        if recipe.weight_format != "fp8_block" and recipe.name != "exact":
+            raise ValueError(f"recipe {recipe.name!r} reads MXFP4 weights, got FP8 block weights")
+        if recipe.name == "exact":
+            w1, w2 = weights.dequantize_expert(e)
+            return w1, None, w2, None, None, None
+        return weights.l1[e].float(), weights.l1_scale[e], weights.l2[e].float(), weights.l2_scale[e], None, None
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
+    if recipe.weight_format == "fp8_block":
+        raise ValueError(
+            f"recipe {recipe.name!r} reads FP8 block weights; convert with megamoe.layouts (to_fp8_block)"
+        )
+    if recipe.weight_decode == "exact":
+        w1, w2 = weights.dequantize_expert(e)  # global scales folded in exactly
+        return w1, None, w2, None, None, None
+    has_gs = weights.l1_global_scale is not None or weights.l2_global_scale is not None
+    if has_gs and not recipe.global_scales:
+        raise ValueError(f"recipe {recipe.name!r} has no per-expert global scales but the weights carry them")
+    raw = MXFP4Weights(weights.l1[e : e + 1], weights.l1_scale[e : e + 1], weights.l2[e : e + 1], weights.l2_scale[e : e + 1])
+    w1, w2 = raw.dequantize_expert(0)
+    decode = e4m3_flush_saturate if recipe.weight_decode == "e4m3_flush_saturate" else e4m3_satfinite
+    gs1 = None if weights.l1_global_scale is None else weights.l1_global_scale[e]
+    gs2 = None if weights.l2_global_scale is None else weights.l2_global_scale[e]
+    return decode(w1).float(), None, decode(w2).float(), None, gs1, gs2
+
+
+def expert_forward(
+    xa: torch.Tensor, x_sf: torch.Tensor | None, weight: torch.Tensor, weights, e: int, g: Geometry, recipe: Recipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One expert on its M real rows: xa [M, H], x_sf [M, H/gran], weight [M]
+    -> (l1_out [M, 2I], l2_in [M, I], l2_in_sf [M, I/G] or None, l2_out [M, H])."""
+    w1, w1_sf, w2, w2_sf, gs1, gs2 = decode_expert(weights, e, recipe)
+    if x_sf is None:
+        h = exact_gemm(xa, w1, recipe.accum)
+    else:
+        h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran))
+    if gs1 is not None:
+        h = h * gs1  # FlashInfer: on the L1 accumulators, before the clamp
+    v = swiglu(h, g.clamp, recipe.gate_up_bf16)
+    vw = v * weight.to(v.dtype).unsqueeze(1)  # the routing weight, before the requant
+    if recipe.l2_group is None:
+        l2_in, l2_sf = vw, None
+        out = exact_gemm(vw, w2, recipe.accum)
+    else:
+        q, l2_sf = requant_fp8(vw, recipe.l2_group, recipe.l2_scale, recipe.l2_amax_floor)
+        l2_in = q
+        out = promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k))
+    if gs2 is not None:
+        out = out * gs2  # FlashInfer: on the L2 accumulators, before the bf16 cast
+    if recipe.slot_output_bf16:
+        out = out.to(torch.bfloat16)
+    return h, l2_in, l2_sf, out
+
+
+def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """slots [T, K, H] (bf16 per slot), filled bool [T, K] -> y [T, H]: FP32 sum over slots in
+    ascending slot order, masked slots skipped, one final rounding (bf16 unless the recipe keeps FP32)."""
+    acc_dtype = torch.float32 if recipe.combine_bf16 else recipe.accum
+    t, k, h = slots.shape
+    acc = torch.zeros(t, h, dtype=acc_dtype, device=slots.device)
+    for s in range(k):
+        acc = torch.where(filled[:, s : s + 1], acc + slots[:, s].to(acc_dtype), acc)
+    return acc.to(torch.bfloat16) if recipe.combine_bf16 else acc
+
+
+def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int) -> None:
+    weights.check_geometry(g)
+    g.experts_per_rank(num_ranks)
+    if len(inputs) != num_ranks:
+        raise ValueError(f"expected one MoEInputs per rank ({num_ranks}), got {len(inputs)}")
+    for r, inp in enumerate(inputs):
+        what = f"rank {r}"
+        x = inp.x
+        if x.ndim != 2 or x.shape[1] != g.hidden:
+            raise ValueError(f"{what}: x must be [T, {g.hidden}], got {tuple(x.shape)}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"{what}: x must be bfloat16, got {x.dtype}")
+        if x.device != weights.device:
+            raise ValueError(f"{what}: x is on {x.device} but the weights are on {weights.device}")
+        if inp.topk_idx.shape != (x.shape[0], g.num_topk):
+            raise ValueError(f"{what}: topk_idx must be [{x.shape[0]}, {g.num_topk}], got {tuple(inp.topk_idx.shape)}")
+        validate_topk(inp.topk_idx, inp.topk_weights, g.num_experts, what)
+        if x.numel() and not torch.isfinite(x).all():
+            raise ValueError(f"{what}: x contains NaN or Inf")
+
+
+def moe_forward_ep(
+    inputs: list[MoEInputs],
+    weights,
+    recipe: "Recipe | str",
+    g: Geometry,
+    *,
+    num_ranks: int | None = None,
+    block_m: int = 1,
+    keep_stages: bool = False,
+) -> MoEResult:
+    """R simulated expert-parallel ranks; inputs[r] is rank r's step (ragged T_r allowed, 0 too).
+
+    Rank r owns experts [r * E_l, (r + 1) * E_l). Returns y[r] [T_r, H] for every source rank.
+    """
+    recipe = get_recipe(recipe)
+    num_ranks = num_ranks or len(inputs)
+    _validate(g, weights, inputs, num_ranks)
+    el = g.experts_per_rank(num_ranks)
+    staged = [stage_activations(inp.x, recipe) for inp in inputs]
+    idx = [inp.topk_idx for inp in inputs]
+    layouts, outs, stages = [], [], []
+    for d in range(num_ranks):
+        lay = build_layout(idx, d * el, (d + 1) * el, block_m)
+        pool_x = dispatch([s[0] for s in staged], lay)
+        pool_sf = None if staged[0][1] is None else dispatch([s[1] for s in staged], lay)
+        pool_w = dispatch_slot_values([inp.topk_weights for inp in inputs], lay)
+        i, h = g.intermediate, g.hidden
+        out_dtype = torch.bfloat16 if recipe.slot_output_bf16 else recipe.accum
+        l2_out = torch.full((lay.num_pool_rows, h), float("nan"), dtype=out_dtype, device=weights.device)
+        if keep_stages:
+            l1_out = torch.full((lay.num_pool_rows, 2 * i), float("nan"), dtype=recipe.accum if not recipe.stage_x else torch.float32, device=weights.device)
+            l2_in_dtype = recipe.accum if recipe.l2_group is None else torch.float8_e4m3fn
+            l2_in = torch.full((lay.num_pool_rows, i), float("nan"), device=weights.device).to(l2_in_dtype)
+            l2_sf = None if recipe.l2_group is None else torch.full((lay.num_pool_rows, i // recipe.l2_group), float("nan"), device=weights.device)
+        for e in range(el):
+            rows = lay.rows_of(e)
+            if rows.stop == rows.start:
+                continue
+            sf_rows = None if pool_sf is None else pool_sf[rows]
+            res = expert_forward(pool_x[rows], sf_rows, pool_w[rows], weights, d * el + e, g, recipe)
+            l2_out[rows] = res[3]
+            if keep_stages:
+                l1_out[rows], l2_in[rows] = res[0].to(l1_out.dtype), res[1]
+                if l2_sf is not None:
+                    l2_sf[rows] = res[2]
+        layouts.append(lay)
+        outs.append(l2_out)
+        if keep_stages:
+            stages.append(RankStages(lay, pool_x, pool_sf, pool_w, l1_out, l2_in, l2_sf, l2_out))
+    ys = []
+    for r, inp in enumerate(inputs):
+        slots, filled = undispatch(outs, layouts, r, inp.num_tokens, g.num_topk)
+        ys.append(combine(slots, filled, recipe))
+    return MoEResult(ys, stages)
+
+
+def moe_forward(
+    inputs: MoEInputs, weights, recipe: "Recipe | str", g: Geometry, *, block_m: int = 1, keep_stages: bool = False
+) -> "torch.Tensor | MoEResult":
+    """One rank: y [T, H] (bf16 for kernel recipes, float64 for ``exact``). With keep_stages, the
+    MoEResult with every intermediate."""
+    res = moe_forward_ep([inputs], weights, recipe, g, num_ranks=1, block_m=block_m, keep_stages=keep_stages)
+    return res if keep_stages else res.y[0]

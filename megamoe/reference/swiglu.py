@@ -1,0 +1,55 @@
+"""Clamped SwiGLU with the routing weight folded in, then the FP8 requant that feeds the L2 GEMM.
+
+    g = min(gate, clamp);  u = clamp(up, -clamp, clamp)
+    v = silu(g) * u  with  silu(g) = g * (1 / (1 + exp(-g)))            # FP32
+    vw = v * topk_weight                                                # before the requant
+    per token, per G channels:  amax = max |vw|
+        pow2_ceil:   sf = 2**ceil(log2(amax * fl32(1/448)))   (amax 0 -> sf 0, values 0)
+        continuous:  sf = max(amax, floor) * fl32(1/448)
+    q = e4m3_rn_satfinite(vw * (1 / sf))
+
+The kernels use a fast-math sigmoid (approximate exp and reciprocal): a few FP32 ulps that the
+reference does not model. They can flip an FP8 code where vw / sf lies on a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import E4M3_MAX, e4m3_satfinite, e8m0_to_float, float_to_e8m0
+
+_INV_448 = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+
+
+def swiglu(h: torch.Tensor, clamp: float, gate_up_bf16: bool = False) -> torch.Tensor:
+    """h [M, 2I] (gate columns then up columns; the logical order, not a kernel's interleave) -> v [M, I]."""
+    i = h.shape[1] // 2
+    g, u = h[:, :i], h[:, i:]
+    if gate_up_bf16:
+        g, u = g.to(torch.bfloat16).to(h.dtype), u.to(torch.bfloat16).to(h.dtype)
+    g = g.clamp(max=clamp)
+    u = u.clamp(min=-clamp, max=clamp)
+    return g * (1.0 / (1.0 + torch.exp(-g))) * u
+
+
+def requant_fp8(
+    vw: torch.Tensor, group: int, rule: str = "pow2_ceil", amax_floor: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vw fp32 [M, I] -> (e4m3 [M, I], fp32 sf [M, I/group])."""
+    m, i = vw.shape
+    if i % group:
+        raise ValueError(f"I={i} must be a multiple of the requant group {group}")
+    v3 = vw.float().view(m, i // group, group)
+    amax = v3.abs().amax(dim=2)  # [M, I/G]
+    y = amax * _INV_448.to(vw.device)
+    if rule == "pow2_ceil":
+        pos = y > 0
+        sf_bytes = float_to_e8m0(torch.where(pos, y, torch.ones_like(y)), rounding="ceil")
+        sf = torch.where(pos, e8m0_to_float(sf_bytes), torch.zeros_like(y))
+    elif rule == "continuous":
+        sf = amax.clamp(min=amax_floor) * _INV_448.to(vw.device)
+    else:
+        raise ValueError(f"rule must be 'pow2_ceil' or 'continuous', got {rule!r}")
+    inv = torch.where(sf > 0, torch.reciprocal(sf), torch.zeros_like(sf))
+    q = e4m3_satfinite(v3 * inv.unsqueeze(2)).view(m, i)
+    return q, sf

@@ -1,0 +1,162 @@
+"""Checkers and input generators shared by the tests, the benchmarks, the notebooks and ``megamoe check``.
+
+One generator, one set of checkers: a failure says which stage, where, and how far off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .geometry import Geometry
+
+
+# ------------------------------------------------------------------------------------ checkers
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity distance, 1 - 2<x,y> / (|x|^2 + |y|^2), in float64 (0 when both are 0)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """|x - ref| / |ref| in float64 (inf if ref is 0 and x is not)."""
+    x, ref = x.double(), ref.double()
+    num, den = (x - ref).norm(), ref.norm()
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return float(num / den)
+
+
+def first_mismatch(x: torch.Tensor, y: torch.Tensor) -> str:
+    """Describe where two same-shape tensors first differ bitwise ('' when identical)."""
+    if x.shape != y.shape:
+        return f"shape {tuple(x.shape)} != {tuple(y.shape)}"
+    if x.dtype != y.dtype:
+        return f"dtype {x.dtype} != {y.dtype}"
+    xb = x.detach().contiguous().view(torch.uint8).reshape(x.numel(), -1) if x.numel() else x
+    yb = y.detach().contiguous().view(torch.uint8).reshape(y.numel(), -1) if y.numel() else y
+    if x.numel() == 0 or torch.equal(xb, yb):
+        return ""
+    bad = (xb != yb).any(dim=1)
+    n_bad = int(bad.sum())
+    flat = int(bad.nonzero()[0])
+    coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(flat), x.shape))
+    xv, yv = x.reshape(-1)[flat], y.reshape(-1)[flat]
+    if xv.dtype.is_floating_point:
+        xv, yv = xv.float(), yv.float()
+    return f"{n_bad}/{x.numel()} elements differ; first at {coord}: {xv.item()!r} vs {yv.item()!r}"
+
+
+def assert_bitwise_equal(x: torch.Tensor, y: torch.Tensor, what: str = "") -> None:
+    msg = first_mismatch(x, y)
+    if msg:
+        raise AssertionError(f"bitwise mismatch{f' in {what}' if what else ''}: {msg}")
+
+
+def assert_close_diff(x: torch.Tensor, ref: torch.Tensor, max_diff: float, what: str = "") -> float:
+    """Assert calc_diff(x, ref) <= max_diff; NaN never passes. Returns the diff."""
+    if torch.isnan(x.float()).any():
+        n = int(torch.isnan(x.float()).sum())
+        raise AssertionError(f"{what or 'output'}: {n} NaN values")
+    d = calc_diff(x, ref)
+    if not d <= max_diff:
+        err = (x.double() - ref.double()).abs()
+        worst = tuple(int(c) for c in torch.unravel_index(err.argmax(), err.shape))
+        raise AssertionError(
+            f"{what or 'output'}: calc_diff {d:.3e} > {max_diff:.1e}; rel_l2 {rel_l2(x, ref):.3e}; "
+            f"worst |err| {err.max().item():.3e} at {worst} ({x.reshape(-1)[err.argmax()].item():.6g} vs "
+            f"{ref.reshape(-1)[err.argmax()].item():.6g})"
+        )
+    return d
+
+
+# ------------------------------------------------------------------------------------ inputs
+@dataclass
+class MoEInputs:
+    """One rank's step: x bf16 [T, H], topk_idx int64 [T, K] (-1 = masked), topk_weights fp32 [T, K]."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    def to(self, device) -> "MoEInputs":
+        return MoEInputs(self.x.to(device), self.topk_idx.to(device), self.topk_weights.to(device))
+
+    def clone(self) -> "MoEInputs":
+        return MoEInputs(self.x.clone(), self.topk_idx.clone(), self.topk_weights.clone())
+
+
+def make_routing(
+    num_tokens: int,
+    num_experts: int,
+    num_topk: int,
+    *,
+    gen: torch.Generator,
+    mask_prob: float = 0.0,
+    skew: float = 0.0,
+    empty_experts: tuple[int, ...] = (),
+    fully_masked_tokens: tuple[int, ...] = (),
+    expert_range: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct top-k experts per token and positive weights (CPU tensors).
+
+    skew > 0 draws experts from a Zipf-like law p(e) ~ 1/(e+1)**skew (hot experts);
+    empty_experts never receive a token; mask_prob masks slots with -1;
+    fully_masked_tokens get -1 in every slot (their output row must be zero).
+    expert_range restricts routing to experts [lo, hi) (e.g. one EP rank's experts).
+    """
+    lo, hi = expert_range or (0, num_experts)
+    logits = -skew * torch.log(torch.arange(num_experts, dtype=torch.float64) + 1.0)
+    allowed = torch.full((num_experts,), False)
+    allowed[lo:hi] = True
+    if empty_experts:
+        allowed[list(empty_experts)] = False
+    if int(allowed.sum()) < num_topk:
+        raise ValueError(f"only {int(allowed.sum())} experts may receive tokens but num_topk={num_topk}")
+    probs = torch.where(allowed, logits.exp(), torch.zeros_like(logits))
+    idx = torch.multinomial(probs.expand(max(num_tokens, 1), -1), num_topk, replacement=False, generator=gen)[:num_tokens]
+    w = torch.rand(num_tokens, num_topk, generator=gen, dtype=torch.float32) + 0.05
+    w = w / w.sum(dim=1, keepdim=True) * 1.5
+    if mask_prob:
+        masked = torch.rand(num_tokens, num_topk, generator=gen) < mask_prob
+        idx = idx.masked_fill(masked, -1)
+    if fully_masked_tokens:
+        idx[list(fully_masked_tokens)] = -1
+    return idx.to(torch.int64), w
+
+
+def make_inputs(
+    g: Geometry,
+    num_tokens: int,
+    *,
+    seed: int,
+    device="cpu",
+    x_scale: float = 1.0,
+    outlier_channels: int = 0,
+    **routing,
+) -> MoEInputs:
+    """Fresh random inputs for one step. x ~ N(0, x_scale) in bf16, with optional outlier channels
+    (x100) so that per-128 scales differ across groups, as in real activations."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, g.hidden, generator=gen) * x_scale
+    if outlier_channels:
+        ch = torch.randperm(g.hidden, generator=gen)[:outlier_channels]
+        x[:, ch] *= 100
+    idx, w = make_routing(num_tokens, g.num_experts, g.num_topk, gen=gen, **routing)
+    return MoEInputs(x.to(torch.bfloat16), idx, w).to(device)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN (floats) or 0x7F bytes before a kernel writes it, so an
+    unwritten element shows as NaN instead of passing as a plausible zero."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.view(torch.uint8).fill_(0x7F) and t
