@@ -1,0 +1,108 @@
+"""Execute every walkthrough notebook on the CPU, top to bottom, and check that its figures render.
+
+Each ``notebooks/NN_*.py`` (jupytext percent format) is converted to a notebook, run by nbclient in a
+fresh ipykernel of *this* interpreter (a kernelspec written to a temp dir, so a stale or missing
+``python3`` kernelspec on the machine does not matter), with matplotlib's Agg backend. A cell that
+raises fails the test with the cell's traceback. All notebooks together must run in under 5 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext", reason="pip install -e .[notebooks]")
+nbclient = pytest.importorskip("nbclient", reason="pip install -e .[notebooks]")
+pytest.importorskip("ipykernel", reason="pip install -e .[notebooks]")
+pytest.importorskip("matplotlib", reason="pip install -e .[notebooks]")
+
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+NB_DIR = REPO / "notebooks"
+TOTAL_BUDGET_S = 300.0
+CELL_TIMEOUT_S = 240
+
+# Every figure each notebook must save (notebooks/figures/<notebook>/<name>.png), one or more per stage.
+EXPECTED_FIGURES = {
+    "01_routing_dispatch": ["expert_histogram", "bias_balancing", "pool_layout", "padding_waste"],
+}
+MIN_PNG_BYTES = 5_000  # an empty Agg canvas of our sizes is ~2-4 KB; a real plot is well above
+
+_durations: dict[str, float] = {}
+
+
+def _notebooks() -> list[str]:
+    return sorted(p.stem for p in NB_DIR.glob("[0-9][0-9]_*.py"))
+
+
+def test_every_notebook_declares_its_figures():
+    assert _notebooks(), f"no notebooks found in {NB_DIR}"
+    assert sorted(EXPECTED_FIGURES) == _notebooks(), "EXPECTED_FIGURES and notebooks/NN_*.py disagree"
+
+
+@pytest.fixture(scope="module")
+def kernel_spec_dir(tmp_path_factory) -> Path:
+    """A kernelspec that launches ipykernel with this interpreter, the repo importable, Agg backend."""
+    root = tmp_path_factory.mktemp("kernels")
+    spec = root / "megamoe-nb"
+    spec.mkdir()
+    env = {
+        "MPLBACKEND": "Agg",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(NB_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+    }
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "megamoe notebooks", "language": "python", "env": env,
+    }))
+    return root
+
+
+def _execute(name: str, kernel_spec_dir: Path) -> float:
+    nb = jupytext.read(NB_DIR / f"{name}.py")
+    km = KernelManager(kernel_name="megamoe-nb", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernel_spec_dir)]))
+    client = nbclient.NotebookClient(
+        nb, km=km, timeout=CELL_TIMEOUT_S, kernel_name="megamoe-nb",
+        resources={"metadata": {"path": str(NB_DIR)}},
+    )
+    t0 = time.perf_counter()
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as err:  # the message holds the cell and its traceback
+        pytest.fail(f"notebook {name} raised:\n{err}", pytrace=False)
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("name", _notebooks())
+def test_notebook_executes_and_renders(name, kernel_spec_dir):
+    fig_dir = NB_DIR / "figures" / name
+    if fig_dir.exists():
+        for old in fig_dir.glob("*.png"):
+            old.unlink()  # only figures written by this run count
+    _durations[name] = _execute(name, kernel_spec_dir)
+    for fig in EXPECTED_FIGURES.get(name, []):
+        path = fig_dir / f"{fig}.png"
+        assert path.exists(), f"{name}: figure {fig!r} was not saved to {path}"
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{name}: {path} is not a PNG"
+        assert len(data) > MIN_PNG_BYTES, f"{name}: {path} is only {len(data)} bytes (an empty plot?)"
+    extra = sorted(p.stem for p in fig_dir.glob("*.png")) if fig_dir.exists() else []
+    assert sorted(EXPECTED_FIGURES.get(name, [])) == extra, f"{name}: saved {extra}, expected {EXPECTED_FIGURES.get(name)}"
+
+
+def test_all_notebooks_within_budget():
+    """Runs after the executions (file order); skipped if some notebook was deselected or failed."""
+    missing = [n for n in _notebooks() if n not in _durations]
+    if missing:
+        pytest.skip(f"not all notebooks executed in this session (missing {missing})")
+    total = sum(_durations.values())
+    report = ", ".join(f"{n} {s:.1f}s" for n, s in _durations.items())
+    print(f"notebooks executed in {total:.1f} s: {report}")
+    assert total < TOTAL_BUDGET_S, f"notebooks took {total:.0f} s > {TOTAL_BUDGET_S:.0f} s: {report}"
