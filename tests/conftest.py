@@ -1,0 +1,69 @@
+"""Shared fixtures and the ``gpu`` marker's auto-skip.
+
+Tests marked ``@pytest.mark.gpu`` run only where torch sees a CUDA device of compute capability 9.x
+(Hopper, the only target of the SM90 kernels); everywhere else they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megamoe.geometry import get_geometry
+from megamoe.weights import random_mxfp4_weights
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_skip_reason() -> str:
+    """'' when an SM90 GPU is usable, else why not."""
+    if not torch.cuda.is_available():
+        return "needs an SM90 (Hopper) GPU: torch.cuda.is_available() is False"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"needs an SM90 (Hopper) GPU: device capability is {major}.{minor}"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if not reason:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Weights are read-only in every test: build each (preset, seed) once per session.
+@functools.lru_cache(maxsize=None)
+def cached_weights(preset: str, seed: int = 0, num_experts: int | None = None):
+    g = get_geometry(preset)
+    if num_experts is not None:
+        g = g.with_(num_experts=num_experts, num_topk=min(g.num_topk, num_experts))
+    return g, random_mxfp4_weights(g, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(Geometry, MXFP4Weights) of the ``tiny`` preset: E=8, K=2, H=256, I=128."""
+    return cached_weights("tiny", 0)
+
+
+@pytest.fixture(scope="session")
+def small():
+    """(Geometry, MXFP4Weights) of the ``small`` preset: E=16, K=4, H=512, I=256."""
+    return cached_weights("small", 0)
+
+
+@pytest.fixture(scope="session")
+def weights_for():
+    """cached_weights as a fixture: weights_for(preset, seed=0, num_experts=None) -> (g, weights)."""
+    return cached_weights
+
+
+@pytest.fixture
+def gen():
+    """A fresh seeded CPU generator per test."""
+    return torch.Generator().manual_seed(1234)
