@@ -32,6 +32,7 @@ CELL_TIMEOUT_S = 240
 # Every figure each notebook must save (notebooks/figures/<notebook>/<name>.png), one or more per stage.
 EXPECTED_FIGURES = {
     "01_routing_dispatch": ["expert_histogram", "bias_balancing", "pool_layout", "padding_waste"],
+    "02_fp8_staging": ["scales", "error_per_element", "error_vs_granularity", "multiply_vs_divide"],
 }
 MIN_PNG_BYTES = 5_000  # an empty Agg canvas of our sizes is ~2-4 KB; a real plot is well above
 
