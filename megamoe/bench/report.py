@@ -1,0 +1,262 @@
+"""Results of one ``megamoe bench`` call as files and screen tables.
+
+    results.json   everything (meta, ceilings, rows with samples, derived tables, errors)
+    results.md     the tables below in Markdown (for bench/results/ and the README)
+    sweep.png      time vs tokens per backend, log-log, the roofline floor drawn
+    block_m.png    every forced BLOCK_M vs tokens (when the study ran)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+def _fmt_us(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _pct(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{100 * v:.0f}%" if abs(v) >= 0.095 else f"{100 * v:.2g}%"
+
+
+def first_pass(results: dict) -> list[dict]:
+    return [r for r in results["rows"] if r["pass"] == 0]
+
+
+def backend_names(results: dict) -> list[str]:
+    seen = []
+    for r in results["rows"]:
+        if r["backend"] not in seen:
+            seen.append(r["backend"])
+    return seen
+
+
+def sweep_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per token count: floor, then per backend 'time us (floor/time) BLOCK_M', then speedups."""
+    rows = first_pass(results)
+    names = backend_names(results)
+    spd = {(s["tokens"], s["fused"]): s for s in results.get("speedup", [])}
+    fused = [n for n in names if any(r["fused"] for r in rows if r["backend"] == n)]
+    head = ["tokens", "floor us (MXFP4)"] + [f"{n} us (of floor, BM)" for n in names] + [f"{f} speedup vs unfused" for f in fused]
+    body = []
+    for t in sorted({r["tokens"] for r in rows}):
+        at = {r["backend"]: r for r in rows if r["tokens"] == t}
+        any_r = next(iter(at.values()))
+        line = [str(t), f"{_fmt_us(any_r['floor_mxfp4_us'])} ({any_r['bound']})"]
+        for n in names:
+            r = at.get(n)
+            if r is None:
+                line.append("-")
+                continue
+            bm = f", BM {r['block_m']}" if r.get("block_m") is not None else ""
+            bad = " FAIL" if r.get("correct") is False else ""
+            line.append(f"{_fmt_us(r['median_us'])} ({_pct(r['frac_of_floor'])}{bm}){bad}")
+        for f in fused:
+            s = spd.get((t, f))
+            line.append(f"{s['speedup']:.2f}x" if s and "speedup" in s else "-")
+        body.append(line)
+    return head, body
+
+
+def detail_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["backend", "tokens", "BM", "median us", "spread", "TFLOP/s", "GB/s", "of FP8 peak", "of copy BW",
+            "floor us", "of floor", "calc_diff", "pass 2 us", "repeat spread"]
+    rep = {(r["backend"], r["tokens"]): r for r in results.get("repeatability", [])}
+    body = []
+    for r in first_pass(results):
+        rp = rep.get((r["backend"], r["tokens"]))
+        body.append([r["backend"], str(r["tokens"]), str(r.get("block_m") or "-"), _fmt_us(r["median_us"]),
+                     _pct(r["spread"]), f"{r['tflops']:.3g}", f"{r['gbps']:.4g}", _pct(r["frac_fp8_peak"]),
+                     _pct(r["frac_copy_bw"]), _fmt_us(r["floor_us"]), _pct(r["frac_of_floor"]),
+                     f"{r['calc_diff']:.1e}" if r.get("calc_diff") is not None else "-",
+                     _fmt_us(rp["medians_us"][1]) if rp else "-", f"{100 * rp['spread']:.2f}%" if rp else "-"])
+    return head, body
+
+
+def md_table(head, body) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def to_markdown(results: dict) -> str:
+    m, c = results["meta"], results.get("ceilings") or {}
+    v = m.get("versions", {})
+    out = [f"# megamoe bench: {m['geometry']['name'] if 'geometry' in m else ''} on {m['card']}", "",
+           f"- date {m['date']}, commit `{m['commit']}`{' (dirty tree)' if m.get('dirty') else ''}",
+           "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+           ]
+    if c:
+        out.append(f"- ceilings measured in this run: copy {c['copy_gbps']:.0f} GB/s (read + written), "
+                   f"FP8 matmul {c['fp8_tflops']:.0f} TFLOP/s, bf16 {c['bf16_tflops']:.0f} TFLOP/s")
+    cfg = m.get("config", {})
+    methods = sorted({r["method"] for r in results["rows"]}) or ["-"]
+    out.append(f"- timing: median of {cfg.get('repeats')} calls after {cfg.get('warmup')} warm-up calls ({', '.join(methods)}), "
+               f"L2 flushed between calls (fused) / {cfg.get('rotate')} input sets rotated (callables); "
+               f"wall time of the run {results.get('wall_seconds', '?')} s")
+    out.append("- 'of floor' = floor / time (100% = at the roofline floor); floor = max(bytes of the experts touched "
+               "+ activations over copy bandwidth, FLOPs over the FP8 rate), with each backend's own weight format")
+    if results["rows"]:
+        out += ["", "## Sweep", "", md_table(*sweep_table(results))]
+        out += ["", "## Every row", "", md_table(*detail_table(results))]
+    rep = results.get("repeatability", [])
+    if rep:
+        worst = max(rep, key=lambda r: r["spread"])
+        n_bad = sum(r["spread"] >= 0.03 for r in rep)
+        out += ["", "## Repeatability", "",
+                f"Two sweeps back to back in one call: largest per-row spread {100 * worst['spread']:.2f}% "
+                f"({worst['backend']} at {worst['tokens']} tokens); {n_bad} of {len(rep)} rows at or over 3%."]
+    if results.get("block_m_best"):
+        bms = sorted({k for r in results["block_m_best"] for k in r["times_us"]}, key=int)
+        head = ["backend", "tokens", "plan BM", "plan us"] + [f"BM {b} us" for b in bms] + ["best BM", "plan / best"]
+        body = [[r["backend"], str(r["tokens"]), str(r["plan_block_m"]), _fmt_us(r["plan_us"])]
+                + [_fmt_us(r["times_us"].get(b)) for b in bms]
+                + [str(r["best_block_m"]), f"{r['plan_over_best']:.3f}" if r["plan_over_best"] else "-"]
+                for r in results["block_m_best"]]
+        out += ["", "## BLOCK_M study (every forced BLOCK_M)", "", md_table(head, body)]
+    if results.get("ragged"):
+        head = ["backend", "mean", "rank counts", "agreed", "own BMs", "agreed BM", "step own us", "step padded us", "padding cost"]
+        body = [[r["backend"], str(r["mean_tokens"]), str(r["counts"]), str(r["agreed"]),
+                 str([x["own_block_m"] for x in r["ranks"]]), str(r["ranks"][0]["agreed_block_m"]),
+                 _fmt_us(r["step_own_us"]), _fmt_us(r["step_padded_us"]), _pct(r["padding_cost"])] for r in results["ragged"]]
+        out += ["", "## Ragged step (each rank timed alone on one GPU)", "", md_table(head, body)]
+    if results.get("staging"):
+        keys = sorted({k for r in results["staging"] for k in r if k.startswith("frac_of ")})
+        head = ["what", "tokens", "us"] + [k.replace("frac_of ", "of ") for k in keys]
+        body = [[r["what"], str(r["tokens"]), _fmt_us(r["median_us"])] + [_pct(r.get(k)) for k in keys] for r in results["staging"]]
+        out += ["", "## Staging cost", "", md_table(head, body)]
+    if results.get("overhead"):
+        head = ["backend", "tokens", "bare loop us", "harness us", "harness / bare", "within 2%", "harness, L2 flushed us"]
+        body = [[r["backend"], str(r["tokens"]), _fmt_us(r["bare_loop_us"]), _fmt_us(r["harness_us"]), f"{r['ratio']:.4f}",
+                 "yes" if r["ok"] else "NO", _fmt_us(r["harness_flushed_us"])] for r in results["overhead"]]
+        out += ["", "## Harness overhead", "", md_table(head, body)]
+    if results.get("skipped"):
+        out += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()]
+    if results.get("errors"):
+        out += ["", "## Errors", ""] + [f"- {e['where']}: {e['error']}" for e in results["errors"]]
+    return "\n".join(out) + "\n"
+
+
+def plot_sweep(results: dict, path: str) -> bool:
+    rows = first_pass(results)
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    for n in backend_names(results):
+        rr = sorted((r for r in rows if r["backend"] == n), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in rr], [r["median_us"] for r in rr], marker="o", label=n)
+    ts = sorted({r["tokens"] for r in rows})
+    fl = {r["tokens"]: r["floor_mxfp4_us"] for r in rows}
+    ax.plot(ts, [fl[t] for t in ts], "k--", lw=1.5, label="floor (MXFP4 bytes touched / copy BW, FLOPs / FP8 rate)")
+    fmts = {r["weight_format"] for r in rows}
+    if "fp8_block" in fmts:
+        f8 = {r["tokens"]: r["floor_us"] for r in rows if r["weight_format"] == "fp8_block"}
+        t8 = sorted(f8)
+        ax.plot(t8, [f8[t] for t in t8], "k:", lw=1.2, label="floor (FP8 weights)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("device time per layer (us)")
+    m = results["meta"]
+    ax.set_title(f"{m.get('geometry', {}).get('name', '')} on {m['card']} ({m['date'][:10]}, {m['commit']})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_block_m(results: dict, path: str) -> bool:
+    study = results.get("block_m") or []
+    if not study:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for (b, bm) in sorted({(s["backend"], s["forced_block_m"]) for s in study}):
+        ss = sorted((s for s in study if s["backend"] == b and s["forced_block_m"] == bm), key=lambda s: s["tokens"])
+        ax.plot([s["tokens"] for s in ss], [s["median_us"] for s in ss], marker="o", label=f"{b} BLOCK_M {bm}")
+    plan = sorted((r for r in first_pass(results) if r["fused"] and r["backend"] in {s["backend"] for s in study}),
+                  key=lambda r: r["tokens"])
+    if plan:
+        ax.plot([r["tokens"] for r in plan], [r["median_us"] for r in plan], "k--", lw=1, label="plan's own choice")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("device time (us)")
+    ax.set_title("every forced BLOCK_M", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    p = os.path.join(out_dir, "results.json")
+    with open(p + ".tmp", "w") as f:
+        json.dump(results, f, indent=1, default=repr)
+    os.replace(p + ".tmp", p)
+    written.append(p)
+    p = os.path.join(out_dir, "results.md")
+    with open(p, "w") as f:
+        f.write(to_markdown(results))
+    written.append(p)
+    if plots:
+        for name, fn in (("sweep.png", plot_sweep), ("block_m.png", plot_block_m)):
+            try:
+                if fn(results, os.path.join(out_dir, name)):
+                    written.append(os.path.join(out_dir, name))
+            except ImportError:
+                pass
+    return written
+
+
+def print_tables(results: dict, console=None) -> None:
+    """Rich tables on screen (plain Markdown when rich is missing)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(to_markdown(results))
+        return
+    console = console or Console()
+    c = results.get("ceilings") or {}
+    m = results["meta"]
+    console.print(f"[bold]{m['card']}[/] {m['date']} commit {m['commit']}; ceilings: copy {c.get('copy_gbps', float('nan')):.0f} GB/s, "
+                  f"FP8 {c.get('fp8_tflops', float('nan')):.0f} TFLOP/s, bf16 {c.get('bf16_tflops', float('nan')):.0f} TFLOP/s")
+    if results["rows"]:
+        head, body = sweep_table(results)
+        t = Table(title="time per layer, us (floor / time, BLOCK_M)", show_lines=False)
+        for h in head:
+            t.add_column(h, justify="right")
+        for row in body:
+            t.add_row(*row)
+        console.print(t)
+    rep = results.get("repeatability", [])
+    if rep:
+        worst = max(rep, key=lambda r: r["spread"])
+        console.print(f"repeatability: worst per-row spread {100 * worst['spread']:.2f}% ({worst['backend']} T={worst['tokens']})")
+    for r in results.get("overhead", []):
+        console.print(f"overhead {r['backend']} T={r['tokens']}: harness {r['harness_us']:.1f} us vs bare loop "
+                      f"{r['bare_loop_us']:.1f} us, ratio {r['ratio']:.4f} ({'ok' if r['ok'] else 'OVER 2%'})")
+    for e in results.get("errors", []):
+        console.print(f"[red]error[/] {e['where']}: {e['error']}")

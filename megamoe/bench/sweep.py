@@ -1,0 +1,574 @@
+"""``megamoe bench``: token sweep x backends at one geometry, against ceilings measured in the same run.
+
+Sections (each one in try/except, results written after each, so a failure leaves the rest):
+
+    ceilings      copy bandwidth, FP8 and bf16 matmul rates (ceilings.py)
+    sweep         every backend at every token count: correctness (calc_diff vs the backend's reference
+                  recipe, on cloned inputs) first, then device time, TFLOP/s, GB/s, fraction of ceilings,
+                  roofline floor, BLOCK_M of the plan; run ``passes`` times (repeatability per row)
+    speedup       fused / unfused time per token count
+    block_m       every forced BLOCK_M at every token count (backends that can force it)
+    ragged        a ragged data-parallel step: each rank at its own count vs padded to the agreed count
+    staging       per_token_cast_to_fp8 + copy into the buffer, as a fraction of the kernel
+    overhead      the harness figure vs a bare timed loop of the same launch (within 2%)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..geometry import Geometry, get_geometry
+from ..testing import MoEInputs, calc_diff, make_inputs
+from .backends import BenchBackend, block_m_of, make_backends
+from .ceilings import Ceilings, device_name, measure_ceilings
+from .roofline import achieved, step_floor
+from .timing import Timing, overhead_check, resolve_device, time_fn, time_graph
+
+DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+@dataclass
+class SweepConfig:
+    preset: str = "dsv4-flash"
+    tokens: list[int] = field(default_factory=lambda: list(DEFAULT_TOKENS))
+    backends: list[str] | None = None  # None: every registered backend that can run, plus "reference"
+    repeats: int = 20
+    warmup: int = 5
+    rotate: int = 4  # input sets cycled through for rotatable (callable) backends
+    flush_l2: bool = True
+    graph: bool = False  # also time CUDA-graph replays of each launch (kept when it works)
+    passes: int = 2  # sweeps run back to back, for the repeatability spread
+    check: bool = True
+    max_diff: float = 1e-3
+    reference_max_tokens: int = 8192
+    reference_repeats: int = 3
+    block_m_study: bool = True
+    block_m_tokens: list[int] | None = None  # None: the sweep's tokens
+    ragged: bool = True
+    ragged_means: list[int] = field(default_factory=lambda: [16, 256, 2048])
+    staging: bool = True
+    overhead: bool = True
+    overhead_tokens: list[int] = field(default_factory=lambda: [128, 8192])
+    seed: int = 0
+    device: str | None = None
+    out_dir: str | None = None  # results folder (named by date, card, commit under it); None: no files
+    deadline_s: float | None = None  # optional studies are skipped once this much wall time has passed
+    build_threads: int = 8
+    progress: bool = True
+    weights: object | None = None  # pre-made weights (tests); None: random MXFP4 at the geometry
+    extra_backends: list = field(default_factory=list)  # BenchBackend objects timed too
+
+
+# ------------------------------------------------------------------------------------ metadata
+def _git(*args) -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def package_versions() -> dict:
+    import importlib.metadata as md
+    import platform
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("flashinfer-python", "sgl-deep-gemm", "deep-gemm", "triton", "apache-tvm-ffi", "megamoe"):
+        try:
+            v[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    for mod in ("flashinfer", "deep_gemm"):
+        try:
+            m = __import__(mod)
+            v.setdefault(mod, getattr(m, "__version__", "?"))
+        except Exception:  # noqa: BLE001
+            pass
+    return v
+
+
+def run_metadata(device) -> dict:
+    dev = resolve_device(device)
+    meta = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "card": device_name(dev),
+        "commit": _git("rev-parse", "--short=10", "HEAD") or "unknown",
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "versions": package_versions(),
+    }
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        meta["sm_count"] = p.multi_processor_count
+        meta["memory_gib"] = round(p.total_memory / 2**30, 1)
+        meta["capability"] = f"{p.major}.{p.minor}"
+    return meta
+
+
+def results_dir_name(meta: dict) -> str:
+    card = "".join(c if c.isalnum() else "-" for c in meta["card"]).strip("-").lower()
+    while "--" in card:
+        card = card.replace("--", "-")
+    return f"{meta['date'][:10]}_{card}_{meta['commit']}"
+
+
+# ------------------------------------------------------------------------------------ progress
+class _Progress:
+    def __init__(self, enabled: bool, total: int):
+        self.p = None
+        if enabled:
+            try:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+                self.p.start()
+                self.task = self.p.add_task("bench", total=total)
+            except Exception:  # noqa: BLE001
+                self.p = None
+
+    def step(self, desc: str) -> None:
+        if self.p is not None:
+            self.p.update(self.task, advance=1, description=desc)
+
+    def describe(self, desc: str) -> None:
+        if self.p is not None:
+            self.p.update(self.task, description=desc)
+
+    def add(self, n: int) -> None:
+        if self.p is not None:
+            self.p.update(self.task, total=(self.p.tasks[0].total or 0) + n)
+
+    def stop(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+# ------------------------------------------------------------------------------------ the sweep
+class Sweep:
+    """Runs the sections of one ``megamoe bench`` call; ``results`` is the JSON document."""
+
+    def __init__(self, cfg: SweepConfig, log: Callable[[str], None] = print):
+        self.cfg, self.log = cfg, log
+        self.g: Geometry = get_geometry(cfg.preset)
+        self.dev = resolve_device(cfg.device)
+        self.t0 = time.perf_counter()
+        self.meta = run_metadata(self.dev)
+        self.meta.update(geometry=asdict(self.g), config={k: v for k, v in asdict(cfg).items()
+                                                           if k not in ("weights", "extra_backends")})
+        self.results: dict = {"meta": self.meta, "ceilings": None, "rows": [], "speedup": [], "repeatability": [],
+                              "block_m": [], "ragged": [], "staging": [], "overhead": [], "errors": [], "skipped": {}}
+        self.backends: list[BenchBackend] = []
+        self.out_dir: str | None = None
+        self._inputs_cache: dict = {}
+        self._ref_cache: dict = {}
+
+    # --- helpers ----------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def time_left(self) -> bool:
+        return self.cfg.deadline_s is None or self.elapsed() < self.cfg.deadline_s
+
+    def error(self, where: str, exc: BaseException) -> None:
+        tb = traceback.format_exc()
+        self.log(f"[bench] ERROR in {where}: {type(exc).__name__}: {exc}\n{tb}")
+        self.results["errors"].append({"where": where, "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
+
+    def inputs(self, t: int, k: int = 0) -> MoEInputs:
+        """Input set k at t tokens: fresh random (distinct seed per (t, k)), the same in every pass."""
+        key = (t, k)
+        if key not in self._inputs_cache:
+            self._inputs_cache[key] = make_inputs(self.g, t, seed=self.cfg.seed * 1_000_003 + t * 101 + k, device=self.dev)
+        return self._inputs_cache[key]
+
+    def _sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _time(self, b: BenchBackend, t: int, sets: Sequence[MoEInputs]) -> Timing:
+        fn, args = b.timer(sets)
+        is_ref = b.name.startswith("reference")
+        reps = self.cfg.reference_repeats if is_ref else self.cfg.repeats
+        warm = 1 if is_ref else self.cfg.warmup
+        tm = time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=self.cfg.flush_l2 and args is None, device=self.dev)
+        if self.cfg.graph and not is_ref and self.dev.type == "cuda":
+            try:
+                gt = time_graph(fn, args=args, repeats=max(5, reps // 2), device=self.dev)
+                tm.extra["graph_us"] = gt.median_us
+                tm.extra["graph_spread"] = gt.spread
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot be captured keeps its event time
+                tm.extra["graph_error"] = f"{type(exc).__name__}: {exc}"
+        return tm
+
+    def check(self, b: BenchBackend, t: int) -> dict:
+        """calc_diff of the backend's output vs its reference recipe, on cloned inputs."""
+        if not self.cfg.check:
+            return {"checked": False}
+        if b.name.startswith("reference"):
+            return {"checked": False, "note": "is the reference"}
+        inp = self.inputs(t)
+        y = b.run(inp.clone())
+        self._sync()
+        key = (b.reference_key(), t)
+        if key not in self._ref_cache:
+            ref = b.reference(inp.clone(), self.weights)
+            self._ref_cache[key] = None if ref is None else ref.float()
+        ref = self._ref_cache[key]
+        if ref is None:
+            return {"checked": False, "note": "backend names no reference"}
+        d = calc_diff(y.float(), ref)
+        nan = bool(torch.isnan(y.float()).any())
+        return {"checked": True, "calc_diff": d, "nan": nan, "correct": (not nan) and d <= self.cfg.max_diff}
+
+    # --- sections ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        if cfg.out_dir:
+            self.out_dir = os.path.join(cfg.out_dir, results_dir_name(self.meta))
+            os.makedirs(self.out_dir, exist_ok=True)
+        self.log(f"[bench] {self.meta['card']} commit {self.meta['commit']} geometry {self.g.name}; tokens {cfg.tokens}")
+        for name, fn in (("ceilings", self.section_ceilings), ("setup", self.section_setup), ("sweep", self.section_sweep),
+                         ("block_m", self.section_block_m), ("ragged", self.section_ragged),
+                         ("staging", self.section_staging), ("overhead", self.section_overhead)):
+            if name in ("block_m", "ragged", "staging", "overhead") and not getattr(cfg, {"block_m": "block_m_study"}.get(name, name)):
+                continue
+            if name not in ("ceilings", "setup", "sweep") and not self.time_left():
+                self.results["skipped"][f"section {name}"] = f"deadline {cfg.deadline_s} s reached"
+                continue
+            t1 = time.perf_counter()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001
+                self.error(name, exc)
+            self.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t1, 2)
+            self.write()
+        self.results["wall_seconds"] = round(self.elapsed(), 2)
+        self.results["out_dir"] = self.out_dir
+        self.write(final=True)
+        for b in self.backends:
+            try:
+                b.close()
+            except Exception:  # noqa: BLE001
+                pass
+        return self.results
+
+    def section_ceilings(self) -> None:
+        c = measure_ceilings(self.dev)
+        self.ceilings = c
+        self.results["ceilings"] = c.as_dict()
+        self.log(f"[bench] ceilings: copy {c.copy_gbps:.0f} GB/s, FP8 {c.fp8_tflops:.0f} TFLOP/s, bf16 {c.bf16_tflops:.0f} TFLOP/s")
+
+    def section_setup(self) -> None:
+        cfg = self.cfg
+        if not hasattr(self, "ceilings"):
+            self.ceilings = Ceilings(device_name(self.dev), float("nan"), float("nan"), float("nan"), notes=["not measured"])
+        t1 = time.perf_counter()
+        if cfg.weights is not None:
+            self.weights = cfg.weights
+        else:
+            from ..weights import random_mxfp4_weights
+
+            self.weights = random_mxfp4_weights(self.g, seed=cfg.seed, device=self.dev)
+        self._sync()
+        self.log(f"[bench] weights ready in {time.perf_counter() - t1:.1f} s")
+        names = cfg.backends
+        include_ref = names is None or "reference" in names
+        bks, skipped = make_backends(self.g, self.weights, max(cfg.tokens), names, include_reference=include_ref, log=self.log)
+        self.backends = [*bks, *cfg.extra_backends]
+        self.results["skipped"].update({f"backend {k}": v for k, v in skipped.items()})
+        for k, v in skipped.items():
+            self.log(f"[bench] skipping backend {k}: {v}")
+        self.results["backends"] = [{"name": b.name, "fused": b.fused, "weight_format": b.weight_format} for b in self.backends]
+        self.build_all([(b, list(cfg.tokens)) for b in self.backends])
+
+    def build_all(self, jobs: list[tuple[BenchBackend, list[int]]]) -> None:
+        """Build every JIT plan first, in parallel threads (each plan is a ~15 s compile)."""
+        t1 = time.perf_counter()
+        errs: list = []
+
+        def work(b, toks):
+            try:
+                b.build(toks)
+            except Exception as exc:  # noqa: BLE001
+                errs.append((b.name, exc, traceback.format_exc()))
+
+        threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
+        for i in range(0, len(threads), max(1, self.cfg.build_threads)):
+            chunk = threads[i : i + self.cfg.build_threads]
+            for th in chunk:
+                th.start()
+            for th in chunk:
+                th.join()
+        for name, exc, tb in errs:
+            self.log(f"[bench] build of {name} failed: {exc}\n{tb}")
+            self.results["errors"].append({"where": f"build {name}", "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
+        self.log(f"[bench] plans built in {time.perf_counter() - t1:.1f} s")
+
+    def _row(self, b: BenchBackend, t: int, tm: Timing, pass_idx: int, chk: dict, plan: dict) -> dict:
+        inp = self.inputs(t)
+        fl = step_floor(self.g, inp.topk_idx, self.ceilings, b.weight_format)
+        fl4 = step_floor(self.g, inp.topk_idx, self.ceilings, "mxfp4")
+        row = {"backend": b.name, "fused": b.fused, "tokens": t, "pass": pass_idx, "block_m": block_m_of(plan),
+               "median_us": tm.median_us, "min_us": tm.min_us, "spread": tm.spread, "method": tm.method,
+               "repeats": len(tm.samples_us), "flushed": tm.flushed, "rotated": tm.rotated,
+               **achieved(fl, tm.median_us, self.ceilings), "floor_mxfp4_us": fl4.floor_us,
+               "experts_touched": fl.experts_touched, "routed_rows": fl.routed_rows, "bytes": fl.bytes,
+               "flops": fl.flops, "weight_format": b.weight_format, **{k: v for k, v in tm.extra.items()},
+               "samples_us": [round(x, 3) for x in tm.samples_us], "plan": plan, **chk}
+        return row
+
+    def section_sweep(self) -> None:
+        cfg = self.cfg
+        cases = [(b, t) for b in self.backends for t in cfg.tokens
+                 if not (b.name.startswith("reference") and t > cfg.reference_max_tokens)]
+        prog = _Progress(cfg.progress, len(cases) * cfg.passes)
+        try:
+            for p in range(cfg.passes):
+                for t in cfg.tokens:
+                    for b in self.backends:
+                        if (b, t) not in cases:
+                            continue
+                        prog.step(f"pass {p + 1}/{cfg.passes} {b.name} T={t}")
+                        try:
+                            chk = self.check(b, t) if p == 0 else {}
+                            plan = b.plan(t) if p == 0 else {}
+                            sets = [self.inputs(t, k) for k in range(cfg.rotate if b.rotatable else 1)]
+                            tm = self._time(b, t, sets)
+                            self.results["rows"].append(self._row(b, t, tm, p, chk, plan))
+                        except Exception as exc:  # noqa: BLE001
+                            self.error(f"sweep {b.name} T={t} pass {p}", exc)
+                if p == 0:
+                    self.write()
+        finally:
+            prog.stop()
+        self._fill_from_first_pass()
+        self.results["repeatability"] = repeatability(self.results["rows"])
+        self.results["speedup"] = speedups(self.results["rows"])
+
+    def _fill_from_first_pass(self) -> None:
+        first = {(r["backend"], r["tokens"]): r for r in self.results["rows"] if r["pass"] == 0}
+        for r in self.results["rows"]:
+            if r["pass"] and (r["backend"], r["tokens"]) in first:
+                f = first[(r["backend"], r["tokens"])]
+                for k in ("block_m", "plan", "checked", "calc_diff", "nan", "correct", "note"):
+                    if k in f:
+                        r.setdefault(k, f[k])
+                if r.get("block_m") is None:
+                    r["block_m"] = f.get("block_m")
+
+    def section_block_m(self) -> None:
+        toks = self.cfg.block_m_tokens or self.cfg.tokens
+        forced: list[tuple[BenchBackend, int]] = []
+        for b in self.backends:
+            if not b.fused:
+                continue
+            for bm in b.legal_block_ms():
+                try:
+                    forced.append((b.with_block_m(bm), bm))
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"block_m {b.name} force {bm}", exc)
+        if not forced:
+            self.results["skipped"]["section block_m"] = "no backend can force BLOCK_M"
+            return
+        self.build_all([(fb, list(toks)) for fb, _ in forced])
+        prog = _Progress(self.cfg.progress, len(forced) * len(toks))
+        try:
+            for fb, bm in forced:
+                for t in toks:
+                    prog.step(f"BLOCK_M {bm} {fb.name} T={t}")
+                    if not self.time_left():
+                        self.results["skipped"][f"block_m {fb.name} {bm} T={t}"] = "deadline"
+                        continue
+                    try:
+                        chk = self.check(fb, t)
+                        tm = self._time(fb, t, [self.inputs(t)])
+                        fl = step_floor(self.g, self.inputs(t).topk_idx, self.ceilings, fb.weight_format)
+                        self.results["block_m"].append({"backend": fb.name, "tokens": t, "forced_block_m": bm,
+                                                        "median_us": tm.median_us, "spread": tm.spread,
+                                                        "floor_us": fl.floor_us, "plan": fb.plan(t), **chk})
+                    except Exception as exc:  # noqa: BLE001
+                        self.error(f"block_m {fb.name} bm={bm} T={t}", exc)
+        finally:
+            prog.stop()
+            for fb, _ in forced:
+                try:
+                    fb.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        self.results["block_m_best"] = best_block_m(self.results["block_m"], self.results["rows"])
+
+    def section_ragged(self) -> None:
+        """One GPU stands in for each rank in turn: rank r's launch at its own count c_r (its own plan)
+        against the same rows padded with -1 routes to the agreed count A (the plan every rank shares).
+        The step time of a real EP launch is bounded below by its slowest rank."""
+        try:
+            from ..layouts.plans import agreed_token_count
+        except ImportError:
+            agreed_token_count = None
+        for b in self.backends:
+            if not b.fused:
+                continue
+            for mean in self.cfg.ragged_means:
+                counts = ragged_counts(mean, max(self.cfg.tokens))
+                if agreed_token_count is not None:
+                    try:
+                        agreed = int(agreed_token_count(counts))
+                    except TypeError:
+                        agreed = int(agreed_token_count(counts, self.g))
+                else:
+                    agreed = max(counts)
+                agreed = min(agreed, max(self.cfg.tokens))
+                ranks = []
+                for r, c in enumerate(counts):
+                    try:
+                        own_in = make_inputs(self.g, c, seed=9000 + r, device=self.dev)
+                        pad_in = pad_inputs(own_in, agreed)
+                        own = self._time(b, c, [own_in])
+                        pad = self._time(b, agreed, [pad_in])
+                        ranks.append({"rank": r, "tokens": c, "own_us": own.median_us, "padded_us": pad.median_us,
+                                      "own_block_m": block_m_of(b.plan(c)), "agreed_block_m": block_m_of(b.plan(agreed))})
+                    except Exception as exc:  # noqa: BLE001
+                        self.error(f"ragged {b.name} mean={mean} rank={r}", exc)
+                if ranks:
+                    self.results["ragged"].append({
+                        "backend": b.name, "mean_tokens": mean, "counts": counts, "agreed": agreed, "ranks": ranks,
+                        "step_own_us": max(x["own_us"] for x in ranks), "step_padded_us": max(x["padded_us"] for x in ranks),
+                        "padding_cost": max(x["padded_us"] for x in ranks) / max(x["own_us"] for x in ranks) - 1,
+                    })
+
+    def section_staging(self) -> None:
+        from ..layouts.staging import per_token_cast_to_fp8
+
+        kern = {(r["backend"], r["tokens"]): r["median_us"] for r in self.results["rows"] if r["pass"] == 0}
+        dg_cast = None
+        try:
+            from deep_gemm.utils.math import per_token_cast_to_fp8 as dg_cast  # type: ignore[import-not-found]
+        except Exception:  # noqa: BLE001
+            pass
+        for t in self.cfg.tokens:
+            x = [self.inputs(t, k).x for k in range(self.cfg.rotate)]
+            cases: list[tuple[str, Callable, list | None, str | None]] = [
+                ("megamoe per_token_cast_to_fp8", per_token_cast_to_fp8, x, None)]
+            if dg_cast is not None:
+                cases.append(("deep_gemm per_token_cast_to_fp8", dg_cast, x, None))
+            for b in self.backends:
+                sf = b.stage_fn(self.inputs(t)) if b.fused else None
+                if sf is not None:
+                    cases.append((f"{b.name}.stage (cast + copy into buffer)", sf, None, b.name))
+            for what, fn, args, bname in cases:
+                try:
+                    tm = time_fn(fn, args=args, warmup=self.cfg.warmup, repeats=self.cfg.repeats, flush_l2=args is None and self.cfg.flush_l2, device=self.dev)
+                    row = {"what": what, "tokens": t, "median_us": tm.median_us, "spread": tm.spread}
+                    for (kb, kt), us in kern.items():
+                        if kt == t and (bname is None or kb == bname) and not kb.startswith("reference"):
+                            row[f"frac_of {kb}"] = tm.median_us / us
+                    self.results["staging"].append(row)
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"staging {what} T={t}", exc)
+
+    def section_overhead(self) -> None:
+        for b in self.backends:
+            if b.name.startswith("reference"):
+                continue
+            for t in self.cfg.overhead_tokens:
+                if t not in self.cfg.tokens and t > max(self.cfg.tokens):
+                    continue
+                try:
+                    fn, args = b.timer([self.inputs(t)])
+                    call = (lambda: fn(args[0])) if args else fn
+                    oc = overhead_check(call, repeats=self.cfg.repeats, device=self.dev)
+                    self.results["overhead"].append({"backend": b.name, "tokens": t, **oc})
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"overhead {b.name} T={t}", exc)
+
+    # --- output -----------------------------------------------------------------------------
+    def write(self, final: bool = False) -> None:
+        if not self.out_dir:
+            return
+        from .report import write_all
+
+        try:
+            write_all(self.results, self.out_dir, plots=final)
+        except Exception as exc:  # noqa: BLE001
+            self.log(f"[bench] writing results failed: {exc}\n{traceback.format_exc()}")
+
+
+# ------------------------------------------------------------------------------------ derived tables
+def repeatability(rows: list[dict]) -> list[dict]:
+    """Per (backend, tokens): the medians of each pass and their spread (max - min) / min."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["backend"], r["tokens"]), []).append(r["median_us"])
+    out = []
+    for (b, t), meds in by.items():
+        if len(meds) >= 2:
+            out.append({"backend": b, "tokens": t, "medians_us": meds, "spread": (max(meds) - min(meds)) / min(meds)})
+    return out
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Per token count and fused backend: unfused time / fused time (first pass)."""
+    first = [r for r in rows if r["pass"] == 0]
+    out = []
+    for t in sorted({r["tokens"] for r in first}):
+        at = [r for r in first if r["tokens"] == t]
+        unfused = [r for r in at if not r["fused"] and not r["backend"].startswith("reference")]
+        ref = [r for r in at if r["backend"].startswith("reference")]
+        for f in (r for r in at if r["fused"]):
+            row = {"tokens": t, "fused": f["backend"], "fused_us": f["median_us"]}
+            if unfused:
+                row.update(unfused=unfused[0]["backend"], unfused_us=unfused[0]["median_us"],
+                           speedup=unfused[0]["median_us"] / f["median_us"])
+            if ref:
+                row.update(speedup_vs_reference=ref[0]["median_us"] / f["median_us"])
+            out.append(row)
+    return out
+
+
+def best_block_m(study: list[dict], rows: list[dict]) -> list[dict]:
+    """Per (backend, tokens): the fastest forced BLOCK_M, against the plan's own choice."""
+    plan = {(r["backend"], r["tokens"]): r for r in rows if r["pass"] == 0}
+    by: dict = {}
+    for s in study:
+        by.setdefault((s["backend"], s["tokens"]), []).append(s)
+    out = []
+    for (b, t), ss in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        best = min(ss, key=lambda s: s["median_us"])
+        p = plan.get((b, t))
+        out.append({"backend": b, "tokens": t, "best_block_m": best["forced_block_m"], "best_us": best["median_us"],
+                    "plan_block_m": p and p.get("block_m"), "plan_us": p and p["median_us"],
+                    "plan_over_best": (p["median_us"] / best["median_us"]) if p else None,
+                    "times_us": {s["forced_block_m"]: s["median_us"] for s in ss}})
+    return out
+
+
+def ragged_counts(mean: int, cap: int, ranks: int = 4) -> list[int]:
+    """A ragged step of ``ranks`` ranks around ``mean`` tokens: (0.25, 0.75, 1.25, 1.75) x mean, capped."""
+    fr = [0.25 + 1.5 * r / max(1, ranks - 1) for r in range(ranks)]
+    return [max(1, min(cap, round(mean * f))) for f in fr]
+
+
+def pad_inputs(inp: MoEInputs, num_tokens: int) -> MoEInputs:
+    """Pad a step to ``num_tokens`` rows with every slot routed to -1 (rows the kernel must skip)."""
+    t = inp.num_tokens
+    if num_tokens < t:
+        raise ValueError(f"cannot pad {t} tokens down to {num_tokens}")
+    n = num_tokens - t
+    gen = torch.Generator().manual_seed(num_tokens)  # padding rows are skipped, but never time on zeros
+    pad_x = torch.randn(n, inp.x.shape[1], generator=gen).to(device=inp.x.device, dtype=inp.x.dtype)
+    x = torch.cat([inp.x, pad_x])
+    idx = torch.cat([inp.topk_idx, torch.full((n, inp.topk_idx.shape[1]), -1, dtype=inp.topk_idx.dtype, device=inp.x.device)])
+    w = torch.cat([inp.topk_weights, torch.zeros(n, inp.topk_weights.shape[1], dtype=inp.topk_weights.dtype, device=inp.x.device)])
+    return MoEInputs(x, idx, w)
+
+
+def run_sweep(cfg: SweepConfig, log: Callable[[str], None] = print) -> dict:
+    return Sweep(cfg, log).run()
