@@ -1,0 +1,210 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 3. MXFP4 weights: the e2m1 grid, E8M0 scales, and the decoder's legal range
+#
+# Expert weights are MXFP4: a 4-bit e2m1 code per value and one E8M0 (power-of-two) scale byte per
+# 32 values along K. Hopper has no FP4 tensor cores, so the SM90 kernels *decode* each value to e4m3
+# with its scale folded in, then run an FP8 MMA. That decode has a legal range; outside it the kernel
+# silently corrupts the output. This notebook measures each piece with `megamoe.formats`.
+#
+# Ladder: (3.1) the e2m1 grid, (3.2) E8M0 scales of real-like weights and the quantization error,
+# (3.3) the decoders' legal range, (3.4) what an out-of-range scale does to the layer, and the repair.
+
+# %%
+import torch
+import matplotlib.pyplot as plt
+
+from megamoe import calc_diff, get_geometry, random_mxfp4_weights
+from megamoe.formats import (
+    E2M1_MAGNITUDES, E4M3_MIN_NORMAL, E8M0_BIAS, dequantize_mxfp4, e2m1_decode, e2m1_encode,
+    e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float,
+)
+from megamoe.recipe import DEEPGEMM_SM90_FP4, FLASHINFER_MXFP4
+from megamoe.reference import moe_forward
+from megamoe.testing import make_inputs, rel_l2
+from megamoe.weights import MXFP4Weights, quantize_experts_mxfp4, random_dense_expert
+
+from _nb import Figures
+
+figs = Figures("03_mxfp4_weights")
+
+# %% [markdown]
+# ## 3.1 The e2m1 grid
+#
+# 16 codes: a sign bit and 8 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, so 15 distinct values. Rounding
+# is to nearest, ties to the even code. The grid is coarse: the worst relative rounding error
+# between 0.5 and 6 is measured below.
+
+# %%
+codes = torch.arange(16, dtype=torch.uint8)
+values = e2m1_decode(codes)
+print("code -> value:", {int(c): float(v) for c, v in zip(codes, values)})
+print(f"distinct values: {values.unique().numel()}")
+grid = torch.linspace(-7, 7, 14001)
+rounded = e2m1_decode(e2m1_encode(grid))
+band = (grid.abs() >= 0.5) & (grid.abs() <= 6)
+worst = ((rounded - grid).abs() / grid.abs())[band].max()
+print(f"worst relative rounding error for 0.5 <= |w| <= 6: {worst:.3f}")
+
+# %%
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 3.6))
+ax0.plot(grid.numpy(), rounded.numpy(), lw=1.5)
+ax0.plot(grid.numpy(), grid.clamp(-6, 6).numpy(), "k:", lw=0.8)
+ax0.set(xlabel="w / scale", ylabel="e2m1 value", title="e2m1 rounding (RNE, saturating at +-6)")
+ax1.stem(values.numpy(), torch.ones(16).numpy(), basefmt=" ")
+for c, v in zip(codes.tolist(), values.tolist()):
+    ax1.text(v, 1.05 + 0.12 * (c >= 8), f"{c}", ha="center", fontsize=7)
+ax1.set(ylim=(0, 1.4), yticks=[], xlabel="value", title="the 16 codes (label = 4-bit code; 8 = -0)")
+figs.save(fig, "e2m1_grid")
+
+# %% [markdown]
+# ## 3.2 E8M0 scales and the quantization error
+#
+# Each group of 32 values gets the smallest power of two `s` with `amax / s <= 6`, stored as byte
+# `127 + log2 s`. We quantize one expert at the real DeepSeek-V4-Flash size (Gaussian, std 1/sqrt(K),
+# rows spread over 2 octaves as in real checkpoints) and look at the bytes. FlashInfer's decoder
+# accepts bytes 122..133 (2^-5 .. 2^6) for groups with nonzero codes; DeepGEMM's up to 133.
+
+# %%
+flash = get_geometry("dsv4-flash")
+w1, w2 = random_dense_expert(flash, gen=torch.Generator().manual_seed(0))  # [2I, H], [H, I] fp32
+wq = quantize_experts_mxfp4(w1[None], w2[None])
+l1_bytes, l2_bytes = wq.l1_scale.flatten(), wq.l2_scale.flatten()
+lo, hi = FLASHINFER_MXFP4.min_scale_byte, FLASHINFER_MXFP4.max_scale_byte
+below = (torch.cat([l1_bytes, l2_bytes]) < lo).float().mean()
+err_l1 = rel_l2(dequantize_mxfp4(wq.l1[0], wq.l1_scale[0]), w1)
+err_l2 = rel_l2(dequantize_mxfp4(wq.l2[0], wq.l2_scale[0]), w2)
+print(f"L1 scale bytes {int(l1_bytes.min())}..{int(l1_bytes.max())}, L2 {int(l2_bytes.min())}..{int(l2_bytes.max())}; "
+      f"FlashInfer legal {lo}..{hi}")
+print(f"groups below FlashInfer's legal range: {below:.1%}")
+print(f"MXFP4 quantization error: rel_l2 L1 {err_l1:.4f}, L2 {err_l2:.4f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.8))
+bins = torch.arange(112, 140)
+for name, b in (("L1 (gate|up)", l1_bytes), ("L2 (down)", l2_bytes)):
+    ax.bar(bins.numpy() + (0.2 if name.startswith("L2") else -0.2),
+           torch.bincount(b.long(), minlength=140)[112:140].numpy() / b.numel(), width=0.4, label=name)
+ax.axvspan(lo - 0.5, hi + 0.5, color="tab:green", alpha=0.12, label=f"FlashInfer legal {lo}..{hi}")
+ax.set(xlabel="E8M0 scale byte (127 = 2^0)", ylabel="fraction of groups",
+       title="scale bytes of one DeepSeek-V4-Flash-sized expert")
+ax.legend()
+figs.save(fig, "scale_bytes")
+
+# %% [markdown]
+# ## 3.3 The decoders' legal range
+#
+# The decoded value is `e2m1 * 2^(b - 127)`, written as e4m3. FlashInfer's SM90 decoder keeps it
+# exact when 2^-6 <= |v| <= 448, flushes smaller values to 0 (no subnormals) and saturates larger ones
+# to 448 (`e4m3_flush_saturate`). DeepGEMM's table keeps e4m3 subnormals (down to 2^-9,
+# `e4m3_satfinite`) but is garbage for scales >= 2^7 (not modelled: the recipe forbids it).
+# Below: each e2m1 magnitude's decoded / exact ratio over the scale byte.
+
+# %%
+scale_bytes = torch.arange(112, 142, dtype=torch.uint8)
+scale = e8m0_to_float(scale_bytes)  # [S]
+mags = torch.tensor(E2M1_MAGNITUDES[1:])  # [7] nonzero magnitudes
+exact = mags[:, None] * scale[None, :]  # [7, S]
+ratio_fi = e4m3_flush_saturate(exact).float() / exact
+ratio_dg = e4m3_satfinite(exact).float() / exact
+legal = (scale_bytes >= lo) & (scale_bytes <= hi)
+print("every nonzero magnitude decodes exactly inside FlashInfer's legal bytes:",
+      bool((ratio_fi[:, legal] == 1).all()))
+# Flushes on the real-like expert at its raw scales:
+raw = torch.cat([dequantize_mxfp4(wq.l1[0], wq.l1_scale[0]).flatten(), dequantize_mxfp4(wq.l2[0], wq.l2_scale[0]).flatten()])
+nonzero = raw != 0
+flushed = (e4m3_flush_saturate(raw).float() == 0) & nonzero
+print(f"raw scales, FlashInfer decoder: {flushed.sum() / nonzero.sum():.1%} of nonzero weights flush to 0, "
+      f"rel_l2 of decoded weights {rel_l2(e4m3_flush_saturate(raw).float(), raw):.3f}")
+print(f"raw scales, DeepGEMM decoder (subnormals kept): "
+      f"rel_l2 {rel_l2(e4m3_satfinite(raw).float(), raw):.4f}")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
+for ax, ratio, recipe, title in ((axes[0], ratio_fi, FLASHINFER_MXFP4, "FlashInfer SM90: flush < 2^-6, saturate > 448"),
+                                 (axes[1], ratio_dg, DEEPGEMM_SM90_FP4, "DeepGEMM SM90 FP4: e4m3 with subnormals")):
+    for m, row in zip(mags.tolist(), ratio):
+        ax.plot(scale_bytes.numpy(), row.numpy(), marker=".", label=f"|e2m1| = {m:g}")
+    r_lo = recipe.min_scale_byte if recipe.min_scale_byte is not None else int(scale_bytes[0])
+    ax.axvspan(r_lo - 0.5, recipe.max_scale_byte + 0.5, color="tab:green", alpha=0.12, label="recipe's legal bytes")
+    ax.set(xlabel="E8M0 scale byte", title=title)
+axes[1].axvspan(127 + 6.5, 141.5, color="tab:red", alpha=0.12)
+axes[1].text(137.5, 1.25, "scale >= 2^7: garbage\n(not modelled)", ha="center", fontsize=8)
+axes[0].set(ylabel="decoded / exact")
+axes[0].legend(fontsize=7, ncol=2)
+figs.save(fig, "decoder_range")
+
+# %% [markdown]
+# ## 3.4 What an out-of-range scale does to the layer, and the repair
+#
+# The kernels do not check the range: raw checkpoint-like scales run, and give a wrong answer. We run
+# the whole layer (small preset) with each kernel's recipe against the exact reference. The library's
+# repair (`megamoe.layouts.ranges.repair_ranges`) moves the excess exponent into FlashInfer's
+# per-expert global scales (`gs1`, `gs2`, applied to the FP32 accumulators), which leaves every value
+# unchanged but puts the per-32 bytes inside the decoder's range.
+
+# %%
+g = get_geometry("small")
+weights = random_mxfp4_weights(g, seed=3)
+inp = make_inputs(g, 64, seed=4)
+ref = moe_forward(inp, weights, "exact", g)
+all_bytes = torch.cat([weights.l1_scale.flatten(), weights.l2_scale.flatten()])
+print(f"small preset raw scale bytes {int(all_bytes.min())}..{int(all_bytes.max())} "
+      f"({(all_bytes < lo).float().mean():.1%} below FlashInfer's {lo})")
+results = {}
+results["FlashInfer, raw scales"] = calc_diff(moe_forward(inp, weights, FLASHINFER_MXFP4, g), ref)
+results["DeepGEMM FP4, raw scales"] = calc_diff(moe_forward(inp, weights, DEEPGEMM_SM90_FP4, g), ref)
+# Expert 0's L2 scales made 2^k larger (a checkpoint with a global scale folded into the bytes):
+# same codes, 2^k larger values, still a valid MXFP4 tensor. k = 4 stays under the top byte 133, k = 12
+# goes above it (the other experts keep their raw, too-small scales in both cases).
+scaled = {}
+for k in (4, 12):
+    w_k = MXFP4Weights(weights.l1, weights.l1_scale, weights.l2, weights.l2_scale.clone())
+    w_k.l2_scale[0] += k
+    scaled[k] = w_k
+    ref_k = moe_forward(inp, w_k, "exact", g)
+    top = int(w_k.l2_scale[0].max())
+    results[f"FlashInfer, expert 0 L2 x2^{k} (max byte {top})"] = calc_diff(moe_forward(inp, w_k, FLASHINFER_MXFP4, g), ref_k)
+try:
+    from megamoe.layouts.ranges import analyze_ranges, repair_ranges
+except ImportError:
+    repair_ranges = None
+    print("megamoe.layouts.ranges is not available yet in this checkout: the repaired rows are skipped.")
+if repair_ranges is not None:
+    report = analyze_ranges(weights, FLASHINFER_MXFP4)
+    print("\n".join(str(report).splitlines()[:4]) + "\n  ...")
+    print(f"range check: ok={report.ok}, {len(report.bad())} tensors / {report.out_of_range} nonzero groups out of range")
+    print("after repair:", analyze_ranges(repair_ranges(weights, FLASHINFER_MXFP4), FLASHINFER_MXFP4).ok)
+    fixed = repair_ranges(weights, FLASHINFER_MXFP4)
+    results["FlashInfer, repaired"] = calc_diff(moe_forward(inp, fixed, FLASHINFER_MXFP4, g), ref)
+    fixed_hot = repair_ranges(scaled[12], FLASHINFER_MXFP4)
+    results["FlashInfer, x2^12 expert repaired"] = calc_diff(
+        moe_forward(inp, fixed_hot, FLASHINFER_MXFP4, g), moe_forward(inp, scaled[12], "exact", g))
+for k, v in results.items():
+    print(f"{k:34s} calc_diff vs exact = {v:.2e}")
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.8))
+names = list(results)
+colors = ["tab:green" if "repaired" in n else "tab:red" if n.startswith("FlashInfer") else "tab:blue" for n in names]
+ax.barh(names, list(results.values()), color=colors)
+ax.set(xscale="log", xlabel="calc_diff vs the exact reference (lower is better)",
+       title="whole layer, small preset: in range vs out of range")
+ax.invert_yaxis()
+figs.save(fig, "layer_error_by_range")
+
+# %% [markdown]
+# **Takeaway.** MXFP4 itself costs ~10% relative error per weight (the e2m1 grid is that coarse);
+# the decoder's range costs nothing *if* the scales are inside it, and a lot if not, silently. Detect
+# with `analyze_ranges`, repair with `repair_ranges`, before any kernel reads the weights.
