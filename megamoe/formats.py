@@ -123,7 +123,7 @@ def pack_ue8m0_x4(scale_bytes: torch.Tensor) -> torch.Tensor:
     _check_dtype("scale_bytes", scale_bytes, (torch.uint8,))
     if scale_bytes.shape[-1] % 4:
         raise ValueError(f"scale groups must be a multiple of 4, got {scale_bytes.shape[-1]}")
-    b = scale_bytes.to(torch.int32).reshape(*scale_bytes.shape[:-1], -1, 4)
+    b = scale_bytes.to(torch.int32).reshape(*scale_bytes.shape[:-1], scale_bytes.shape[-1] // 4, 4)
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
