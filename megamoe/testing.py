@@ -160,3 +160,52 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return t.fill_(float("nan"))
     return t.view(torch.uint8).fill_(0x7F) and t
+
+
+# ------------------------------------------------------------------------------------ weights for a recipe
+def fp8_block_weights(weights):
+    """MXFP4Weights -> FP8BlockWeights (DeepGEMM SM90 FP8 input): dequantize each expert exactly,
+    then ``formats.quantize_fp8_block`` (per 128x128: amax * fl32(1/448), e4m3 RN).
+
+    Uses ``megamoe.layouts.deepgemm_sm90.to_fp8_block`` when that module provides it.
+    """
+    from .weights import FP8BlockWeights, MXFP4Weights
+
+    if isinstance(weights, FP8BlockWeights):
+        return weights
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
+    try:
+        from .layouts.deepgemm_sm90 import to_fp8_block  # type: ignore[attr-defined]
+    except ImportError:
+        to_fp8_block = None
+    if to_fp8_block is not None:
+        out = to_fp8_block(weights)
+        if isinstance(out, FP8BlockWeights):
+            return out
+    from .formats import quantize_fp8_block
+
+    parts = [[], [], [], []]
+    for e in range(weights.num_experts):
+        w1, w2 = weights.dequantize_expert(e)
+        for lst, t in zip(parts, (*quantize_fp8_block(w1), *quantize_fp8_block(w2))):
+            lst.append(t)
+    return FP8BlockWeights(*(torch.stack(p) for p in parts))
+
+
+def weights_for_recipe(weights, recipe):
+    """The weights a recipe's kernel would be handed: FP8 block weights for ``fp8_block`` recipes;
+    MXFP4 scale bytes rebased into the legal window (exact, via per-expert global scales) for
+    recipes that have global scales (``megamoe.layouts.ranges.repair_ranges``); else unchanged."""
+    from .recipe import get_recipe
+
+    recipe = get_recipe(recipe)
+    if recipe.weight_format == "fp8_block":
+        return fp8_block_weights(weights)
+    if recipe.global_scales and recipe.weight_decode != "exact":
+        try:
+            from .layouts.ranges import repair_ranges
+        except ImportError:  # the range module not installed: hand the raw bytes over
+            return weights
+        return repair_ranges(weights, recipe)
+    return weights

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megamoe.geometry import get_geometry
+from megamoe.testing import weights_for_recipe
 from megamoe.weights import random_mxfp4_weights
 
 
@@ -38,7 +39,12 @@ def pytest_collection_modifyitems(config, items):
 
 # Weights are read-only in every test: build each (preset, seed) once per session.
 @functools.lru_cache(maxsize=None)
-def cached_weights(preset: str, seed: int = 0, num_experts: int | None = None):
+def cached_weights(preset: str, seed: int = 0, num_experts: int | None = None, recipe: str | None = None):
+    """(Geometry, weights) of a preset; with ``recipe``, the weights as that kernel takes them
+    (FP8 block weights, or scale bytes rebased into its window: ``testing.weights_for_recipe``)."""
+    if recipe is not None:
+        g, w = cached_weights(preset, seed, num_experts)
+        return g, weights_for_recipe(w, recipe)
     g = get_geometry(preset)
     if num_experts is not None:
         g = g.with_(num_experts=num_experts, num_topk=min(g.num_topk, num_experts))
@@ -59,7 +65,7 @@ def small():
 
 @pytest.fixture(scope="session")
 def weights_for():
-    """cached_weights as a fixture: weights_for(preset, seed=0, num_experts=None) -> (g, weights)."""
+    """cached_weights as a fixture: weights_for(preset, seed=0, num_experts=None, recipe=None) -> (g, weights)."""
     return cached_weights
 
 

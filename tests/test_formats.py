@@ -162,6 +162,9 @@ def test_ue8m0_x4_little_endian_vs_struct(gen):
     assert_bitwise_equal(F.unpack_ue8m0_x4(packed), b, "unpack_ue8m0_x4(pack)")
     with pytest.raises(ValueError, match="multiple of 4"):
         F.pack_ue8m0_x4(torch.zeros(2, 6, dtype=torch.uint8))
+    # Zero rows (an EP rank with no tokens) pack to an empty [0, G/4].
+    assert F.pack_ue8m0_x4(torch.zeros(0, 8, dtype=torch.uint8)).shape == (0, 2)
+    assert F.unpack_ue8m0_x4(torch.zeros(0, 2, dtype=torch.int32)).shape == (0, 8)
 
 
 # ------------------------------------------------------------------------------------- e4m3
