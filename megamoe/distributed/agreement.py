@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from dataclasses import dataclass, fields
 
@@ -40,14 +39,14 @@ def _plan_rules():
 
 
 def _agreed_token_count(per_rank_counts) -> int:
-    """FlashInfer: every rank of a launch passes the same token count, the largest."""
-    return max(int(c) for c in per_rank_counts)
+    """FlashInfer: every rank of a launch passes the same token count, the largest (>= 1)."""
+    return max(1, max(int(c) for c in per_rank_counts))
 
 
 def _deepgemm_plan_hint(per_rank_counts) -> int:
-    """DeepGEMM SM90: the mean tokens per EP rank of the step, rounded up."""
+    """DeepGEMM SM90: the mean tokens per EP rank of the step, rounded up (>= 1)."""
     counts = [int(c) for c in per_rank_counts]
-    return -(-sum(counts) // len(counts))
+    return max(1, -(-sum(counts) // len(counts)))
 
 
 @dataclass(frozen=True)
@@ -116,10 +115,10 @@ def _weights_digest(weights, chunk_bytes: int = 1 << 26) -> str:
     return h.hexdigest()
 
 
-def setup_fingerprint(g: Geometry, recipe: "Recipe | str", weights, **extra) -> dict[str, tuple[str, str]]:
-    """component -> (human description, sha256 hex digest). Components: geometry, recipe,
-    weight shapes, weight bytes, and one per keyword in ``extra`` (e.g. block_m, num_ranks)."""
-    recipe = get_recipe(recipe)
+def setup_fingerprint(g: Geometry, recipe: "Recipe | str | None", weights, **extra) -> dict[str, tuple[str, str]]:
+    """component -> (human description, sha256 hex digest). Components: geometry, recipe (None: the
+    backend's own), weight shapes, weight bytes, and one per keyword in ``extra`` (e.g. num_ranks)."""
+    recipe = get_recipe(recipe) if recipe is not None else None
     shapes = {f.name: (None if getattr(weights, f.name) is None else tuple(getattr(weights, f.name).shape))
               for f in fields(weights)}
     desc = {
@@ -168,6 +167,3 @@ def check_same_setup(group, fingerprint: dict[str, tuple[str, str]]) -> None:
         f"geometry, recipe and weights):\n" + "\n".join(lines)
     )
 
-
-def ceil_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << math.ceil(math.log2(n))

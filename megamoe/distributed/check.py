@@ -19,10 +19,12 @@ from ..reference.pipeline import moe_forward, moe_forward_ep
 from ..testing import MoEInputs, first_mismatch, make_inputs
 from ..weights import random_mxfp4_weights
 from .agreement import agree_on_step, check_same_setup, setup_fingerprint
+from .fused import FusedEPLauncher, ReferenceEPBackend
 from .launch import spawn
 from .reference import SCHEMES, moe_forward_dist
 
 DEFAULT_RAGGED = (0, 1, 37, 256)
+CHECK_PATHS = (*SCHEMES, "launcher")  # the two reference schemes and the fused launcher's path
 
 
 def default_tokens(num_ranks: int) -> list[int]:
@@ -47,6 +49,7 @@ class RankResult:
     ys: dict[str, torch.Tensor]  # scheme -> y [T_r, H]
     agreement_s: list[float]
     seconds: dict[str, float]
+    backend_calls: list[dict] = field(default_factory=list)  # what the launcher handed its backend
 
 
 def _check_worker(rank, world, g, recipe, weights, inputs, schemes, block_m, agree_iters, fail_rank, bad_rank):
@@ -61,13 +64,19 @@ def _check_worker(rank, world, g, recipe, weights, inputs, schemes, block_m, agr
     for _ in range(agree_iters):
         dist.barrier()  # time the all-reduce, not the ranks' skew on arrival
         agree.append(agree_on_step(None, inp.num_tokens))
-    ys, secs = {}, {}
+    ys, secs, calls = {}, {}, []
     for s in schemes:
         dist.barrier()
         t0 = time.perf_counter()
-        ys[s] = moe_forward_dist(inp, weights, recipe, geom, scheme=s, block_m=block_m)
+        if s == "launcher":  # the fused launcher's path, with the reference as its backend
+            be = ReferenceEPBackend(geom, recipe, scheme="all_to_all", block_m=block_m)
+            ys[s] = FusedEPLauncher(be, weights, geom, require_hopper=False).step(inp)[0]
+            calls = be.calls
+        else:
+            ys[s] = moe_forward_dist(inp, weights, recipe, geom, scheme=s, block_m=block_m)
         secs[s] = time.perf_counter() - t0
-    return RankResult(rank, inp.num_tokens, ys, [a.seconds for a in agree], secs), agree[-1] if agree else None
+    res = RankResult(rank, inp.num_tokens, ys, [a.seconds for a in agree], secs, calls)
+    return res, agree[-1] if agree else None
 
 
 @dataclass
@@ -86,6 +95,7 @@ class DistCheckReport:
     rule: str = ""
     seconds: float = 0.0
     schemes: tuple[str, ...] = SCHEMES
+    backend_calls: dict[int, list[dict]] = field(default_factory=dict)  # rank -> launcher's backend calls
 
     @property
     def ok(self) -> bool:
@@ -111,7 +121,7 @@ def check_ranks(
     seed: int = 0,
     *,
     recipe: str = "flashinfer-mxfp4",
-    schemes: tuple[str, ...] = SCHEMES,
+    schemes: tuple[str, ...] = CHECK_PATHS,
     block_m: int = 1,
     agree_iters: int = 20,
     timeout_s: float = 120.0,
@@ -119,8 +129,10 @@ def check_ranks(
     _bad_rank: int = -1,
 ) -> DistCheckReport:
     """Spawn num_ranks gloo ranks (127.0.0.1), run the distributed reference on each rank's own
-    tokens, and compare every rank's y bitwise with moe_forward_ep (all ranks in this process) and
-    with moe_forward on the concatenated step. Raises RankError if a rank fails."""
+    tokens (each scheme, and the FusedEPLauncher path over the reference backend: agreement, padding
+    to the agreed count, launch), and compare every rank's y bitwise with moe_forward_ep (all ranks
+    in this process) and with moe_forward on the concatenated step. Raises RankError if a rank fails
+    (SetupMismatchError text on every rank if they disagree on geometry / recipe / weights)."""
     t0 = time.perf_counter()
     g = get_geometry(preset)
     recipe_obj = get_recipe(recipe)
@@ -144,6 +156,7 @@ def check_ranks(
         for s, y in res.ys.items():
             rep.mismatches[(r, s, "moe_forward_ep")] = first_mismatch(y, ep[r])
             rep.mismatches[(r, s, "moe_forward")] = first_mismatch(y, one[offs[r] : offs[r + 1]])
+        rep.backend_calls[r] = res.backend_calls
         rep.agreement_us.append(statistics.median(res.agreement_s) * 1e6 if res.agreement_s else float("nan"))
         if agree is not None:
             rep.agreed, rep.hint, rep.rule = agree.agreed, agree.hint, agree.rule

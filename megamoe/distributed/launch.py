@@ -101,6 +101,33 @@ def _start_watchdog(store: dist.Store, rank: int, on_abort: Callable[[str], None
     return stop
 
 
+def _failure_report(store: dist.Store | None, rank: int, exc: BaseException) -> str:
+    """This rank's failure; if another rank failed first, this error is a consequence (a peer of a
+    collective went away) and the report names the root cause first."""
+    report = _describe_failure(rank, exc)
+    try:
+        if store is not None and store.check([ABORT_KEY]):
+            first = store.get(ABORT_KEY).decode(errors="replace")
+            if not first.startswith(f"rank {rank} "):
+                return f"rank {rank}: aborted because {_abort_line(first)}\n(then, on this rank) {report}"
+    except Exception:
+        pass
+    return report
+
+
+def _publish_failure(store: dist.Store | None, report: str, linger_s: float = 0.5) -> None:
+    """Write the report under the abort key (first writer wins), then linger briefly so the other
+    ranks' watchdogs see it before this process's sockets close under their collectives."""
+    if store is None or " aborted because " in report.splitlines()[0]:
+        return
+    try:
+        if not store.check([ABORT_KEY]):
+            store.set(ABORT_KEY, report)
+            time.sleep(linger_s)
+    except Exception:
+        pass
+
+
 def guarded(fn: Callable[..., Any], rank: int, world_size: int, *args, store: dist.Store | None = None) -> Any:
     """Run fn(rank, world_size, *args) on this rank under the failure protocol (torchrun workers).
 
@@ -118,13 +145,9 @@ def guarded(fn: Callable[..., Any], rank: int, world_size: int, *args, store: di
         return fn(rank, world_size, *args)
     except BaseException as exc:
         stop.set()
-        report = _describe_failure(rank, exc)
-        try:
-            if not store.check([ABORT_KEY]):
-                store.set(ABORT_KEY, report)
-        except Exception:
-            pass
+        report = _failure_report(store, rank, exc)
         print(report, file=sys.stderr, flush=True)
+        _publish_failure(store, report)
         raise
     finally:
         stop.set()
@@ -184,13 +207,9 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, repor
         send(_Report(rank, "ok", payload=_dumps(out)))
     except BaseException as exc:
         done.set()
-        report = _describe_failure(rank, exc)
-        try:
-            if store is not None and not store.check([ABORT_KEY]):
-                store.set(ABORT_KEY, report)
-        except Exception:
-            pass
+        report = _failure_report(store, rank, exc)
         send(_Report(rank, "error", message=report, extra={"type": type(exc).__name__, "text": str(exc)}))
+        _publish_failure(store, report)
     finally:
         if dist.is_initialized():
             try:
