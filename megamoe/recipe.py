@@ -23,6 +23,7 @@ import torch
 
 WEIGHT_DECODES = ("exact", "e4m3_flush_saturate", "e4m3_rn")
 L2_SCALES = ("pow2_ceil", "continuous")
+MMA_MODELS = ("exact-block", "sm90-fp8-tc")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Recipe:
     slot_output_bf16: bool = True
     combine_bf16: bool = True
     accum: torch.dtype = torch.float32
+    # How the tensor cores sum one promotion block (megamoe.reference.tensorcore): "exact-block" rounds
+    # the exact block sum once to FP32; "sm90-fp8-tc" emulates the H200's FP8 accumulation bit by bit.
+    mma: str = "exact-block"
     # Legal E8M0 scale bytes for groups with nonzero codes (None: no limit). Checked, never clipped.
     min_scale_byte: int | None = None
     max_scale_byte: int | None = None
@@ -66,6 +70,8 @@ class Recipe:
             raise ValueError(f"l2_scale must be one of {L2_SCALES}, got {self.l2_scale!r}")
         if self.weight_format not in ("mxfp4", "fp8_block"):
             raise ValueError(f"weight_format must be 'mxfp4' or 'fp8_block', got {self.weight_format!r}")
+        if self.mma not in MMA_MODELS:
+            raise ValueError(f"mma must be one of {MMA_MODELS}, got {self.mma!r}")
         if self.x_scale not in ("fp32", "ue8m0"):
             raise ValueError(f"x_scale must be 'fp32' or 'ue8m0', got {self.x_scale!r}")
         if self.l2_group is not None and (self.l2_group <= 0 or 128 % self.l2_group and self.l2_group % 128):

@@ -22,11 +22,14 @@ def promoted_gemm(
     b: torch.Tensor,
     b_sf: torch.Tensor | None,
     promote_k: int,
+    mma: str = "exact-block",
 ) -> torch.Tensor:
     """a [M, K] (e4m3 values), a_sf fp32 [M, K/ga], b [N, K] (e4m3 values), b_sf fp32 [N/128, K/128]
     or None -> fp32 [M, N].
 
     ``promote_k`` is the promotion block; it must divide the activation-scale group ga and 128.
+    ``mma`` names the block-sum model (``megamoe.reference.tensorcore``): "exact-block" (exact, one
+    FP32 rounding) or "sm90-fp8-tc" (the H200 tensor cores' own accumulation, emulated).
     """
     m, k = a.shape
     n = b.shape[0]
@@ -43,7 +46,13 @@ def promoted_gemm(
     # [KB, M, pk] @ [KB, pk, N] -> [KB, M, N], exact in float64, then one rounding to FP32.
     a3 = a.double().view(m, nkb, promote_k).transpose(0, 1)
     b3 = b.double().view(n, nkb, promote_k).permute(1, 2, 0)
-    partial = torch.bmm(a3, b3).float()
+    if mma == "exact-block":
+        partial = torch.bmm(a3, b3).float()
+    else:
+        from .tensorcore import MODELS, tc_dot
+
+        model = MODELS[mma]
+        partial = torch.stack([tc_dot(a3[kb], b3[kb].T, model) for kb in range(nkb)])
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for kb in range(nkb):
         scale = a_sf[:, (kb * promote_k) // ga].unsqueeze(1)  # [M, 1]

@@ -103,7 +103,7 @@ def expert_forward(
     if x_sf is None:
         h = exact_gemm(xa, w1, recipe.accum)
     else:
-        h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran))
+        h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma)
     if gs1 is not None:
         h = h * gs1  # FlashInfer: on the L1 accumulators, before the clamp
     v = swiglu(h, g.clamp, recipe.gate_up_bf16)
@@ -114,7 +114,7 @@ def expert_forward(
     else:
         q, l2_sf = requant_fp8(vw, recipe.l2_group, recipe.l2_scale, recipe.l2_amax_floor)
         l2_in = q
-        out = promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k))
+        out = promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma)
     if gs2 is not None:
         out = out * gs2  # FlashInfer: on the L2 accumulators, before the bf16 cast
     if recipe.slot_output_bf16:

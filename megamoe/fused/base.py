@@ -1,0 +1,268 @@
+"""One interface over every fused (and the unfused peer) SM90 Mega MoE backend.
+
+Life cycle (one rank; every rank of a group calls the same sequence):
+
+    be = make_backend("flashinfer-mxfp4", geometry, capacity=8192)     # nothing touches the GPU yet
+    be.prepare(weights)           # once: checkpoint form -> megamoe.layouts -> range check -> device
+    be.allocate(group=None)       # symmetric buffer over `group` (a 1-rank group is made if None)
+    be.build([1, 64, 2048])       # every plan those token counts need, JIT-built in parallel threads
+    be.stage(inputs, num_tokens)  # FP8 staging + copy into the buffer, rows past T routed to -1
+    y = be.launch(num_tokens)     # the kernel alone: no host sync, no allocation   -> [num_tokens, H]
+    y = be.run(inputs)            # stage + launch, returns y[:T]
+
+``plan(num_tokens)`` reports the plan / BLOCK_M a launch will use; ``force_block_m`` pins it for
+tests. ``intermediates()`` returns what the kernel leaves in its buffer (pool rows of x, the L2 input
+FP8 codes and scales) for the stage-level checks. All-SM persistent kernels must not run beside other
+GPU work: ``launch`` runs on the current stream and the caller keeps that stream to itself.
+CUDA graphs: capture only after ``build`` has built every plan the graph will launch.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..geometry import Geometry
+from ..recipe import Recipe
+from ..reference.dispatch import validate_topk
+from ..testing import MoEInputs
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here; the message says why (no GPU, not Hopper, package or kernel missing)."""
+
+
+@dataclass
+class Plan:
+    """What one launch uses. ``detail`` holds the package's own plan object or fields."""
+
+    block_m: int
+    forced: bool = False
+    detail: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in ("swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source"))
+        return f"BLOCK_M {self.block_m}{' (forced)' if self.forced else ''}{'; ' + extra if extra else ''}"
+
+
+def cuda_hopper_reason() -> str:
+    """'' when an SM90 GPU is usable, else why not."""
+    if not torch.cuda.is_available():
+        return "no GPU: torch.cuda.is_available() is False"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"not Hopper: device capability {major}.{minor}, the kernels are SM90 only"
+    return ""
+
+
+class FusedBackend:
+    """Base class; subclasses set the class attributes and implement the ``_`` hooks."""
+
+    name: str = ""
+    recipe: Recipe
+    weight_format: str = "mxfp4"  # what ``prepare`` takes: "mxfp4" (MXFP4Weights) or "fp8_block"
+    persistent: bool = True  # an all-SM persistent kernel
+    kernel: str = ""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        capacity: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        force_block_m: int | None = None,
+        block_m: int | None = None,
+        group=None,
+    ) -> None:
+        from ..geometry import get_geometry
+
+        capacity = capacity if capacity is not None else num_max_tokens_per_rank
+        if capacity is None or int(capacity) <= 0:
+            raise ValueError(f"capacity (max tokens per rank) must be a positive int, got {capacity!r}")
+        force_block_m = force_block_m if force_block_m is not None else block_m
+        self.g = get_geometry(geometry)
+        self.capacity = int(capacity)
+        self.group = group
+        self._prepared = False
+        self._allocated = False
+        self.force_block_m = None
+        if force_block_m is not None:
+            self.set_force_block_m(force_block_m)
+
+    # ---------------------------------------------------------------- availability
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """(ok, reason). reason is '' when ok."""
+        raise NotImplementedError
+
+    @classmethod
+    def require_available(cls) -> None:
+        ok, why = cls.availability()
+        if not ok:
+            raise BackendUnavailable(f"backend {cls.name!r} is unavailable: {why}")
+
+    # ---------------------------------------------------------------- plans
+    def legal_block_ms(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def set_force_block_m(self, block_m: int | None) -> None:
+        if block_m is not None and block_m not in self.legal_block_ms():
+            raise ValueError(
+                f"{self.name}: force_block_m must be one of {self.legal_block_ms()} (or None), got {block_m}"
+            )
+        self.force_block_m = block_m
+
+    def plan(self, num_tokens: int) -> Plan:
+        raise NotImplementedError
+
+    def build(self, token_counts, max_workers: int = 8) -> int:
+        """Build every plan the token counts need, in parallel threads. Returns how many were built."""
+        self._need_allocated("build")
+        todo = {}
+        for t in token_counts:
+            if t <= 0:
+                continue
+            key, fn = self._build_job(int(t))
+            todo.setdefault(key, fn)
+        errors = []
+
+        def work(items):
+            for fn in items:
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+        fns = list(todo.values())
+        threads = [threading.Thread(target=work, args=(fns[i::max_workers],)) for i in range(min(max_workers, len(fns)))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return len(fns)
+
+    def _build_job(self, num_tokens: int):
+        """(hashable key of the plan, zero-argument callable that builds it)."""
+        return (num_tokens,), (lambda: None)
+
+    # ---------------------------------------------------------------- life cycle
+    def prepare(self, weights) -> None:
+        """Once: weights in the checkpoint form (MXFP4Weights, or FP8BlockWeights for FP8 backends),
+        all experts; this rank's experts go through megamoe.layouts (range check included) to the GPU."""
+        from .process_group import ensure_group
+
+        self.require_available()
+        weights.check_geometry(self.g)
+        self.group = ensure_group(self.group)
+        el = self.g.experts_per_rank(self.num_ranks)
+        self.local_weights = weights.experts(self.rank * el, (self.rank + 1) * el)
+        self._prepare(self.local_weights.to(self.device))
+        self._prepared = True
+
+    def prepare_weights(self, weights) -> None:
+        """prepare(weights), then allocate() over the group given at construction (if not done)."""
+        self.prepare(weights)
+        if not self._allocated:
+            self.allocate()
+
+    def allocate(self, group=None) -> None:
+        from .process_group import ensure_group
+
+        self.require_available()
+        self.group = ensure_group(group if group is not None else self.group)
+        if self.g.num_experts % self.group.size():
+            raise ValueError(f"{self.g.num_experts} experts do not divide over {self.group.size()} ranks")
+        self._allocate()
+        self._allocated = True
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 if self.group is None else self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank()
+
+    def check_inputs(self, inputs: MoEInputs, num_tokens: int | None = None) -> int:
+        """Shapes, dtypes, device, routing and capacity, checked before anything runs. Returns the
+        token count the launch will use (``num_tokens`` or T)."""
+        g = self.g
+        x, idx, w = inputs.x, inputs.topk_idx, inputs.topk_weights
+        if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[1] != g.hidden:
+            raise ValueError(f"{self.name}: x must be [T, {g.hidden}], got {tuple(getattr(x, 'shape', ()))}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"{self.name}: x must be bfloat16, got {x.dtype}")
+        t = x.shape[0]
+        if idx.shape != (t, g.num_topk):
+            raise ValueError(f"{self.name}: topk_idx must be [{t}, {g.num_topk}], got {tuple(idx.shape)}")
+        dev = self.device
+        for name, tensor in (("x", x), ("topk_idx", idx), ("topk_weights", w)):
+            if tensor.device != dev:
+                raise ValueError(f"{self.name}: {name} must be on {dev}, got {tensor.device}")
+        validate_topk(idx, w, g.num_experts, self.name)
+        m = t if num_tokens is None else int(num_tokens)
+        if m < t:
+            raise ValueError(f"{self.name}: num_tokens={m} is below the staged token count T={t}")
+        if m > self.capacity:
+            raise ValueError(f"{self.name}: token count {m} exceeds the buffer capacity {self.capacity}")
+        if m == 0 and not self.allows_zero_tokens:
+            raise ValueError(f"{self.name}: the kernel needs at least one token (got 0)")
+        if x.numel() and not torch.isfinite(x).all():
+            bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+            raise ValueError(f"{self.name}: x contains NaN or Inf (first at [token, channel] = {bad})")
+        return m
+
+    allows_zero_tokens = False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def stage(self, inputs: MoEInputs, num_tokens: int | None = None) -> int:
+        """Validate, stage FP8 activations and routing into the buffer (rows T..num_tokens-1 are
+        padding routed to -1). Returns the launch token count. Syncs the host (validation)."""
+        self._need_allocated("stage")
+        m = self.check_inputs(inputs, num_tokens)
+        self._stage(inputs, m)
+        self._staged = m
+        return m
+
+    def launch(self, num_tokens: int) -> torch.Tensor:
+        """Run the kernel on what ``stage`` wrote. Returns y [num_tokens, H] bf16 (a view of the
+        backend's output buffer, overwritten by the next launch)."""
+        raise NotImplementedError
+
+    def run(self, inputs: MoEInputs, num_tokens: int | None = None) -> torch.Tensor:
+        m = self.stage(inputs, num_tokens)
+        return self.launch(m)[: inputs.num_tokens]
+
+    def intermediates(self) -> dict | None:
+        """What the kernel left in its buffer: {'pool_x': e4m3 [P, H], 'l2_in': e4m3 [P, I],
+        'l2_in_sf': fp32 [P, I/G] (or a raw region to be decoded by the checker), ...} or None."""
+        return None
+
+    def poison_intermediates(self) -> None:
+        """Fill the buffer's intermediate regions with NaN bytes before a checked launch."""
+
+    # ---------------------------------------------------------------- helpers
+    def _need_allocated(self, what: str) -> None:
+        if not self._prepared:
+            raise RuntimeError(f"{self.name}: call prepare(weights) before {what}()")
+        if not self._allocated:
+            raise RuntimeError(f"{self.name}: call allocate(group) before {what}()")
+
+    def _prepare(self, weights) -> None:
+        raise NotImplementedError
+
+    def _allocate(self) -> None:
+        raise NotImplementedError
+
+    def _stage(self, inputs: MoEInputs, m: int) -> None:
+        raise NotImplementedError
+
+    def destroy(self) -> None:
+        pass

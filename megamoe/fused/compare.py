@@ -1,0 +1,120 @@
+"""Stage-level comparison of a kernel's buffer against the reference's intermediates.
+
+Pool row order differs between the kernel (nondeterministic, BLOCK_M-padded) and the reference
+(expert, token, slot), so rows are matched by content:
+
+    token of kernel pool row r   = the staged token whose FP8 codes equal pool_x[r] (hash, then exact check)
+    slot  of kernel pool row r   = among that token's reference rows, the one whose L2-input codes agree
+                                   most with the kernel's (rows of different experts share ~nothing)
+
+Then: fraction of identical L2-input FP8 codes over the matched rows, and the scales, decoded from the
+kernel's buffer under each plausible layout (row-major [P, I/G], K-major [I/G, P], K-major with each
+BLOCK_M block padded to 128 rows), reporting the layout that matched and its exact-match rate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layouts.staging import per_token_cast_to_fp8
+
+
+def _row_hash(rows_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, H] -> int64 [R], a content hash (exactness is checked afterwards)."""
+    r, h = rows_u8.shape
+    w = torch.arange(1, h // 4 + 1, device=rows_u8.device, dtype=torch.int64) * 2654435761 % 1000003 + 1
+    return (rows_u8.contiguous().view(torch.int32).to(torch.int64) * w).sum(dim=1)
+
+
+def match_pool_tokens(pool_x: torch.Tensor, x_q: torch.Tensor) -> torch.Tensor:
+    """pool_x e4m3 [P, H], x_q e4m3 [T, H] -> int64 [P]: the token of each pool row, -1 where none
+    matches exactly (padding, poison, stale rows). Tokens with identical rows map to the first."""
+    if x_q.shape[0] == 0 or pool_x.shape[0] == 0:
+        return torch.full((pool_x.shape[0],), -1, dtype=torch.int64, device=pool_x.device)
+    pu, xu = pool_x.view(torch.uint8), x_q.view(torch.uint8)
+    hx, hp = _row_hash(xu), _row_hash(pu)
+    order = torch.argsort(hx, stable=True)
+    hs = hx[order]
+    pos = torch.searchsorted(hs, hp).clamp(max=hs.numel() - 1)
+    tok = order[pos]
+    ok = (hs[pos] == hp) & (pu == xu[tok]).all(dim=1)
+    return torch.where(ok, tok, torch.full_like(tok, -1))
+
+
+def compare_l2_inputs(kernel: dict, ref_stage, inputs, num_topk: int, chunk: int = 4096) -> dict:
+    """kernel: intermediates() of a backend; ref_stage: RankStages of the reference (keep_stages=True).
+
+    Returns {'rows_matched', 'rows_expected', 'code_match', 'sf_match', 'sf_layout', 'slot_margin'}."""
+    dev = kernel["pool_x"].device
+    x_q, _ = per_token_cast_to_fp8(inputs.x.to(dev))
+    tok = match_pool_tokens(kernel["pool_x"], x_q)
+    lay = ref_stage.layout
+    t = inputs.num_tokens
+    table = torch.full((t, num_topk), -1, dtype=torch.int64, device=dev)
+    real = (lay.src_token >= 0).to(dev)
+    rrows = torch.nonzero(real).squeeze(1)
+    table[lay.src_token.to(dev)[rrows], lay.src_slot.to(dev)[rrows]] = rrows
+    ref_codes = ref_stage.l2_in.to(dev).view(torch.uint8)
+    k_codes = kernel["l2_in"].view(torch.uint8)
+    krows = torch.nonzero(tok >= 0).squeeze(1)
+    best_ref = torch.full_like(krows, -1)
+    best_agree = torch.zeros(krows.numel(), device=dev)
+    margin = torch.ones(krows.numel(), device=dev)
+    for s in range(0, krows.numel(), chunk):
+        kr = krows[s : s + chunk]
+        cand = table[tok[kr]]  # [R, K]
+        valid = cand >= 0
+        kc = k_codes[kr].unsqueeze(1)  # [R, 1, I]
+        rc = ref_codes[cand.clamp(min=0)]  # [R, K, I]
+        agree = (kc == rc).float().mean(dim=2).masked_fill(~valid, -1.0)
+        top = agree.topk(min(2, num_topk), dim=1)
+        best_agree[s : s + chunk] = top.values[:, 0]
+        best_ref[s : s + chunk] = cand.gather(1, top.indices[:, :1]).squeeze(1)
+        if num_topk > 1:
+            margin[s : s + chunk] = top.values[:, 0] - top.values[:, 1].clamp(min=0)
+    n = krows.numel()
+    out = {
+        "rows_expected": int(rrows.numel()),
+        "rows_matched": int(n),
+        "rows_duplicate": int(n - torch.unique(best_ref).numel()) if n else 0,
+        "code_match": float(best_agree.mean()) if n else float("nan"),
+        "code_match_min_row": float(best_agree.min()) if n else float("nan"),
+        "slot_margin_min": float(margin.min()) if n else float("nan"),
+    }
+    if ref_stage.l2_in_sf is not None and n:
+        ref_sf = ref_stage.l2_in_sf.to(dev)[best_ref]  # [R, I/G_ref]
+        out.update(_match_scales(kernel, krows, ref_sf, kernel.get("block_m")))
+    return out
+
+
+def _match_scales(kernel: dict, krows: torch.Tensor, ref_sf: torch.Tensor, block_m) -> dict:
+    """Try each layout of the kernel's scale region; keep the one with the most exact matches."""
+    ng = ref_sf.shape[1]
+    cands: dict[str, torch.Tensor] = {}
+    raw = kernel.get("l2_in_sf_kmajor")
+    if raw is None:
+        raw = kernel.get("l2_in_sf_raw")
+    if raw is None:
+        return {}
+    raw = raw.float() if raw.dtype.is_floating_point else raw.view(torch.float32)
+    if raw.ndim == 2:
+        a, b = raw.shape
+        if b >= ng and a > krows.max():
+            cands["row-major"] = raw[krows, :ng]
+        if a >= ng and b > krows.max():
+            cands["k-major"] = raw[:ng, krows].T
+        for bm in (8, 16, 24, 32, 64, 128):
+            if a >= ng:
+                idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
+                if idx.max() < b:
+                    cands[f"k-major-padded-bm{bm}"] = raw[:ng, idx].T
+            if b >= ng:
+                idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
+                if idx.max() < a:
+                    cands[f"row-major-padded-bm{bm}"] = raw[idx, :ng]
+    best = ("none", 0.0)
+    for name, v in cands.items():
+        rate = float((v == ref_sf).float().mean())
+        if rate > best[1]:
+            best = (name, rate)
+    return {"sf_layout": best[0], "sf_match": best[1]}

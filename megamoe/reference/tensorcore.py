@@ -1,0 +1,137 @@
+"""How an SM90 FP8 tensor core sums one K block, emulated bit for bit (when the model's parameters are right).
+
+A ``wgmma ... .f32.e4m3.e4m3`` does not add its products in IEEE FP32. Each product of two e4m3
+values is exact (at most 8 significant bits). The hardware then adds ``chunk`` products and the
+running accumulator c in one fused step:
+
+    terms  = [c, p_1, ..., p_chunk]                       # c: FP32 accumulator, p: exact products
+    e_max  = largest exponent among the nonzero terms     # frexp convention, |m| in [0.5, 1)
+    unit   = 2 ** (e_max - 1 - frac_bits)                 # every term aligned to the largest one
+    t_i    = round_term(terms_i / unit) * unit            # bits below ``unit`` are dropped (rz / floor)
+    c'     = round_out(sum t_i, out_bits)                 # exact sum, then the result's own rounding
+
+and chains such steps over the instruction's K (32 for FP8) and over successive instructions that
+accumulate into the same registers (the four k32 steps of one 128-wide block). ``TensorCoreModel``
+names the parameters; ``SM90_FP8_TC`` is the one fitted on the H200 (``bench/device/fused_probe.py``
+collects the test vectors, ``fit_tensorcore_model`` searches the grid, docs/kernel-numerics.md
+records the result). ``EXACT_BLOCK`` is the plain model: the exact block sum rounded once to FP32.
+
+Dimension legend: M rows of A (tokens), N rows of B (weight rows), K the reduced dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorCoreModel:
+    """One fused-add step of ``chunk`` products plus the accumulator (see the module docstring)."""
+
+    name: str
+    chunk: int = 32
+    frac_bits: int = 60  # >= 52: no alignment loss (the exact model)
+    term_round: str = "rz"  # "rz": toward zero; "floor": toward -inf (two's-complement truncation)
+    out_bits: int = 23  # mantissa bits the accumulator keeps after each step
+    out_round: str = "rn"  # "rn" or "rz"
+
+    def __post_init__(self) -> None:
+        if self.chunk <= 0 or 32 % self.chunk:
+            raise ValueError(f"chunk must divide 32 (the FP8 wgmma K), got {self.chunk}")
+        if self.term_round not in ("rz", "floor"):
+            raise ValueError(f"term_round must be 'rz' or 'floor', got {self.term_round!r}")
+        if self.out_round not in ("rn", "rz"):
+            raise ValueError(f"out_round must be 'rn' or 'rz', got {self.out_round!r}")
+        if not 1 <= self.out_bits <= 23:
+            raise ValueError(f"out_bits must be in [1, 23], got {self.out_bits}")
+
+    @property
+    def is_exact(self) -> bool:
+        return self.frac_bits >= 52 and self.out_bits == 23 and self.out_round == "rn"
+
+
+EXACT_BLOCK = TensorCoreModel("exact-block")
+# Fitted on the H200 (2026-12-02), see docs/kernel-numerics.md. Until that fit lands this is a
+# placeholder equal to the commonly reported Hopper FP8 behaviour (13-bit aligned truncation).
+SM90_FP8_TC = TensorCoreModel("sm90-fp8-tc", chunk=32, frac_bits=13, term_round="rz", out_bits=23, out_round="rz")
+
+
+# Recipe.mma name -> model. Experiments may rebind an entry (see bench/device/fused_probe.py).
+MODELS: dict[str, TensorCoreModel] = {"exact-block": EXACT_BLOCK, "sm90-fp8-tc": SM90_FP8_TC}
+
+
+def _round_mantissa(s: torch.Tensor, bits: int, mode: str) -> torch.Tensor:
+    """Round float64 s to ``bits`` fraction bits (FP32-like, no subnormal handling below 2**-126)."""
+    if bits >= 52:
+        return s
+    m, e = torch.frexp(s)  # s = m * 2**e, |m| in [0.5, 1)
+    scaled = torch.ldexp(m, torch.full_like(e, bits + 1))
+    scaled = torch.trunc(scaled) if mode == "rz" else torch.round(scaled)  # torch.round: half to even
+    return torch.ldexp(scaled, e - (bits + 1))
+
+
+def tc_step(c: torch.Tensor, p: torch.Tensor, model: TensorCoreModel) -> torch.Tensor:
+    """One fused step: c float64 [...] (FP32 values), p float64 [..., chunk] exact products -> c' float64."""
+    terms = torch.cat([c.unsqueeze(-1), p], dim=-1)
+    if model.frac_bits < 52:
+        _, e = torch.frexp(terms)
+        e = torch.where(terms != 0, e, torch.full_like(e, -10_000))
+        e_max = e.amax(dim=-1, keepdim=True).clamp(min=-1000)
+        shift = (model.frac_bits + 1) - e_max  # terms * 2**shift puts the unit at 1
+        q = torch.ldexp(terms, shift.expand_as(terms))
+        q = torch.trunc(q) if model.term_round == "rz" else torch.floor(q)
+        s = torch.ldexp(q.sum(dim=-1), -shift.squeeze(-1))
+    else:
+        s = terms.sum(dim=-1)
+    if model.out_bits == 23 and model.out_round == "rn":
+        return s.float().double()
+    return _round_mantissa(s, model.out_bits, model.out_round).float().double()
+
+
+def tc_dot(a: torch.Tensor, b: torch.Tensor, model: TensorCoreModel, c: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K], b [N, K] (e4m3 values as floats), K a multiple of model.chunk -> FP32 [M, N]:
+    the chained tensor-core sum of one block, starting from accumulator c (FP32 [M, N], or 0)."""
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"a is [M, {k}] but b is {tuple(b.shape)}")
+    if k % model.chunk:
+        raise ValueError(f"K={k} must be a multiple of the model's chunk {model.chunk}")
+    if model.is_exact and c is None:
+        return (a.double() @ b.double().T).float()
+    acc = torch.zeros(m, n, dtype=torch.float64, device=a.device) if c is None else c.double()
+    ad, bd = a.double(), b.double()
+    for k0 in range(0, k, model.chunk):
+        p = ad[:, None, k0 : k0 + model.chunk] * bd[None, :, k0 : k0 + model.chunk]  # [M, N, chunk]
+        acc = tc_step(acc, p, model)
+    return acc.float()
+
+
+# ------------------------------------------------------------------------------------ fitting
+def model_grid() -> list[TensorCoreModel]:
+    """The candidate models the H200 probe is fitted against."""
+    out = [EXACT_BLOCK]
+    for chunk, frac, tr, ob, orr in product(
+        (4, 8, 16, 32), range(10, 27), ("rz", "floor"), (13, 23), ("rz", "rn")
+    ):
+        out.append(TensorCoreModel(f"c{chunk}-f{frac}-{tr}-o{ob}{orr}", chunk, frac, tr, ob, orr))
+    return out
+
+
+def fit_tensorcore_model(
+    a: torch.Tensor, b: torch.Tensor, observed: torch.Tensor, models: list[TensorCoreModel] | None = None
+) -> list[tuple[float, TensorCoreModel]]:
+    """Rank models by the fraction of outputs they reproduce bit for bit.
+
+    a [M, K], b [N, K] e4m3 values; observed FP32 [M, N] from the tensor cores with no promotion
+    (``torch._scaled_mm(..., use_fast_accum=True)`` with unit scales). Returns [(match, model)], best first.
+    """
+    res = []
+    for mdl in models or model_grid():
+        got = tc_dot(a, b, mdl)
+        res.append((float((got.view(torch.int32) == observed.float().view(torch.int32)).float().mean()), mdl))
+    res.sort(key=lambda r: -r[0])
+    return res
