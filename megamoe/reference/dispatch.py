@@ -70,7 +70,7 @@ def validate_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num
         s = torch.where(valid, topk_idx, -1 - torch.arange(topk_idx.shape[1], device=topk_idx.device))
         if (s.sort(dim=1).values.diff(dim=1) == 0).any():
             t = int(((s.sort(dim=1).values.diff(dim=1) == 0).any(dim=1)).nonzero()[0])
-            raise ValueError(f"{p}token {t} routes to the same expert twice: {topk_idx[t].tolist()}")
+            raise ValueError(f"{p}topk_idx: token {t} routes to the same expert twice: {topk_idx[t].tolist()}")
     if topk_weights is not None:
         if topk_weights.dtype != torch.float32:
             raise TypeError(f"{p}topk_weights must be float32, got {topk_weights.dtype}")

@@ -149,6 +149,10 @@ def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int) -> 
             raise ValueError(f"{what}: x is on {x.device} but the weights are on {weights.device}")
         if inp.topk_idx.shape != (x.shape[0], g.num_topk):
             raise ValueError(f"{what}: topk_idx must be [{x.shape[0]}, {g.num_topk}], got {tuple(inp.topk_idx.shape)}")
+        for name in ("topk_idx", "topk_weights"):
+            t = getattr(inp, name)
+            if t.device != x.device:
+                raise ValueError(f"{what}: {name} is on {t.device} but x is on {x.device}")
         validate_topk(inp.topk_idx, inp.topk_weights, g.num_experts, what)
         if x.numel() and not torch.isfinite(x).all():
             raise ValueError(f"{what}: x contains NaN or Inf")
