@@ -1,0 +1,273 @@
+"""Scale-range analysis and exact repair: no out-of-range weight scale reaches a kernel silently.
+
+The SM90 FP4 decoders turn e2m1 * 2**(b - 127) into one e4m3 byte, which is exact only for a window
+of scale bytes b (``Recipe.min_scale_byte`` .. ``Recipe.max_scale_byte``; FlashInfer 122..133,
+DeepGEMM SM90 FP4 <= 133). No kernel checks. A *scale group* (32 K values sharing one byte) counts
+only when one of its codes is nonzero: an all-zero group decodes to 0 whatever its scale.
+
+Repair (``repair_ranges``) is exact: per expert and tensor it adds one integer shift s to every
+scale byte and multiplies the expert's global scale by 2**-s, so decode(codes, b + s) * gs * 2**-s
+is the same float as before, bit for bit. L1's gate and up share one global scale, so one shift.
+A shift exists iff the expert's nonzero-group bytes span at most the window; else ValueError.
+Recipes without global scales can only fold existing power-of-two global scales into the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ..formats import E8M0_BIAS, MXFP4_BLOCK
+from ..recipe import Recipe, get_recipe
+from ..weights import MXFP4Weights
+
+TENSORS = ("l1", "l2")
+
+
+def nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [..., K/2] -> bool [..., K/32]: does the 32-group hold a nonzero magnitude?
+
+    Code 8 (-0) is zero. 0x77 keeps both nibbles' magnitude bits.
+    """
+    p = packed.contiguous().view(torch.uint8)
+    if p.shape[-1] % (MXFP4_BLOCK // 2):
+        raise ValueError(f"packed last dim must be a multiple of {MXFP4_BLOCK // 2} bytes, got {p.shape[-1]}")
+    words = p.view(torch.int64)  # one 32-group = 16 bytes = 2 int64 words
+    return ((words & 0x7777777777777777) != 0).reshape(*p.shape[:-1], -1, 2).any(dim=-1)
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    """Scale bytes of one expert's tensor (l1 = gate+up [2I, H/32] groups, l2 [H, I/32]).
+
+    Counts cover groups with nonzero codes only; min_byte / max_byte are None when there are none.
+    ``shift`` is the exact rebase (bytes += shift, global scale *= 2**-shift) that lands every
+    counted group in the window, 0 when already legal, None when no shift can (span too wide).
+    """
+
+    expert: int
+    tensor: str
+    groups: int  # all scale groups
+    nonzero_groups: int
+    below: int  # nonzero groups with byte < min_scale_byte
+    above: int  # nonzero groups with byte > max_scale_byte
+    min_byte: int | None
+    max_byte: int | None
+    shift: int | None
+
+    @property
+    def out_of_range(self) -> int:
+        return self.below + self.above
+
+    @property
+    def ok(self) -> bool:
+        return self.out_of_range == 0
+
+
+@dataclass(frozen=True)
+class RangeReport:
+    """Per (expert, tensor) ``TensorRange`` for one recipe's legal window [min_scale_byte, max_scale_byte]."""
+
+    recipe: str
+    min_scale_byte: int | None
+    max_scale_byte: int | None
+    global_scales: bool
+    entries: tuple[TensorRange, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(t.ok for t in self.entries)
+
+    @property
+    def out_of_range(self) -> int:
+        return sum(t.out_of_range for t in self.entries)
+
+    def bad(self) -> list[TensorRange]:
+        return [t for t in self.entries if not t.ok]
+
+    def to_dict(self) -> dict:
+        return {
+            "recipe": self.recipe,
+            "min_scale_byte": self.min_scale_byte,
+            "max_scale_byte": self.max_scale_byte,
+            "global_scales": self.global_scales,
+            "ok": self.ok,
+            "out_of_range": self.out_of_range,
+            "entries": [asdict(t) for t in self.entries],
+        }
+
+    def __str__(self) -> str:
+        bad = self.bad()
+        head = (f"{self.recipe}: window {self.min_scale_byte}..{self.max_scale_byte}, "
+                f"{len(self.entries)} tensors, {len(bad)} with out-of-range nonzero groups ({self.out_of_range} groups)")
+        lines = [head] + [
+            f"  expert {t.expert} {t.tensor}: {t.below} below, {t.above} above, bytes {t.min_byte}..{t.max_byte}, "
+            f"shift {t.shift if t.shift is not None else 'none possible'}"
+            for t in bad[:20]
+        ]
+        if len(bad) > 20:
+            lines.append(f"  ... {len(bad) - 20} more")
+        return "\n".join(lines)
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(title=f"scale ranges for {self.recipe} (legal bytes {self.min_scale_byte}..{self.max_scale_byte})")
+        for col in ("expert", "tensor", "nonzero groups", "below", "above", "min byte", "max byte", "shift"):
+            table.add_column(col, justify="right")
+        for t in self.entries:
+            style = None if t.ok else ("red" if t.shift is None else "yellow")
+            table.add_row(str(t.expert), t.tensor, str(t.nonzero_groups), str(t.below), str(t.above),
+                          str(t.min_byte), str(t.max_byte), str(t.shift), style=style)
+        return table
+
+
+def _window(recipe: Recipe) -> tuple[int, int]:
+    lo = recipe.min_scale_byte if recipe.min_scale_byte is not None else 0
+    hi = recipe.max_scale_byte if recipe.max_scale_byte is not None else 254
+    return lo, hi
+
+
+def _shift_for(mn: int | None, mx: int | None, lo: int, hi: int) -> int | None:
+    """Smallest |s| with lo <= mn + s and mx + s <= hi; None when mx - mn > hi - lo."""
+    if mn is None:
+        return 0
+    if mx - mn > hi - lo:
+        return None
+    if mn < lo:
+        return lo - mn
+    if mx > hi:
+        return hi - mx
+    return 0
+
+
+def _tensor_range(e: int, name: str, packed: torch.Tensor, scale: torch.Tensor, lo: int, hi: int) -> TensorRange:
+    mask = nonzero_groups(packed)
+    b = scale.to(torch.int16)
+    n = int(mask.sum())
+    mn = int(torch.where(mask, b, 256).min()) if n else None
+    mx = int(torch.where(mask, b, -1).max()) if n else None
+    return TensorRange(
+        expert=e, tensor=name, groups=scale.numel(), nonzero_groups=n,
+        below=int((mask & (b < lo)).sum()), above=int((mask & (b > hi)).sum()), min_byte=mn, max_byte=mx,
+        shift=_shift_for(mn, mx, lo, hi),
+    )
+
+
+def analyze_ranges(weights: MXFP4Weights, recipe) -> RangeReport:
+    """Count, per expert and tensor, the nonzero scale groups outside ``recipe``'s legal bytes."""
+    recipe = get_recipe(recipe)
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
+    lo, hi = _window(recipe)
+    entries = []
+    for e in range(weights.num_experts):
+        entries.append(_tensor_range(e, "l1", weights.l1[e], weights.l1_scale[e], lo, hi))
+        entries.append(_tensor_range(e, "l2", weights.l2[e], weights.l2_scale[e], lo, hi))
+    return RangeReport(recipe.name, recipe.min_scale_byte, recipe.max_scale_byte, recipe.global_scales, tuple(entries))
+
+
+def _refusal(t: TensorRange, recipe: Recipe, why: str) -> str:
+    lo, hi = _window(recipe)
+    return (
+        f"expert {t.expert} {t.tensor}: {t.below} scale groups below byte {lo} and {t.above} above byte {hi} "
+        f"(nonzero-group bytes {t.min_byte}..{t.max_byte} = 2**{t.min_byte - E8M0_BIAS}..2**{t.max_byte - E8M0_BIAS}); "
+        f"{recipe.name} decodes only bytes {lo}..{hi}; {why}"
+    )
+
+
+def _explain(t: TensorRange, recipe: Recipe) -> str:
+    lo, hi = _window(recipe)
+    span, width = t.max_byte - t.min_byte + 1, hi - lo + 1
+    if recipe.global_scales:
+        return _refusal(t, recipe, f"the span is {span} binades but the window is {width}: {span - width} binade(s) "
+                                   "too wide for any exact power-of-two rebase (requantize the expert instead)")
+    over = max(t.max_byte - hi, 0)
+    under = max(lo - t.min_byte, 0)
+    return _refusal(t, recipe, f"{over + under} binade(s) out ({over} over, {under} under) and this kernel has "
+                               "no per-expert global scale to absorb them, so no exact repair exists")
+
+
+def check_ranges(weights: MXFP4Weights, recipe) -> None:
+    """Raise ValueError (naming expert, tensor, bytes and binades) if any nonzero group is out of range."""
+    recipe = get_recipe(recipe)
+    report = analyze_ranges(weights, recipe)
+    bad = report.bad()
+    if bad:
+        first = bad[0]
+        hint = " call megamoe.layouts.ranges.repair_ranges first." if recipe.global_scales and all(
+            t.shift is not None for t in bad) else ""
+        msg = _explain(first, recipe) if first.shift is None or not recipe.global_scales else _refusal(
+            first, recipe, f"an exact rebase by {first.shift} binade(s) exists")
+        raise ValueError(f"{len(bad)} expert tensor(s) out of range for {recipe.name}; first: {msg}.{hint}")
+
+
+def _shift_bytes(scale: torch.Tensor, packed: torch.Tensor, s: int, lo: int, hi: int) -> torch.Tensor:
+    """bytes + s on nonzero groups; all-zero groups (value 0 at any scale) are clamped into the window."""
+    b = scale.to(torch.int32) + s
+    b = torch.where(nonzero_groups(packed), b, b.clamp(lo, hi))
+    if (b < 0).any() or (b > 254).any():  # cannot happen for a legal window, kept as a guard
+        raise ValueError(f"rebase by {s} leaves the E8M0 range")
+    return b.to(torch.uint8)
+
+
+def fold_global_scales(weights: MXFP4Weights) -> MXFP4Weights:
+    """Move power-of-two global scales into the scale bytes (exact); result has none.
+
+    Raises ValueError when a global scale is not a power of two or the folded byte leaves 0..254.
+    """
+    out = {}
+    for name in TENSORS:
+        gs = getattr(weights, f"{name}_global_scale")
+        packed, scale = getattr(weights, name), getattr(weights, f"{name}_scale")
+        if gs is None:
+            out[f"{name}_scale"] = scale
+            continue
+        m, ex = torch.frexp(gs)
+        if not bool((m == 0.5).all()):
+            bad = int((m != 0.5).nonzero()[0])
+            raise ValueError(f"{name}_global_scale[{bad}] = {gs[bad].item()!r} is not a power of two; cannot fold it exactly")
+        k = (ex - 1).to(torch.int32)  # gs = 2**k
+        b = scale.to(torch.int32) + k[:, None, None]
+        bad = ((b < 0) | (b > 254)) & nonzero_groups(packed)
+        if bool(bad.any()):
+            e = int(bad.flatten(1).any(1).nonzero()[0])
+            raise ValueError(f"folding {name}_global_scale[{e}] = 2**{int(k[e])} pushes expert {e}'s scale bytes outside 0..254")
+        out[f"{name}_scale"] = b.clamp(0, 254).to(torch.uint8)
+    return replace(weights, l1_scale=out["l1_scale"], l2_scale=out["l2_scale"], l1_global_scale=None, l2_global_scale=None)
+
+
+def repair_ranges(weights: MXFP4Weights, recipe) -> MXFP4Weights:
+    """Exact rebase into ``recipe``'s window, or ValueError naming expert, tensor, bytes and binades.
+
+    Global-scale recipes (FlashInfer): per expert, L1 (gate and up together) and L2 each get the
+    smallest shift s landing every nonzero group in the window; bytes += s, global scale *= 2**-s
+    (created as ones when absent). Other recipes: existing power-of-two global scales are folded
+    into the bytes, then the window is checked. Already-legal weights come back unchanged in value.
+    """
+    recipe = get_recipe(recipe)
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
+    if not recipe.global_scales:
+        if weights.l1_global_scale is not None or weights.l2_global_scale is not None:
+            weights = fold_global_scales(weights)
+        check_ranges(weights, recipe)
+        return weights
+    lo, hi = _window(recipe)
+    report = analyze_ranges(weights, recipe)
+    refused = [t for t in report.entries if t.shift is None]
+    if refused:
+        raise ValueError(f"cannot rebase {len(refused)} expert tensor(s) for {recipe.name}; first: "
+                         f"{_explain(refused[0], recipe)}")
+    ones = torch.ones(weights.num_experts, dtype=torch.float32, device=weights.device)
+    new = {}
+    for name in TENSORS:
+        shifts = [t.shift for t in report.entries if t.tensor == name]
+        packed, scale = getattr(weights, name), getattr(weights, f"{name}_scale")
+        new[f"{name}_scale"] = torch.stack([_shift_bytes(scale[e], packed[e], s, lo, hi) for e, s in enumerate(shifts)])
+        gs = getattr(weights, f"{name}_global_scale")
+        gs = ones if gs is None else gs
+        factor = torch.tensor([2.0 ** -s for s in shifts], dtype=torch.float32, device=weights.device)
+        new[f"{name}_global_scale"] = gs * factor  # exact: a power of two times a float32
+    return replace(weights, **new)
