@@ -1,0 +1,304 @@
+"""CPU tests of the benchmark harness (megamoe.bench): timing, floors, the adapter, the sweep, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from megamoe.bench import backends as bk
+from megamoe.bench.ceilings import Ceilings, measure_ceilings
+from megamoe.bench.cli import add_arguments, config_from_args
+from megamoe.bench.report import to_markdown
+from megamoe.bench.roofline import achieved, bytes_per_weight, distinct_experts, step_floor
+from megamoe.bench.sweep import SweepConfig, pad_inputs, ragged_counts, repeatability, run_sweep, speedups
+from megamoe.bench.timing import Timing, bare_loop_us, overhead_check, time_fn, time_graph
+from megamoe.geometry import get_geometry
+from megamoe.reference import moe_forward
+from megamoe.testing import make_inputs
+
+H200 = Ceilings("NVIDIA H200 (KERNELS.md)", copy_gbps=4240.0, fp8_tflops=1422.0, bf16_tflops=815.0)
+
+
+def _busy(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+# ------------------------------------------------------------------------------------ timing
+def test_time_fn_cpu_fallback_measures_the_call():
+    tm = time_fn(lambda: _busy(2000), warmup=1, repeats=5, device="cpu")
+    assert tm.method == "perf_counter" and len(tm.samples_us) == 5
+    assert 1900 < tm.median_us < 20000  # a loaded CI host stretches it, never shrinks it
+    assert tm.min_us <= tm.median_us <= tm.max_us
+    s = tm.summary()
+    assert s["repeats"] == 5 and s["median_us"] == tm.median_us
+
+
+def test_time_fn_rotates_input_sets_and_warms_up():
+    seen = []
+    tm = time_fn(seen.append, args=["a", "b", "c"], warmup=2, repeats=6, device="cpu")
+    assert tm.rotated == 3 and tm.warmup == 2
+    assert seen == ["a", "b", "c", "a", "b", "c", "a", "b"]  # 2 warm-up + 6 timed, cycling
+
+
+def test_time_fn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="repeats"):
+        time_fn(lambda: None, repeats=0, device="cpu")
+    with pytest.raises(ValueError, match="at least one"):
+        time_fn(lambda x: None, args=[], device="cpu")
+
+
+def test_timing_spread_and_median():
+    tm = Timing([10.0, 10.0, 10.0, 10.0], "perf_counter")
+    assert tm.spread == 0.0 and tm.median_us == 10.0
+    tm = Timing([float(x) for x in range(1, 12)], "perf_counter")  # 1..11, median 6
+    assert tm.median_us == 6.0 and tm.spread == pytest.approx((10 - 2) / 6)
+
+
+def test_time_graph_falls_back_on_cpu():
+    tm = time_graph(lambda: _busy(500), repeats=3, device="cpu")
+    assert tm.method == "perf_counter" and len(tm.samples_us) == 3
+
+
+def test_bare_loop_and_harness_agree_on_a_steady_call():
+    bare = bare_loop_us(lambda: _busy(3000), iters=5, device="cpu")
+    assert 2900 < bare < 30000
+    oc = overhead_check(lambda: _busy(3000), iters=5, repeats=5, device="cpu", tolerance=0.05)
+    assert oc["method"] == "perf_counter" and set(oc) >= {"bare_loop_us", "harness_us", "ratio", "ok"}
+    assert 0.5 < oc["ratio"] < 2  # a busy-wait: only host jitter differs (the 2% check is a GPU one)
+
+
+# ------------------------------------------------------------------------------------ ceilings + floors
+def test_ceilings_measure_on_cpu():
+    c = measure_ceilings("cpu", copy_bytes=8 * 2**20, matmul_n=128, repeats=3)
+    assert c.copy_gbps > 0 and c.fp8_tflops > 0 and c.bf16_tflops > 0
+    assert Ceilings.from_dict(c.as_dict()) == c
+
+
+def test_bytes_per_weight():
+    assert bytes_per_weight("mxfp4") == 0.53125
+    assert bytes_per_weight("fp8_block") == pytest.approx(1 + 4 / 16384)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        bytes_per_weight("int3")
+
+
+def test_distinct_experts_skips_masked_slots_and_ranges():
+    idx = torch.tensor([[0, 3], [3, -1], [-1, -1], [7, 0]])
+    assert distinct_experts(idx) == 3
+    assert distinct_experts(idx, 0, 4) == 2
+    assert distinct_experts(idx, 4, 8) == 1
+
+
+def test_floor_matches_the_kernels_md_table():
+    """KERNELS.md's H200 floors at DeepSeek-V4-Flash: 19 us at 1 token (HBM), 1739 us at 8192 (FP8)."""
+    g = get_geometry("dsv4-flash")
+    one = torch.arange(6).view(1, 6)
+    f1 = step_floor(g, one, H200, "mxfp4")
+    assert f1.bound == "HBM" and f1.experts_touched == 6 and round(f1.floor_us) == 19
+    full = torch.arange(8192 * 6).remainder(256).view(8192, 6)  # every expert touched
+    f8k = step_floor(g, full, H200, "mxfp4")
+    assert f8k.bound == "FP8" and abs(f8k.floor_us - 1739) < 2  # the table rounds the ceilings
+    a = achieved(f8k, 2 * f8k.floor_us, H200)
+    assert a["frac_of_floor"] == pytest.approx(0.5) and a["frac_fp8_peak"] == pytest.approx(0.5)
+    # FP8 weights move ~1.9x the bytes of MXFP4 ones: the HBM floor moves with the format
+    assert step_floor(g, one, H200, "fp8_block").hbm_us > 1.8 * f1.hbm_us
+
+
+# ------------------------------------------------------------------------------------ sweep helpers
+def test_pad_inputs_routes_padding_to_minus_one(tiny):
+    g, w = tiny
+    inp = make_inputs(g, 5, seed=1)
+    pad = pad_inputs(inp, 9)
+    assert pad.num_tokens == 9 and (pad.topk_idx[5:] == -1).all() and torch.equal(pad.x[:5], inp.x)
+    assert pad.x[5:].abs().sum() > 0  # never zeros
+    y = moe_forward(pad, w, "flashinfer-mxfp4", g)
+    assert torch.equal(y[:5], moe_forward(inp, w, "flashinfer-mxfp4", g)) and (y[5:] == 0).all()
+    with pytest.raises(ValueError):
+        pad_inputs(inp, 3)
+
+
+def test_ragged_counts():
+    assert ragged_counts(256, 8192) == [64, 192, 320, 448]
+    assert ragged_counts(2, 8192) == [1, 2, 2, 4]
+    assert max(ragged_counts(8192, 8192)) == 8192
+
+
+def test_repeatability_and_speedup_tables():
+    rows = [{"backend": "f", "fused": True, "tokens": 1, "pass": 0, "median_us": 100.0},
+            {"backend": "u", "fused": False, "tokens": 1, "pass": 0, "median_us": 300.0},
+            {"backend": "f", "fused": True, "tokens": 1, "pass": 1, "median_us": 102.0}]
+    rep = repeatability(rows)
+    assert rep == [{"backend": "f", "tokens": 1, "medians_us": [100.0, 102.0], "spread": pytest.approx(0.02)}]
+    sp = speedups(rows)
+    assert len(sp) == 1 and sp[0]["speedup"] == pytest.approx(3.0) and sp[0]["unfused"] == "u"
+
+
+# ------------------------------------------------------------------------------------ a fake fused backend
+class FakeFused:
+    """Follows the megamoe.fused protocol over the eager reference (CPU)."""
+
+    recipe = "flashinfer-mxfp4"
+    weight_format = "mxfp4"
+    fused = True
+    wrong = False
+
+    def __init__(self, g, num_max_tokens_per_rank, block_m=None, group=None):
+        self.g, self.cap, self.block_m = g, num_max_tokens_per_rank, block_m
+        self.built, self.launches, self.buf = [], 0, None
+
+    @classmethod
+    def available(cls):
+        return True, ""
+
+    def prepare_weights(self, weights):
+        self.w = weights
+
+    def build_plans(self, token_counts):
+        self.built += list(token_counts)
+
+    def stage(self, inputs, num_tokens):
+        assert num_tokens <= self.cap
+        self.buf = inputs.clone()
+
+    def launch(self, num_tokens):  # cheap stand-in for the kernel: the timed region
+        self.launches += 1
+        self.y = self.buf.x[:num_tokens].float().sum()
+
+    def run(self, inputs):
+        self.stage(inputs, inputs.num_tokens)
+        self.launch(inputs.num_tokens)
+        return moe_forward(self.buf, self.w, self.recipe, self.g) * (2 if self.wrong else 1)
+
+    def plan_report(self, num_tokens):
+        return {"block_m": self.block_m or (8 if num_tokens <= 4 else 24), "num_tokens": num_tokens}
+
+    def legal_block_ms(self, num_tokens=None):
+        return [8, 24]
+
+
+class FakeUnfused(FakeFused):
+    fused = False
+
+
+class FakeBroken(FakeFused):
+    wrong = True
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    reg = {"fake-fused": FakeFused, "fake-unfused": FakeUnfused}
+    monkeypatch.setattr(bk, "fused_registry", lambda: dict(reg))
+    return reg
+
+
+def test_adapter_drives_the_protocol(tiny, fake_registry):
+    g, w = tiny
+    out, skipped = bk.make_backends(g, w, 16, ["fake-fused", "missing", "reference"])
+    assert [b.name for b in out] == ["fake-fused", "reference"] and "missing" in skipped
+    a = out[0]
+    assert isinstance(a, bk.FusedAdapter) and a.fused and a.weight_format == "mxfp4" and not a.rotatable
+    a.build([1, 8])
+    assert a.obj.built == [1, 8]
+    inp = make_inputs(g, 8, seed=3)
+    fn, args = a.timer([inp])
+    assert args is None
+    fn()
+    assert a.obj.launches == 1
+    assert a.plan(8)["block_m"] == 24 and bk.block_m_of(a.plan(2)) == 8
+    forced = a.with_block_m(8)
+    assert forced.obj.block_m == 8 and forced.plan(100)["block_m"] == 8 and forced.plan(100)["forced_block_m"] == 8
+    assert torch.equal(a.run(inp), a.reference(inp, w))
+
+
+def test_adapter_forces_block_m_through_a_setter(tiny):
+    g, w = tiny
+
+    class Setter(FakeFused):
+        def __init__(self, g, num_max_tokens_per_rank):
+            super().__init__(g, num_max_tokens_per_rank)
+
+        def force_block_m(self, bm):
+            self.block_m = bm
+
+    a = bk.FusedAdapter("setter", Setter, g, 8, block_m=24)
+    assert a.obj.block_m == 24
+
+
+def test_sweep_end_to_end_on_cpu(tiny, fake_registry, tmp_path):
+    g, w = tiny
+    cfg = SweepConfig(preset="tiny", tokens=[1, 8], backends=["fake-fused", "fake-unfused", "reference"], repeats=3,
+                      warmup=1, rotate=2, passes=2, reference_repeats=2, reference_max_tokens=1, ragged_means=[4], overhead_tokens=[8],
+                      device="cpu", out_dir=str(tmp_path), progress=False, weights=w, seed=5)
+    res = run_sweep(cfg, log=lambda s: None)
+    assert res["errors"] == [], res["errors"]
+    first = [r for r in res["rows"] if r["pass"] == 0]
+    assert len(first) == 5 and len(res["rows"]) == 10
+    for r in first:
+        assert r["median_us"] > 0 and r["floor_us"] > 0 and 0 < r["frac_of_floor"]
+        assert r["tflops"] > 0 and r["gbps"] > 0 and r["method"] == "perf_counter"
+        if r["backend"] != "reference":
+            assert r["checked"] and r["correct"] and r["calc_diff"] == 0.0
+    assert {r["block_m"] for r in first if r["backend"] == "fake-fused"} == {8, 24}
+    assert all(r["block_m"] is not None for r in res["rows"] if r["backend"] == "fake-fused")  # pass 2 too
+    assert len(res["repeatability"]) == 5
+    assert {s["fused"] for s in res["speedup"]} == {"fake-fused"} and all("speedup" in s for s in res["speedup"])
+    assert len(res["block_m"]) == 2 * 2 and {r["backend"] for r in res["block_m"]} == {"fake-fused"}  # 2 BMs x 2 T
+    assert res["block_m_best"] and all(b["best_block_m"] in (8, 24) for b in res["block_m_best"])
+    assert res["ragged"] and res["ragged"][0]["counts"] == [1, 3, 5, 7] and res["ragged"][0]["agreed"] >= 7
+    assert any(s["what"].startswith("megamoe per_token_cast") for s in res["staging"])
+    assert any(".stage" in s["what"] and "frac_of fake-fused" in s for s in res["staging"])
+    assert {o["backend"] for o in res["overhead"]} == {"fake-fused", "fake-unfused"}
+    (folder,) = os.listdir(tmp_path)
+    assert folder.endswith(res["meta"]["commit"]) and folder.startswith(res["meta"]["date"][:10])
+    files = set(os.listdir(tmp_path / folder))
+    assert {"results.json", "results.md", "sweep.png", "block_m.png"} <= files
+    back = json.loads((tmp_path / folder / "results.json").read_text())
+    assert back["meta"]["geometry"]["name"] == "tiny" and back["ceilings"]["copy_gbps"] > 0
+    md = (tmp_path / folder / "results.md").read_text()
+    assert "## Sweep" in md and "## BLOCK_M study" in md and "## Harness overhead" in md and "## Repeatability" in md
+
+
+def test_sweep_flags_a_wrong_backend_and_survives_a_crashing_one(tiny, monkeypatch):
+    g, w = tiny
+
+    class Crash(FakeFused):
+        def launch(self, num_tokens):
+            raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(bk, "fused_registry", lambda: {"broken": FakeBroken, "crash": Crash})
+    cfg = SweepConfig(preset="tiny", tokens=[4], backends=["broken", "crash"], repeats=2, warmup=1, passes=1,
+                      block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu",
+                      progress=False, weights=w)
+    res = run_sweep(cfg, log=lambda s: None)
+    (row,) = res["rows"]
+    assert row["backend"] == "broken" and row["correct"] is False and row["calc_diff"] > 0.1
+    assert any("crash" in e["where"] and "kernel exploded" in e["error"] for e in res["errors"])
+    assert "FAIL" in to_markdown(res)
+
+
+def test_sweep_times_any_callable(tiny):
+    g, w = tiny
+    x = torch.randn(64, 64)
+    cb = bk.CallableBackend("torch matmul", lambda inp: x @ x, fused=False)
+    cfg = SweepConfig(preset="tiny", tokens=[2], backends=[], repeats=3, warmup=1, passes=1, block_m_study=False,
+                      ragged=False, staging=False, overhead=True, overhead_tokens=[2], device="cpu", progress=False,
+                      weights=w, extra_backends=[cb])
+    res = run_sweep(cfg, log=lambda s: None)
+    assert [r["backend"] for r in res["rows"]] == ["torch matmul"] and res["rows"][0]["rotated"] == 4
+    assert res["overhead"][0]["backend"] == "torch matmul"
+
+
+def test_cli_arguments_map_to_the_config():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["--preset", "small", "--tokens", "8", "1", "8", "--no-studies", "--passes", "1"]))
+    assert cfg.preset == "small" and cfg.tokens == [1, 8] and cfg.passes == 1
+    assert not (cfg.block_m_study or cfg.ragged or cfg.staging or cfg.overhead)
+    default = config_from_args(p.parse_args([]))
+    assert default.tokens[0] == 1 and default.tokens[-1] == 8192 and default.block_m_study and default.passes == 2
