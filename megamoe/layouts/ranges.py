@@ -194,13 +194,18 @@ def check_ranges(weights: MXFP4Weights, recipe) -> None:
     recipe = get_recipe(recipe)
     report = analyze_ranges(weights, recipe)
     bad = report.bad()
-    if bad:
-        first = bad[0]
-        hint = " call megamoe.layouts.ranges.repair_ranges first." if recipe.global_scales and all(
-            t.shift is not None for t in bad) else ""
-        msg = _explain(first, recipe) if first.shift is None or not recipe.global_scales else _refusal(
-            first, recipe, f"an exact rebase by {first.shift} binade(s) exists")
-        raise ValueError(f"{len(bad)} expert tensor(s) out of range for {recipe.name}; first: {msg}.{hint}")
+    if not bad:
+        return
+    hopeless = [t for t in bad if t.shift is None or not recipe.global_scales]
+    if hopeless:  # the tensors no rebase can fix come first: they are the real problem
+        raise ValueError(f"{len(bad)} expert tensor(s) out of range for {recipe.name}; first without an exact "
+                         f"repair: {_explain(hopeless[0], recipe)}")
+    first = bad[0]
+    raise ValueError(
+        f"{len(bad)} expert tensor(s) out of range for {recipe.name}; first: "
+        f"{_refusal(first, recipe, f'an exact rebase by {first.shift} binade(s) exists')}; "
+        "call megamoe.layouts.ranges.repair_ranges (or prepare_flashinfer_sm90) first"
+    )
 
 
 def _shift_bytes(scale: torch.Tensor, packed: torch.Tensor, s: int, lo: int, hi: int) -> torch.Tensor:
