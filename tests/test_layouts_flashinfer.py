@@ -135,6 +135,9 @@ def test_tile_indexing_equation():
     g = get_geometry("small")
     w = random_mxfp4_bytes(g, seed=7, num_experts=1)
     _, l2 = to_flashinfer_sm90(w)
+    from megamoe.layouts.flashinfer_sm90 import _braid_from_checkpoint
+
+    braided = _braid_from_checkpoint(w.l2)
     lay = FlashInferSM90Layout(g.hidden, g.intermediate)
     assert l2.shape[1:] == lay.shape
     gen = torch.Generator().manual_seed(8)
@@ -143,6 +146,10 @@ def test_tile_indexing_equation():
         grp = int(torch.randint(0, g.intermediate // 32, (), generator=gen))
         tile = (n // 128) * (g.intermediate // 128) + grp // 4
         assert int(l2[0, tile, 8192 + (n % 128) * 4 + grp % 4]) == int(w.l2_scale[0, n, grp])
+        byte = int(torch.randint(0, g.intermediate // 2, (), generator=gen))  # k-pair index in the row
+        kp = byte % 64
+        tile = (n // 128) * (g.intermediate // 128) + byte // 64
+        assert int(l2[0, tile, ((kp // 16) * 128 + n % 128) * 16 + kp % 16]) == int(braided[0, n, byte])
 
 
 def test_bad_inputs_name_the_argument():

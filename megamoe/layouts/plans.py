@@ -12,7 +12,6 @@ Legend: T tokens on one rank, R ranks, E experts, E_l = E / R, K top-k, H hidden
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -308,5 +307,3 @@ def expert_counts(topk_idx: torch.Tensor, expert_range: range) -> list[int]:
     hist = torch.bincount(idx, minlength=expert_range.stop)
     return [int(hist[e]) for e in expert_range]
 
-
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("functools", "math", "torch", "dataclass", "annotations")]
