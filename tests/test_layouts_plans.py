@@ -69,8 +69,17 @@ def test_legal_block_ms_and_forcing(preset, ranks):
             assert flashinfer_mxfp4_plan(H200_NUM_SMS, ranks, *geom_args(g), MAX_TOKENS, t).block_m == bm
     with pytest.raises(ValueError, match="block_m=16 is never chosen"):
         flashinfer_tokens_for_block_m(16, H200_NUM_SMS, ranks, *geom_args(g), MAX_TOKENS)
+    assert flashinfer_legal_block_ms(g, num_ranks=ranks) == (8, 24, 64)
     ranges = flashinfer_block_m_ranges(H200_NUM_SMS, ranks, *geom_args(g), MAX_TOKENS)
+    assert flashinfer_legal_block_ms(g, ranges[24][0].stop, num_ranks=ranks) == (64,)  # padding only grows T
     assert sum(len(r) for rs in ranges.values() for r in rs) == MAX_TOKENS
+
+
+def test_legal_block_ms_default_form():
+    assert flashinfer_legal_block_ms() == (8, 24, 64)
+    assert flashinfer_legal_block_ms("small", None, num_ranks=8) == (8, 24, 32, 64)
+    with pytest.raises(TypeError, match="expected"):
+        flashinfer_legal_block_ms(132, 8)
 
 
 def test_plan_argument_errors():

@@ -173,14 +173,34 @@ def flashinfer_block_m_ranges(
     return {bm: tuple(rs) for bm, rs in out.items()}
 
 
-def flashinfer_legal_block_ms(
-    num_sms: int, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate: int,
-    num_max_tokens_per_rank: int,
-) -> tuple[int, ...]:
-    """The BLOCK_M values the plan rule can produce for this geometry (sorted); a test can force
-    each through ``flashinfer_tokens_for_block_m``. H200: (8, 24, 64) for the presets; H20: 32 too."""
-    return tuple(sorted(flashinfer_block_m_ranges(
-        num_sms, num_ranks, num_experts, num_topk, hidden, intermediate, num_max_tokens_per_rank)))
+def flashinfer_legal_block_ms(*args, num_tokens: int | None = None, **kwargs) -> tuple[int, ...]:
+    """The BLOCK_M values the plan rule can produce (sorted); a test forces one by passing a token
+    count from ``flashinfer_tokens_for_block_m`` (padding with -1 routes).
+
+    Two call forms:
+        flashinfer_legal_block_ms(num_sms, num_ranks, num_experts, num_topk, hidden, intermediate, num_max_tokens_per_rank)
+        flashinfer_legal_block_ms(geometry, num_tokens=None, *, num_sms=132, num_ranks=1, num_max_tokens_per_rank=8192)
+    and no arguments means DeepSeek-V4-Flash on one H200 rank. With ``num_tokens`` (a rank's real
+    token count) only the BLOCK_Ms reachable by padding up to a count >= num_tokens are returned.
+    H200: (8, 24, 64) for the presets at 1 and 8 ranks; an H20 (78 SMs) adds 32.
+    """
+    from ..geometry import Geometry, get_geometry
+
+    if not args or isinstance(args[0], (Geometry, str)):
+        g = get_geometry(args[0] if args else "dsv4-flash")
+        if len(args) > 1:
+            num_tokens = args[1]
+        geo = (kwargs.pop("num_sms", H200_NUM_SMS), kwargs.pop("num_ranks", 1), g.num_experts, g.num_topk,
+               g.hidden, g.intermediate, kwargs.pop("num_max_tokens_per_rank", 8192))
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+    else:
+        geo = tuple(args) + tuple(kwargs.values())
+        if len(geo) != 7:
+            raise TypeError("expected (num_sms, num_ranks, num_experts, num_topk, hidden, intermediate, num_max_tokens_per_rank)")
+    ranges = flashinfer_block_m_ranges(*geo)
+    floor = 1 if num_tokens is None else max(1, int(num_tokens))
+    return tuple(sorted(bm for bm, rs in ranges.items() if any(r.stop > floor for r in rs)))
 
 
 def flashinfer_tokens_for_block_m(
