@@ -134,6 +134,8 @@ def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe) -> torch.
 
 
 def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int) -> None:
+    if not isinstance(weights, (MXFP4Weights, FP8BlockWeights)):
+        raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
     weights.check_geometry(g)
     g.experts_per_rank(num_ranks)
     if len(inputs) != num_ranks:
