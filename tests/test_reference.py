@@ -436,3 +436,86 @@ def test_route_rejects_bad_logits():
 def test_expert_histogram_ignores_masked():
     idx = torch.tensor([[0, 3], [-1, 3], [-1, -1]])
     assert expert_histogram(idx, 5).tolist() == [1, 0, 0, 2, 0]
+
+
+# ------------------------------------------------------------------------------------ broken variants
+import megamoe.reference.pipeline as pipeline_mod  # noqa: E402
+import megamoe.weights as weights_mod  # noqa: E402
+from megamoe.reference.swiglu import swiglu as _swiglu  # noqa: E402
+
+
+def check_against_oracle(case: RefCase, recipe: str) -> None:
+    """The checker the variants must fail: exact -> calc_diff <= 1e-10 vs the dense oracle;
+    kernel recipes -> bitwise vs the kernel oracle. Raises AssertionError with where and how far."""
+    g, w = case_weights(case, recipe)
+    inp = case_inputs(case)
+    y = moe_forward(inp, w, recipe, g)
+    if recipe == "exact":
+        assert_close_diff(y, dense_exact_oracle(inp.x, inp.topk_idx, inp.topk_weights, w, g), 1e-10, f"{recipe} {case}")
+    else:
+        assert_bitwise_equal(y, kernel_oracle(inp.x, inp.topk_idx, inp.topk_weights, w, g, recipe)[0], f"{recipe} {case}")
+
+
+def _gate_up_swapped(mp):
+    def swapped(h, clamp, gate_up_bf16=False):
+        i = h.shape[1] // 2
+        return _swiglu(torch.cat([h[:, i:], h[:, :i]], dim=1), clamp, gate_up_bf16)
+    mp.setattr(pipeline_mod, "swiglu", swapped)
+
+
+def _weight_twice(mp):
+    orig = pipeline_mod.expert_forward
+    mp.setattr(pipeline_mod, "expert_forward", lambda xa, x_sf, weight, *a: orig(xa, x_sf, weight * weight, *a))
+
+
+def _dropped_slot(mp):
+    orig = pipeline_mod.undispatch
+
+    def drop(*a, **k):
+        slots, filled = orig(*a, **k)
+        filled = filled.clone()
+        filled[filled.any(dim=1).nonzero()[0], filled[filled.any(dim=1).nonzero()[0]].nonzero()[0, 1]] = False
+        return slots, filled  # the first live slot of the first live token is lost
+    mp.setattr(pipeline_mod, "undispatch", drop)
+
+
+def _scale_off_by_one(mp):
+    orig = weights_mod.dequantize_mxfp4
+
+    def off(packed, scale_bytes, *a):
+        sb = scale_bytes.clone()
+        sb.view(-1)[0] += 1  # one E8M0 byte of each tensor, one binade up
+        return orig(packed, sb, *a)
+    mp.setattr(weights_mod, "dequantize_mxfp4", off)
+
+
+def _staging_true_division(mp):
+    def div(x, gran=128):
+        t, h = x.shape
+        xv = x.view(t, h // gran, gran).float()
+        sf = xv.abs().amax(dim=2).clamp(min=1e-4) / 448.0
+        return formats.e4m3_satfinite(xv * (1.0 / sf).unsqueeze(2)).view(t, h), sf
+    mp.setattr(pipeline_mod, "per_token_cast_to_fp8", div)
+
+
+BROKEN = {
+    "gate-up-swapped": _gate_up_swapped,
+    "routing-weight-twice": _weight_twice,
+    "dropped-slot": _dropped_slot,
+    "scale-off-by-one-binade": _scale_off_by_one,
+    "staging-true-division": _staging_true_division,
+}
+
+
+BROKEN_PARAMS = [pytest.param(v, r, id=f"{v}-{r}") for v in BROKEN for r in ("exact", "flashinfer-mxfp4", "deepgemm-sm90-fp4")
+                 if not (v == "staging-true-division" and r == "exact")]  # exact does not stage x
+
+
+@pytest.mark.parametrize("variant,recipe", BROKEN_PARAMS)
+def test_broken_variant_is_rejected(variant, recipe, monkeypatch):
+    case = CASES[1]
+    check_against_oracle(case, recipe)  # the control: the unbroken pipeline passes
+    with monkeypatch.context() as mp:
+        BROKEN[variant](mp)
+        with pytest.raises(AssertionError, match="calc_diff|bitwise mismatch"):
+            check_against_oracle(case, recipe)
