@@ -192,7 +192,7 @@ class FakeBroken(FakeFused):
 
 @pytest.fixture
 def fake_registry(monkeypatch):
-    reg = {"fake-fused": FakeFused, "fake-unfused": FakeUnfused}
+    reg = {"fake-fused": FakeFused, "fake-unfused": FakeUnfused, "fake-base": FakeBase}
     monkeypatch.setattr(bk, "fused_registry", lambda: dict(reg))
     return reg
 
@@ -214,6 +214,47 @@ def test_adapter_drives_the_protocol(tiny, fake_registry):
     forced = a.with_block_m(8)
     assert forced.obj.block_m == 8 and forced.plan(100)["block_m"] == 8 and forced.plan(100)["forced_block_m"] == 8
     assert torch.equal(a.run(inp), a.reference(inp, w))
+
+
+class FakeBase(FakeFused):
+    """Like megamoe.fused.base.FusedBackend: set_force_block_m + _build_job + _stage."""
+
+    def __init__(self, g, num_max_tokens_per_rank, block_m=None, group=None):
+        super().__init__(g, num_max_tokens_per_rank)
+        self.force_block_m = None
+        self.set_force_block_m(block_m)
+
+    def set_force_block_m(self, bm):
+        if bm is not None and bm not in self.legal_block_ms():
+            raise ValueError(f"illegal BLOCK_M {bm}")
+        self.force_block_m = self.block_m = bm
+
+    def _build_job(self, num_tokens):
+        bm = self.plan_report(num_tokens)["block_m"]
+        return bm, (lambda: self.built.append(bm))
+
+    def _stage(self, inputs, m):
+        self.buf = inputs
+
+
+def test_forced_block_m_shares_the_backend_and_build_jobs_cover_every_plan(tiny):
+    g, w = tiny
+    a = bk.FusedAdapter("base", FakeBase, g, 64)
+    a.prepare(w)
+    jobs = dict(a.build_jobs([1, 2, 8, 64], (None, 8, 24)))
+    assert len(jobs) == 2  # plans keyed by BLOCK_M: {8, 24} whatever the token count
+    for fn in jobs.values():
+        fn()
+    assert sorted(a.obj.built) == [8, 24] and a.obj.force_block_m is None  # restored
+    v = a.with_block_m(24)
+    assert isinstance(v, bk.ForcedBlockM) and v.base is a
+    assert v.plan(1)["block_m"] == 24 and a.obj.force_block_m == 24
+    v.close()
+    assert a.obj.force_block_m is None and a.plan(1)["block_m"] == 8
+    with pytest.raises(ValueError, match="illegal"):
+        a.with_block_m(7)
+    parts = a.stage_parts(make_inputs(g, 4, seed=0))
+    assert set(parts) == {"stage() incl. input validation", "cast + copy into the buffer"}
 
 
 def test_adapter_forces_block_m_through_a_setter(tiny):
@@ -252,7 +293,7 @@ def test_sweep_end_to_end_on_cpu(tiny, fake_registry, tmp_path):
     assert res["block_m_best"] and all(b["best_block_m"] in (8, 24) for b in res["block_m_best"])
     assert res["ragged"] and res["ragged"][0]["counts"] == [1, 3, 5, 7] and res["ragged"][0]["agreed"] >= 7
     assert any(s["what"].startswith("megamoe per_token_cast") for s in res["staging"])
-    assert any(".stage" in s["what"] and "frac_of fake-fused" in s for s in res["staging"])
+    assert any("fake-fused: stage()" in s["what"] and "frac_of fake-fused" in s for s in res["staging"])
     assert {o["backend"] for o in res["overhead"]} == {"fake-fused", "fake-unfused"}
     (folder,) = os.listdir(tmp_path)
     assert folder.endswith(res["meta"]["commit"]) and folder.startswith(res["meta"]["date"][:10])
@@ -302,3 +343,15 @@ def test_cli_arguments_map_to_the_config():
     assert not (cfg.block_m_study or cfg.ragged or cfg.staging or cfg.overhead)
     default = config_from_args(p.parse_args([]))
     assert default.tokens[0] == 1 and default.tokens[-1] == 8192 and default.block_m_study and default.passes == 2
+
+
+def test_block_m_study_through_the_shared_backend(tiny, fake_registry):
+    g, w = tiny
+    cfg = SweepConfig(preset="tiny", tokens=[2, 8], backends=["fake-base"], repeats=2, warmup=1, passes=1,
+                      ragged=False, staging=False, overhead=False, device="cpu", progress=False, weights=w)
+    res = run_sweep(cfg, log=lambda s: None)
+    assert res["errors"] == [], res["errors"]
+    assert res["plans_built"] == 2  # BLOCK_M 8 and 24, built once in setup
+    assert sorted((r["forced_block_m"], r["tokens"]) for r in res["block_m"]) == [(8, 2), (8, 8), (24, 2), (24, 8)]
+    assert all(r["plan"]["block_m"] == r["forced_block_m"] and r["correct"] for r in res["block_m"])
+    assert {b["plan_block_m"] for b in res["block_m_best"]} == {8, 24}

@@ -102,6 +102,12 @@ class BenchBackend:
         """A callable that stages ``inputs`` for a launch (for the staging-cost study), or None."""
         return None
 
+    def stage_parts(self, inputs: MoEInputs) -> dict[str, Callable[[], Any]]:
+        return {}
+
+    def build_jobs(self, token_counts, block_ms=(None,)) -> list[tuple[object, Callable[[], Any]]]:
+        return [((self.name, tuple(token_counts)), lambda: self.build(token_counts))]
+
     def plan(self, num_tokens: int) -> dict:
         return {}
 
@@ -141,6 +147,12 @@ def reference_backend(g: Geometry, weights, recipe: str = "flashinfer-mxfp4", na
     """The eager reference (megamoe.reference.moe_forward) with ``recipe``, timed like any backend."""
     from ..reference import moe_forward
 
+    try:  # time it on what a kernel would read: scales moved into the recipe's legal range
+        from ..layouts.ranges import repair_ranges
+
+        weights = repair_ranges(weights, recipe)
+    except Exception:  # noqa: BLE001 - the raw weights time the same arithmetic
+        pass
     fn = lambda inp: moe_forward(inp, weights, recipe, g)  # noqa: E731
     return CallableBackend(name or f"reference ({recipe})", fn, weight_format="mxfp4", plan={"recipe": recipe})
 
@@ -210,7 +222,7 @@ class FusedAdapter(BenchBackend):
             return None
         from ..reference import moe_forward
 
-        w = _first_attr(self.obj, ("reference_weights",))
+        w = _first_attr(self.obj, ("reference_weights", "kernel_weights"))  # what the kernel reads (repaired)
         w = w() if callable(w) else w
         return moe_forward(inputs, w if w is not None else weights, recipe, self.g)
 
@@ -225,6 +237,16 @@ class FusedAdapter(BenchBackend):
 
     def stage_fn(self, inputs):
         return lambda: self.obj.stage(inputs, inputs.num_tokens)
+
+    def stage_parts(self, inputs) -> dict[str, Callable[[], Any]]:
+        """{label: callable} for the staging study: the public ``stage`` (validation included, which
+        syncs the host) and, when there is one, the bare cast + copy into the buffer (``_stage``)."""
+        t = inputs.num_tokens
+        parts = {"stage() incl. input validation": lambda: self.obj.stage(inputs, t)}
+        if callable(getattr(self.obj, "_stage", None)):
+            self.obj.stage(inputs, t)  # allocate / validate once
+            parts["cast + copy into the buffer"] = lambda: self.obj._stage(inputs, t)
+        return parts
 
     def plan(self, num_tokens: int) -> dict:
         fn = _first_attr(self.obj, ("plan_report", "plan", "plan_for", "report"))
@@ -256,16 +278,89 @@ class FusedAdapter(BenchBackend):
                 return [8, 24, 64]  # KERNELS.md: FlashInfer's H200 block Ms
         return []
 
-    def with_block_m(self, block_m: int) -> "FusedAdapter":
+    def with_block_m(self, block_m: int) -> "BenchBackend":
+        """The same backend with BLOCK_M pinned. Shares the prepared object (weights and buffer are
+        not rebuilt) when it has ``set_force_block_m``; otherwise builds a second one."""
+        if callable(getattr(self.obj, "set_force_block_m", None)):
+            return ForcedBlockM(self, block_m)
         a = FusedAdapter(self.name, self.factory, self.g, self.num_max_tokens, block_m=block_m, group=self.group, **self.kwargs)
         if self._weights is not None:
             a.prepare(self._weights)
         return a
 
+    def build_jobs(self, token_counts, block_ms=(None,)) -> list[tuple[object, Callable[[], Any]]]:
+        """[(plan key, zero-arg build callable)] for every plan the token counts need, for each forced
+        BLOCK_M in ``block_ms`` (None = the plan's own choice), so one thread pool builds them all."""
+        job = getattr(self.obj, "_build_job", None)
+        setter = getattr(self.obj, "set_force_block_m", None)
+        if not callable(job) or (any(b is not None for b in block_ms) and not callable(setter)):
+            return [((self.name, tuple(token_counts)), lambda: self.build(token_counts))]
+        jobs: dict = {}
+        before = getattr(self.obj, "force_block_m", None)
+        try:
+            for bm in block_ms:
+                if callable(setter):
+                    setter(bm)
+                for t in token_counts:
+                    key, fn = job(int(t))
+                    jobs.setdefault((self.name, repr(key)), fn)
+        finally:
+            if callable(setter):
+                setter(before)
+        return list(jobs.items())
+
     def close(self) -> None:
         fn = _first_attr(self.obj, ("close", "destroy"))
         if callable(fn):
             fn()
+
+
+class ForcedBlockM(BenchBackend):
+    """A view of a FusedAdapter with BLOCK_M pinned through ``set_force_block_m`` on the shared
+    object; every entry point pins it first (the sweep uses one view at a time), close() unpins."""
+
+    rotatable = False
+
+    def __init__(self, base: FusedAdapter, block_m: int):
+        self.base, self.block_m = base, block_m
+        self.name, self.weight_format, self.fused = base.name, base.weight_format, base.fused
+        self.base.obj.set_force_block_m(block_m)  # raises on an illegal BLOCK_M
+
+    def _pin(self) -> None:
+        self.base.obj.set_force_block_m(self.block_m)
+
+    def build(self, token_counts) -> None:
+        self._pin()
+        self.base.build(token_counts)
+
+    def build_jobs(self, token_counts, block_ms=(None,)):
+        return self.base.build_jobs(token_counts, (self.block_m,))
+
+    def run(self, inputs):
+        self._pin()
+        return self.base.run(inputs)
+
+    def reference(self, inputs, weights):
+        return self.base.reference(inputs, weights)
+
+    def reference_key(self):
+        return self.base.reference_key()
+
+    def timer(self, input_sets):
+        self._pin()
+        return self.base.timer(input_sets)
+
+    def stage_fn(self, inputs):
+        return None
+
+    def plan(self, num_tokens):
+        self._pin()
+        d = self.base.plan(num_tokens)
+        d.setdefault("forced_block_m", self.block_m)
+        return d
+
+    def close(self) -> None:
+        self.base.obj.set_force_block_m(None)
 
 
 def _params(fn) -> set[str]:

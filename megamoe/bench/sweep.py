@@ -287,30 +287,43 @@ class Sweep:
         for k, v in skipped.items():
             self.log(f"[bench] skipping backend {k}: {v}")
         self.results["backends"] = [{"name": b.name, "fused": b.fused, "weight_format": b.weight_format} for b in self.backends]
-        self.build_all([(b, list(cfg.tokens)) for b in self.backends])
-
-    def build_all(self, jobs: list[tuple[BenchBackend, list[int]]]) -> None:
-        """Build every JIT plan first, in parallel threads (each plan is a ~15 s compile)."""
-        t1 = time.perf_counter()
-        errs: list = []
-
-        def work(b, toks):
+        jobs: dict = {}
+        for b in self.backends:
+            bms: list = [None]
+            if cfg.block_m_study and b.fused:
+                try:
+                    bms += list(b.legal_block_ms())
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"legal_block_ms {b.name}", exc)
+            toks = sorted(set(cfg.tokens) | set(cfg.block_m_tokens or []))
             try:
-                b.build(toks)
+                for key, fn in b.build_jobs(toks, tuple(bms)):
+                    jobs.setdefault(key, fn)
             except Exception as exc:  # noqa: BLE001
-                errs.append((b.name, exc, traceback.format_exc()))
+                self.error(f"build_jobs {b.name}", exc)
+        self.build_all(jobs)
 
-        threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
-        for i in range(0, len(threads), max(1, self.cfg.build_threads)):
-            chunk = threads[i : i + self.cfg.build_threads]
-            for th in chunk:
-                th.start()
-            for th in chunk:
-                th.join()
-        for name, exc, tb in errs:
-            self.log(f"[bench] build of {name} failed: {exc}\n{tb}")
-            self.results["errors"].append({"where": f"build {name}", "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
-        self.log(f"[bench] plans built in {time.perf_counter() - t1:.1f} s")
+    def build_all(self, jobs: dict) -> None:
+        """Build every JIT plan first, in parallel threads (each plan is a ~15 s compile)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        t1 = time.perf_counter()
+
+        def work(item):
+            key, fn = item
+            try:
+                fn()
+                return None
+            except Exception as exc:  # noqa: BLE001
+                return key, exc, traceback.format_exc()
+
+        with ThreadPoolExecutor(max_workers=max(1, self.cfg.build_threads)) as pool:
+            errs = [e for e in pool.map(work, list(jobs.items())) if e is not None]
+        for key, exc, tb in errs:
+            self.log(f"[bench] build of {key} failed: {exc}\n{tb}")
+            self.results["errors"].append({"where": f"build {key}", "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
+        self.results["plans_built"] = len(jobs)
+        self.log(f"[bench] {len(jobs)} plans built in {time.perf_counter() - t1:.1f} s ({len(errs)} failed)")
 
     def _row(self, b: BenchBackend, t: int, tm: Timing, pass_idx: int, chk: dict, plan: dict) -> dict:
         inp = self.inputs(t)
@@ -378,7 +391,6 @@ class Sweep:
         if not forced:
             self.results["skipped"]["section block_m"] = "no backend can force BLOCK_M"
             return
-        self.build_all([(fb, list(toks)) for fb, _ in forced])
         prog = _Progress(self.cfg.progress, len(forced) * len(toks))
         try:
             for fb, bm in forced:
@@ -460,9 +472,8 @@ class Sweep:
             if dg_cast is not None:
                 cases.append(("deep_gemm per_token_cast_to_fp8", dg_cast, x, None))
             for b in self.backends:
-                sf = b.stage_fn(self.inputs(t)) if b.fused else None
-                if sf is not None:
-                    cases.append((f"{b.name}.stage (cast + copy into buffer)", sf, None, b.name))
+                for label, sf in b.stage_parts(self.inputs(t)).items():
+                    cases.append((f"{b.name}: {label}", sf, None, b.name))
             for what, fn, args, bname in cases:
                 try:
                     tm = time_fn(fn, args=args, warmup=self.cfg.warmup, repeats=self.cfg.repeats, flush_l2=args is None and self.cfg.flush_l2, device=self.dev)
