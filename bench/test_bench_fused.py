@@ -1,0 +1,61 @@
+"""Every fused backend (and the unfused DeepGEMM peer) on the H200: correctness first, then the launch
+alone timed with CUDA events (L2 flushed between calls), rates and roofline fractions in extra_info."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe.bench.backends import FusedAdapter, backend_available, block_m_of, fused_registry
+from megamoe.bench.suite import bench_tokens
+from megamoe.bench.timing import bare_loop_us, time_fn
+from megamoe.testing import calc_diff, make_inputs
+
+pytestmark = pytest.mark.gpu
+TOKENS = bench_tokens()
+NAMES = sorted(fused_registry()) or ["(no megamoe.fused registry)"]
+_ADAPTERS: dict = {}
+
+
+def _adapter(name, g, w):
+    reg = fused_registry()
+    if name not in reg:
+        pytest.skip(f"{name}: not in megamoe.fused.registry.BACKENDS")
+    ok, why = backend_available(reg[name])
+    if not ok:
+        pytest.skip(f"{name}: {why}")
+    if name not in _ADAPTERS:
+        a = FusedAdapter(name, reg[name], g, max(TOKENS))
+        a.prepare(w)
+        a.build(TOKENS)  # every JIT plan first
+        _ADAPTERS[name] = a
+    return _ADAPTERS[name]
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS, ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("name", NAMES)
+def test_bench_fused_launch(benchmark, record, geometry_and_weights, device, name, num_tokens):
+    g, w = geometry_and_weights
+    a = _adapter(name, g, w)
+    inp = make_inputs(g, num_tokens, seed=num_tokens, device=device)
+    y = a.run(inp.clone())
+    ref = a.reference(inp.clone(), w)
+    diff = None if ref is None else calc_diff(y.float(), ref.float())
+    assert not torch.isnan(y.float()).any() and (diff is None or diff < 1e-3), f"{name} T={num_tokens}: calc_diff {diff}"
+    fn, _ = a.timer([inp])
+    tm = time_fn(fn, warmup=5, repeats=20, device=device)
+    record(fn, tm, g=g, topk_idx=inp.topk_idx, weight_format=a.weight_format, rounds=5, backend=name,
+           tokens=num_tokens, block_m=block_m_of(a.plan(num_tokens)), calc_diff=diff)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bench_harness_overhead(benchmark, record, geometry_and_weights, device, name):
+    """The harness's figure (no flush, same caches) within 2% of a bare loop of the launch."""
+    g, w = geometry_and_weights
+    a = _adapter(name, g, w)
+    t = max(TOKENS)
+    fn, _ = a.timer([make_inputs(g, t, seed=1, device=device)])
+    bare = bare_loop_us(fn, iters=50, device=device)
+    tm = time_fn(fn, warmup=5, repeats=20, flush_l2=False, device=device)
+    info = record(fn, tm, backend=name, tokens=t, bare_loop_us=bare, ratio=tm.median_us / bare)
+    assert abs(info["ratio"] - 1) <= 0.02, f"harness {tm.median_us:.1f} us vs bare loop {bare:.1f} us"
