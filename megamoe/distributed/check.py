@@ -17,7 +17,7 @@ from ..geometry import Geometry, get_geometry
 from ..recipe import get_recipe
 from ..reference.pipeline import moe_forward, moe_forward_ep
 from ..testing import MoEInputs, first_mismatch, make_inputs
-from ..weights import random_mxfp4_weights
+from ..weights import MXFP4Weights, random_mxfp4_weights
 from .agreement import agree_on_step, check_same_setup, setup_fingerprint
 from .fused import FusedEPLauncher, ReferenceEPBackend
 from .launch import spawn
@@ -31,6 +31,22 @@ def default_tokens(num_ranks: int) -> list[int]:
     """Ragged counts with an empty rank: 0, 1, 37, 256, then 5, 130, ... for more ranks."""
     extra = [5, 130, 64, 19]
     return [(list(DEFAULT_RAGGED) + extra * 8)[r] for r in range(num_ranks)]
+
+
+def fast_random_weights(g: Geometry, *, seed: int) -> MXFP4Weights:
+    """Random MXFP4 experts straight from random bytes: every code pair uniform, scale bytes in
+    122..124 (2**-5 .. 2**-3, inside FlashInfer's legal range). Milliseconds instead of the seconds
+    ``random_mxfp4_weights`` spends quantizing Gaussians; enough for bitwise rank checks."""
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i = g.num_experts, g.hidden, g.intermediate
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
+
+    def scales(*shape):
+        return torch.randint(122, 125, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
+
+    return MXFP4Weights(codes(e, 2 * i, h // 2), scales(e, 2 * i, h // 32), codes(e, h, i // 2), scales(e, h, i // 32))
 
 
 def rank_inputs(g: Geometry, tokens_per_rank: list[int], seed: int) -> list[MoEInputs]:
@@ -96,6 +112,7 @@ class DistCheckReport:
     seconds: float = 0.0
     schemes: tuple[str, ...] = SCHEMES
     backend_calls: dict[int, list[dict]] = field(default_factory=dict)  # rank -> launcher's backend calls
+    ys: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)  # (rank, path) -> y [T_r, H]
 
     @property
     def ok(self) -> bool:
@@ -125,6 +142,7 @@ def check_ranks(
     block_m: int = 1,
     agree_iters: int = 20,
     timeout_s: float = 120.0,
+    fast_weights: bool = True,
     _fail_rank: int = -1,
     _bad_rank: int = -1,
 ) -> DistCheckReport:
@@ -140,7 +158,7 @@ def check_ranks(
     if len(tokens) != num_ranks:
         raise ValueError(f"tokens_per_rank must have one count per rank ({num_ranks}), got {tokens}")
     g.experts_per_rank(num_ranks)
-    weights = random_mxfp4_weights(g, seed=seed)
+    weights = fast_random_weights(g, seed=seed) if fast_weights else random_mxfp4_weights(g, seed=seed)
     inputs = rank_inputs(g, tokens, seed)
     results = spawn(_check_worker, num_ranks, timeout_s=timeout_s,
                     args=(g, recipe_obj, weights, inputs, tuple(schemes), block_m, agree_iters, _fail_rank, _bad_rank))
@@ -154,6 +172,7 @@ def check_ranks(
     for res, agree in results:
         r = res.rank
         for s, y in res.ys.items():
+            rep.ys[(r, s)] = y
             rep.mismatches[(r, s, "moe_forward_ep")] = first_mismatch(y, ep[r])
             rep.mismatches[(r, s, "moe_forward")] = first_mismatch(y, one[offs[r] : offs[r + 1]])
         rep.backend_calls[r] = res.backend_calls
@@ -205,7 +224,7 @@ def bench_ranks(num_ranks: int, preset: str = "tiny", tokens_per_rank: "list[int
     the agreement all-reduce, over num_ranks spawned gloo ranks."""
     g = get_geometry(preset)
     tokens = list(tokens_per_rank) if tokens_per_rank is not None else default_tokens(num_ranks)
-    weights = random_mxfp4_weights(g, seed=seed)
+    weights = fast_random_weights(g, seed=seed)
     inputs = rank_inputs(g, tokens, seed)
     res = spawn(_bench_worker, num_ranks, timeout_s=timeout_s,
                 args=(g, get_recipe(recipe), weights, inputs, tuple(schemes), iters))

@@ -40,9 +40,8 @@ def _main(rank: int, world: int, args) -> bool:
     from ..geometry import get_geometry
     from ..reference.pipeline import moe_forward, moe_forward_ep
     from ..testing import MoEInputs, first_mismatch
-    from ..weights import random_mxfp4_weights
     from .agreement import agree_on_step, check_same_setup, setup_fingerprint
-    from .check import default_tokens, rank_inputs
+    from .check import default_tokens, fast_random_weights, rank_inputs
     from .reference import SCHEMES, moe_forward_dist
 
     g = get_geometry(args.preset)
@@ -53,7 +52,7 @@ def _main(rank: int, world: int, args) -> bool:
         raise RuntimeError(f"injected failure on rank {rank} (--fail-rank)")
     if rank == args.bad_geometry_rank:
         g = g.with_(hidden=g.hidden * 2)
-    weights = random_mxfp4_weights(g, seed=args.seed)
+    weights = fast_random_weights(g, seed=args.seed)
     check_same_setup(None, setup_fingerprint(g, args.recipe, weights, block_m=args.block_m, num_ranks=world))
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
     inputs = rank_inputs(g, tokens, args.seed)

@@ -1,0 +1,151 @@
+"""The distributed reference on real torch.distributed ranks (gloo on 127.0.0.1, spawned processes).
+
+Each rank holds its own ragged step (0, 1, 37, 256 tokens on four ranks); every rank's y must match
+``moe_forward_ep`` (all ranks in one process) and ``moe_forward`` on the concatenated step bit for
+bit, through both schemes and through the fused launcher's path (agreement, padding to the agreed
+count, the launch) with the reference as its backend. Failures must reach every rank in bounded time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megamoe.distributed import LaunchTimeout, RankError, check_ranks, spawn
+from megamoe.distributed.check import CHECK_PATHS, rank_inputs
+from megamoe.geometry import get_geometry
+
+pytestmark = pytest.mark.dist
+
+RAGGED = [0, 1, 37, 256]
+SEED = random.Random().randrange(10_000)  # fresh each session; printed in every failure
+
+
+def _assert_report_ok(rep):
+    assert rep.ok, f"seed {SEED}\n{rep.summary()}"
+    # Both references, every path, every rank.
+    assert len(rep.mismatches) == rep.num_ranks * len(rep.schemes) * 2
+    inputs = rank_inputs(get_geometry(rep.preset), rep.tokens_per_rank, SEED)
+    for (r, path), y in rep.ys.items():
+        t = rep.tokens_per_rank[r]
+        assert y.shape == (t, 256) and y.dtype == torch.bfloat16
+        # Not a vacuous match: finite, a zero row exactly where every slot of the token is masked.
+        routed = (inputs[r].topk_idx >= 0).any(dim=1)
+        assert bool(torch.isfinite(y.float()).all()), (r, path)
+        assert torch.equal((y != 0).any(dim=1), routed), (r, path)
+
+
+def test_four_ranks_ragged_bitwise():
+    rep = check_ranks(4, "tiny", RAGGED, seed=SEED, timeout_s=100)
+    print(f"\nseed {SEED}\n{rep.summary()}")
+    _assert_report_ok(rep)
+    assert rep.schemes == CHECK_PATHS
+    assert (rep.agreed, rep.hint) == (256, 74)  # max, and ceil(294 / 4)
+    for r in range(4):  # the launcher padded every rank to the agreed count and passed the hint
+        assert rep.backend_calls[r] == [{"num_tokens": 256, "staged": 256, "plan_hint": 74}]
+
+
+def test_one_rank_group_same_path():
+    """A 1-rank group goes through the same agreement, padding and launch as N ranks."""
+    rep = check_ranks(1, "tiny", [37], seed=SEED, timeout_s=60, agree_iters=5)
+    print(f"\n{rep.summary()}")
+    _assert_report_ok(rep)
+    assert rep.backend_calls[0] == [{"num_tokens": 37, "staged": 37, "plan_hint": 37}]
+
+
+def test_every_rank_empty():
+    rep = check_ranks(2, "tiny", [0, 0], seed=SEED, timeout_s=60, agree_iters=2)
+    _assert_report_ok(rep)
+    assert rep.agreed == 1 and rep.backend_calls[0][0]["num_tokens"] == 1  # the kernels' minimum count
+
+
+def test_failing_rank_reported_on_every_rank():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        check_ranks(4, "tiny", RAGGED, seed=SEED, timeout_s=60, _fail_rank=2)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    print(f"\n{err}\n({elapsed:.1f} s)")
+    assert elapsed < 60
+    assert err.first_rank == 2 and sorted(err.failures) == [0, 1, 2, 3]
+    assert "rank 2 failed: RuntimeError: injected failure on rank 2" in err.failures[2]
+    assert "Traceback" in err.failures[2]
+    for r in (0, 1, 3):
+        assert err.failures[r].startswith(f"rank {r}: aborted because rank 2 failed: RuntimeError: injected failure")
+
+
+def test_geometry_mismatch_reported_on_every_rank():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        check_ranks(4, "tiny", RAGGED, seed=SEED, timeout_s=60, _bad_rank=1)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    print(f"\n{str(err).splitlines()[1]}\n({elapsed:.1f} s)")
+    assert elapsed < 60 and sorted(err.failures) == [0, 1, 2, 3]
+    for r in range(4):
+        msg = err.failures[r]
+        assert "SetupMismatchError: the 4 ranks of the group disagree on their setup" in msg, msg
+        assert "geometry: ranks [0, 2, 3]: Geometry(name='tiny'" in msg and "clamp=20.0" in msg
+
+
+def _hang_on_rank_1(rank, world):
+    if rank == 1:
+        time.sleep(60)
+    torch.distributed.barrier()
+    return rank
+
+
+def test_hanging_rank_bounded_by_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_hang_on_rank_1, 2, timeout_s=8, grace_s=1)
+    elapsed = time.monotonic() - t0
+    print(f"\n{info.value}\n({elapsed:.1f} s)")
+    assert elapsed < 20
+    assert "rank 1" in str(info.value)
+    if isinstance(info.value, LaunchTimeout):
+        assert "timed out after 8 s" in str(info.value)
+    else:  # rank 0's barrier timed out first (process-group timeout = 8 s): the same bound
+        assert info.value.first_rank == 0
+
+
+def _torchrun(*extra: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "-m", "megamoe.distributed.run_reference", "--preset", "tiny",
+           "--tokens", ",".join(map(str, RAGGED)), "--seed", str(SEED), "--timeout", "60", *extra]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return out, time.monotonic() - t0
+
+
+def test_torchrun_four_ranks_bitwise():
+    out, elapsed = _torchrun()
+    lines = [l for l in (out.stdout + out.stderr).splitlines() if l.startswith("rank ")]
+    print(f"\n({elapsed:.1f} s)\n" + "\n".join(lines))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sum("bit-identical" in l for l in lines) == 4 * 2 * 2
+    assert not any("MISMATCH" in l for l in lines)
+    assert sum("agreed 256, hint 74" in l for l in lines) == 4
+
+
+def test_torchrun_failing_rank():
+    out, elapsed = _torchrun("--fail-rank", "2")
+    text = out.stdout + out.stderr
+    lines = [l for l in text.splitlines() if l.startswith("rank ")]
+    print(f"\n({elapsed:.1f} s)\n" + "\n".join(lines))
+    assert out.returncode != 0 and elapsed < 120
+    assert "rank 2 failed: RuntimeError: injected failure on rank 2" in text
+    for r in (0, 1, 3):
+        assert f"rank {r}: aborted because rank 2 failed: RuntimeError: injected failure" in text, text[-3000:]
