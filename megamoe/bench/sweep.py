@@ -101,8 +101,8 @@ def run_metadata(device) -> dict:
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "card": device_name(dev),
-        "commit": _git("rev-parse", "--short=10", "HEAD") or "unknown",
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": os.environ.get("MEGAMOE_COMMIT") or _git("rev-parse", "--short=10", "HEAD") or "unknown",
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if not os.environ.get("MEGAMOE_COMMIT") else None,
         "versions": package_versions(),
     }
     if dev.type == "cuda":
@@ -249,7 +249,7 @@ class Sweep:
             except Exception as exc:  # noqa: BLE001
                 self.error(name, exc)
             self.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t1, 2)
-            self.write()
+            self.write(final=name in ("sweep", "block_m"))
         self.results["wall_seconds"] = round(self.elapsed(), 2)
         self.results["out_dir"] = self.out_dir
         self.write(final=True)
@@ -295,7 +295,12 @@ class Sweep:
                     bms += list(b.legal_block_ms())
                 except Exception as exc:  # noqa: BLE001
                     self.error(f"legal_block_ms {b.name}", exc)
-            toks = sorted(set(cfg.tokens) | set(cfg.block_m_tokens or []))
+            toks = set(cfg.tokens) | set(cfg.block_m_tokens or [])
+            if cfg.ragged and b.fused:  # the ragged study's own and agreed counts need their plans too
+                for mean in cfg.ragged_means:
+                    counts = ragged_counts(mean, max(cfg.tokens))
+                    toks |= set(counts)
+            toks = sorted(toks)
             try:
                 for key, fn in b.build_jobs(toks, tuple(bms)):
                     jobs.setdefault(key, fn)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The H200 benchmark in ONE device call (<= 9 min wall, JIT builds included): ceilings, the
+# DeepSeek-V4-Flash token sweep (1..8192) over every available backend run twice (repeatability),
+# the forced-BLOCK_M study, the ragged-step study, the staging cost and the bare-loop overhead check.
+#
+#   run(command="MEGAMOE_COMMIT=$(git rev-parse --short=10 HEAD) bash bench/device/run_sweep.sh",
+#       carry=[".whl"], timeout_s=600)
+#
+# (prepare .whl once here with `bash ../shared/device/wheelhouse.sh`). Writes under $OUT, at most 6 files:
+#   $OUT/log.txt  $OUT/nvidia-smi.txt  $OUT/<date>_<card>_<commit>/{results.json,results.md,sweep.png,block_m.png}
+# Every section writes its results as it finishes, so a timeout or a crash still returns what ran.
+# Dry run on a CPU: PRESET=tiny TOKENS="1 4 16" DEVICE=cpu OUT=/tmp/o bash bench/device/run_sweep.sh
+set -u
+OUT=${OUT:-/tmp/megamoe-bench-out}
+mkdir -p "$OUT"
+if [ -z "${MEGAMOE_SITE:-}" ] && [ -f .whl/prelude.sh ]; then
+  # shellcheck disable=SC1091
+  source .whl/prelude.sh || echo "[run_sweep] prelude failed: kernel packages missing, only the reference will run"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PRESET=${PRESET:-dsv4-flash}
+TOKENS=${TOKENS:-1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192}
+DEVICE=${DEVICE:-cuda}
+PY_TIMEOUT=${PY_TIMEOUT:-500}   # seconds for the whole python run; the rest of the 9 minutes is setup
+DEADLINE=${DEADLINE:-380}       # optional studies are skipped once this much wall time has passed
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true
+} > "$OUT/nvidia-smi.txt"
+timeout -k 10 "$PY_TIMEOUT" python3 -m megamoe.bench.cli --preset "$PRESET" --tokens $TOKENS --device "$DEVICE" \
+  --passes 2 --repeats 20 --warmup 5 --reference-repeats 3 --deadline "$DEADLINE" --out "$OUT" ${EXTRA_ARGS:-} \
+  2>&1 | tee "$OUT/log.txt"
+rc=${PIPESTATUS[0]}
+{ echo "--- after"; nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv 2>&1 || true; } >> "$OUT/nvidia-smi.txt"
+echo "[run_sweep] python exit $rc; files:"; find "$OUT" -type f | sort
+tail -n 60 "$OUT"/*/results.md 2>/dev/null | cut -c1-400
+exit "$rc"
