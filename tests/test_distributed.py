@@ -126,3 +126,40 @@ def test_spawn_argument_checks():
     if torch.cuda.device_count() < 2:
         with pytest.raises(RuntimeError, match="needs one GPU per rank: nprocs=2"):
             spawn(print, 2, backend="nccl")
+
+
+def test_check_fused_ranks_rejects_non_power_of_two_before_spawning():
+    from megamoe.distributed.fused import check_fused_ranks
+
+    with pytest.raises(ValueError, match="power of two in \\[1, 8\\].*got 3"):
+        check_fused_ranks(3)
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+@pytest.mark.parametrize("backend", ["flashinfer-mxfp4", "deepgemm-sm90-fp8"])
+def test_fused_launcher_one_rank_h200(backend):
+    """The fused launcher over a 1-rank NCCL group: the same agreement/padding/launch path as N ranks."""
+    from megamoe.distributed.fused import check_fused_ranks
+    from megamoe.fused.registry import get_backend_class
+
+    ok, why = get_backend_class(backend).availability()
+    if not ok:
+        pytest.skip(why)
+    (rank, t, diff, a), = check_fused_ranks(1, backend, "small", [37], seed=SEED)
+    print(f"\n{backend} 1 rank: T={t} calc_diff {diff:.2e} vs reference; agreement {a.seconds * 1e6:.0f} us")
+    assert a.counts == (37,) and a.agreed == 37
+    assert diff < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+def test_fused_launcher_multi_rank_ragged():
+    from megamoe.distributed.fused import check_fused_ranks
+
+    n = 1 << (min(torch.cuda.device_count(), 8).bit_length() - 1)
+    if n < 2:
+        pytest.skip(f"needs >= 2 GPUs, have {torch.cuda.device_count()}")
+    rows = check_fused_ranks(n, "flashinfer-mxfp4", "small", None, seed=SEED)
+    for rank, t, diff, a in rows:
+        assert a.agreed == max(1, max(a.counts)) and diff < 1e-3, (rank, t, diff)
