@@ -160,10 +160,14 @@ def _stage_triton(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flag is not None:
         _expect("nonfinite_flag", flag, (1,), (torch.int32,), x.device)
+    if t == 0:  # nothing to read, but the kernel still wants valid pointers (every load is masked off)
+        x = torch.zeros(1, h, dtype=x.dtype, device=x.device)
+        topk_idx = torch.zeros(1, k, dtype=topk_idx.dtype, device=x.device)
+        topk_weights = torch.zeros(1, k, dtype=torch.float32, device=x.device)
     # The kernel writes e4m3 codes as bytes; the views share storage with out_x.
     qx = out_x.view(torch.uint8)
     # A 1-token tensor may carry any stride for its only row; give the kernel a valid one.
-    sx = x.stride(0) if t > 1 else h
+    sx = x.stride(0) if x.shape[0] > 1 else h
     sq = qx.stride(0) if qx.shape[0] > 1 else h
     dummy_flag = flag if flag is not None else out_x_sf  # never written when CHECK_FINITE is off
     kernel = triton_stage.stage_kernel
