@@ -163,3 +163,24 @@ def test_fused_launcher_multi_rank_ragged():
     rows = check_fused_ranks(n, "flashinfer-mxfp4", "small", None, seed=SEED)
     for rank, t, diff, a in rows:
         assert a.agreed == max(1, max(a.counts)) and diff < 1e-3, (rank, t, diff)
+
+
+def test_broken_variant_partial_sums_in_the_collective_differ():
+    """Why the combine sends per-slot rows back: the textbook allgather_reducescatter reduce-scatters
+    each rank's partial [T, H] bf16 sums, which rounds per rank and reorders the slot sum -> not
+    bit-identical (needs K >= 3: two bf16 partials add exactly before their one rounding)."""
+    from megamoe.recipe import get_recipe
+    from megamoe.reference.dispatch import undispatch
+    from megamoe.reference.pipeline import combine, moe_forward_ep
+    from megamoe.testing import first_mismatch
+
+    g = get_geometry("small")  # K = 4
+    w = fast_random_weights(g, seed=SEED)
+    t, ranks = 16, 4
+    steps = [make_inputs(g, t, seed=SEED)] + [make_inputs(g, 0, seed=SEED + r) for r in range(1, ranks)]
+    res = moe_forward_ep(steps, w, "flashinfer-mxfp4", g, keep_stages=True)
+    partial = torch.zeros(t, g.hidden, dtype=torch.bfloat16)
+    for st in res.ranks:  # rank d's partial combine over its own slots, summed over ranks
+        slots, filled = undispatch([st.l2_out], [st.layout], 0, t, g.num_topk)
+        partial = partial + combine(slots, filled, get_recipe("flashinfer-mxfp4"))
+    assert first_mismatch(partial, res.y[0]), "the partial-sum variant must differ from the slot-ordered combine"
