@@ -21,6 +21,7 @@ from megamoe.geometry import get_geometry
 from megamoe.reference import moe_forward
 from megamoe.testing import make_inputs
 
+CPU_CEIL = Ceilings("cpu (test)", copy_gbps=10.0, fp8_tflops=0.5, bf16_tflops=0.5)
 H200 = Ceilings("NVIDIA H200 (KERNELS.md)", copy_gbps=4240.0, fp8_tflops=1422.0, bf16_tflops=815.0)
 
 
@@ -170,10 +171,18 @@ class FakeFused:
         self.launches += 1
         self.y = self.buf.x[:num_tokens].float().sum()
 
+    _cache: dict = {}
+
+    def reference(self, inputs):  # memoised: the tests must stay quick on a loaded CPU
+        key = (inputs.num_tokens, float(inputs.x.float().sum()), float(inputs.topk_idx.sum()))
+        if key not in FakeFused._cache:
+            FakeFused._cache[key] = moe_forward(inputs, self.w, self.recipe, self.g)
+        return FakeFused._cache[key]
+
     def run(self, inputs):
         self.stage(inputs, inputs.num_tokens)
         self.launch(inputs.num_tokens)
-        return moe_forward(self.buf, self.w, self.recipe, self.g) * (2 if self.wrong else 1)
+        return self.reference(self.buf) * (2 if self.wrong else 1)
 
     def plan_report(self, num_tokens):
         return {"block_m": self.block_m or (8 if num_tokens <= 4 else 24), "num_tokens": num_tokens}
@@ -214,6 +223,7 @@ def test_adapter_drives_the_protocol(tiny, fake_registry):
     forced = a.with_block_m(8)
     assert forced.obj.block_m == 8 and forced.plan(100)["block_m"] == 8 and forced.plan(100)["forced_block_m"] == 8
     assert torch.equal(a.run(inp), a.reference(inp, w))
+    assert torch.equal(a.reference(inp, w), moe_forward(inp, w, "flashinfer-mxfp4", g))
 
 
 class FakeBase(FakeFused):
@@ -275,7 +285,7 @@ def test_sweep_end_to_end_on_cpu(tiny, fake_registry, tmp_path):
     g, w = tiny
     cfg = SweepConfig(preset="tiny", tokens=[1, 8], backends=["fake-fused", "fake-unfused", "reference"], repeats=3,
                       warmup=1, rotate=2, passes=2, reference_repeats=2, reference_max_tokens=1, ragged_means=[4], overhead_tokens=[8],
-                      device="cpu", out_dir=str(tmp_path), progress=False, weights=w, seed=5)
+                      device="cpu", ceilings=CPU_CEIL, out_dir=str(tmp_path), progress=False, weights=w, seed=5)
     res = run_sweep(cfg, log=lambda s: None)
     assert res["errors"] == [], res["errors"]
     first = [r for r in res["rows"] if r["pass"] == 0]
@@ -300,7 +310,7 @@ def test_sweep_end_to_end_on_cpu(tiny, fake_registry, tmp_path):
     files = set(os.listdir(tmp_path / folder))
     assert {"results.json", "results.md", "sweep.png", "block_m.png"} <= files
     back = json.loads((tmp_path / folder / "results.json").read_text())
-    assert back["meta"]["geometry"]["name"] == "tiny" and back["ceilings"]["copy_gbps"] > 0
+    assert back["meta"]["geometry"]["name"] == "tiny" and back["ceilings"]["copy_gbps"] == 10.0
     md = (tmp_path / folder / "results.md").read_text()
     assert "## Sweep" in md and "## BLOCK_M study" in md and "## Harness overhead" in md and "## Repeatability" in md
 
@@ -314,7 +324,7 @@ def test_sweep_flags_a_wrong_backend_and_survives_a_crashing_one(tiny, monkeypat
 
     monkeypatch.setattr(bk, "fused_registry", lambda: {"broken": FakeBroken, "crash": Crash})
     cfg = SweepConfig(preset="tiny", tokens=[4], backends=["broken", "crash"], repeats=2, warmup=1, passes=1,
-                      block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu",
+                      block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
                       progress=False, weights=w)
     res = run_sweep(cfg, log=lambda s: None)
     (row,) = res["rows"]
@@ -328,7 +338,7 @@ def test_sweep_times_any_callable(tiny):
     x = torch.randn(64, 64)
     cb = bk.CallableBackend("torch matmul", lambda inp: x @ x, fused=False)
     cfg = SweepConfig(preset="tiny", tokens=[2], backends=[], repeats=3, warmup=1, passes=1, block_m_study=False,
-                      ragged=False, staging=False, overhead=True, overhead_tokens=[2], device="cpu", progress=False,
+                      ragged=False, staging=False, overhead=True, overhead_tokens=[2], device="cpu", ceilings=CPU_CEIL, progress=False,
                       weights=w, extra_backends=[cb])
     res = run_sweep(cfg, log=lambda s: None)
     assert [r["backend"] for r in res["rows"]] == ["torch matmul"] and res["rows"][0]["rotated"] == 4
@@ -348,10 +358,30 @@ def test_cli_arguments_map_to_the_config():
 def test_block_m_study_through_the_shared_backend(tiny, fake_registry):
     g, w = tiny
     cfg = SweepConfig(preset="tiny", tokens=[2, 8], backends=["fake-base"], repeats=2, warmup=1, passes=1,
-                      ragged=False, staging=False, overhead=False, device="cpu", progress=False, weights=w)
+                      ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL, progress=False, weights=w)
     res = run_sweep(cfg, log=lambda s: None)
     assert res["errors"] == [], res["errors"]
     assert res["plans_built"] == 2  # BLOCK_M 8 and 24, built once in setup
     assert sorted((r["forced_block_m"], r["tokens"]) for r in res["block_m"]) == [(8, 2), (8, 8), (24, 2), (24, 8)]
     assert all(r["plan"]["block_m"] == r["forced_block_m"] and r["correct"] for r in res["block_m"])
     assert {b["plan_block_m"] for b in res["block_m_best"]} == {8, 24}
+
+
+def test_adapter_reference_uses_the_recipe_on_the_kernels_weights(tiny):
+    """A backend without a reference method: moe_forward(recipe) on ``kernel_weights`` (what it reads)."""
+    g, w = tiny
+    from megamoe.weights import random_mxfp4_weights
+
+    w2 = random_mxfp4_weights(g, seed=9)
+
+    class NoRef(FakeFused):
+        reference = None
+
+        def prepare_weights(self, weights):
+            self.w = weights
+            self.kernel_weights = w2  # a stand-in for the repaired / converted copy
+
+    a = bk.FusedAdapter("noref", NoRef, g, 8)
+    a.prepare(w)
+    inp = make_inputs(g, 3, seed=2)
+    assert torch.equal(a.reference(inp, w), moe_forward(inp, w2, "flashinfer-mxfp4", g))

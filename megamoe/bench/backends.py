@@ -212,7 +212,7 @@ class FusedAdapter(BenchBackend):
 
     def reference(self, inputs, weights):
         ref = _first_attr(self.obj, ("reference", "reference_forward"))
-        if callable(ref):
+        if callable(ref):  # the backend's own reference
             try:
                 return ref(inputs)
             except TypeError:

@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Sequence
 
 import torch
@@ -66,6 +66,7 @@ class SweepConfig:
     progress: bool = True
     weights: object | None = None  # pre-made weights (tests); None: random MXFP4 at the geometry
     extra_backends: list = field(default_factory=list)  # BenchBackend objects timed too
+    ceilings: Ceilings | None = None  # pre-measured (tests, re-runs); None: measured in this run
 
 
 # ------------------------------------------------------------------------------------ metadata
@@ -86,12 +87,6 @@ def package_versions() -> dict:
         try:
             v[dist] = md.version(dist)
         except md.PackageNotFoundError:
-            pass
-    for mod in ("flashinfer", "deep_gemm"):
-        try:
-            m = __import__(mod)
-            v.setdefault(mod, getattr(m, "__version__", "?"))
-        except Exception:  # noqa: BLE001
             pass
     return v
 
@@ -161,8 +156,9 @@ class Sweep:
         self.dev = resolve_device(cfg.device)
         self.t0 = time.perf_counter()
         self.meta = run_metadata(self.dev)
-        self.meta.update(geometry=asdict(self.g), config={k: v for k, v in asdict(cfg).items()
-                                                           if k not in ("weights", "extra_backends")})
+        # not asdict(cfg): it would deep-copy the weights it may hold
+        self.meta.update(geometry=asdict(self.g), config={f.name: getattr(cfg, f.name) for f in fields(cfg)
+                                                           if f.name not in ("weights", "extra_backends", "ceilings")})
         self.results: dict = {"meta": self.meta, "ceilings": None, "rows": [], "speedup": [], "repeatability": [],
                               "block_m": [], "ragged": [], "staging": [], "overhead": [], "errors": [], "skipped": {}}
         self.backends: list[BenchBackend] = []
@@ -261,7 +257,7 @@ class Sweep:
         return self.results
 
     def section_ceilings(self) -> None:
-        c = measure_ceilings(self.dev)
+        c = self.cfg.ceilings or measure_ceilings(self.dev)
         self.ceilings = c
         self.results["ceilings"] = c.as_dict()
         self.log(f"[bench] ceilings: copy {c.copy_gbps:.0f} GB/s, FP8 {c.fp8_tflops:.0f} TFLOP/s, bf16 {c.bf16_tflops:.0f} TFLOP/s")
