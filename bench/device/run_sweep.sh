@@ -3,7 +3,7 @@
 # DeepSeek-V4-Flash token sweep (1..8192) over every available backend run twice (repeatability),
 # the forced-BLOCK_M study, the ragged-step study, the staging cost and the bare-loop overhead check.
 #
-#   run(command="MEGAMOE_COMMIT=$(git rev-parse --short=10 HEAD) bash bench/device/run_sweep.sh",
+#   run(command="MEGAMOE_COMMIT=<sha> bash bench/device/run_sweep.sh",
 #       carry=[".whl"], timeout_s=600)
 #
 # (prepare .whl once here with `bash ../shared/device/wheelhouse.sh`). Writes under $OUT, at most 6 files:
