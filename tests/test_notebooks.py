@@ -36,6 +36,7 @@ EXPECTED_FIGURES = {
     "03_mxfp4_weights": ["e2m1_grid", "scale_bytes", "decoder_range", "layer_error_by_range"],
     "04_gemms_swiglu_requant": ["l1_promotion", "swiglu_clamp", "l2_requant", "error_budget"],
     "05_combine_and_expert_parallelism": ["slot_outputs", "combine_order", "ep_traffic", "ragged_agreement"],
+    "06_kernel_walkthrough": ["plan_vs_tokens", "tiles_per_wave", "bytes_flops_per_stage", "roofline"],
 }
 MIN_PNG_BYTES = 5_000  # an empty Agg canvas of our sizes is ~2-4 KB; a real plot is well above
 
