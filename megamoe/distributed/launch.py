@@ -79,7 +79,10 @@ def _describe_failure(rank: int, exc: BaseException) -> str:
 
 
 def _abort_line(report: str) -> str:
-    return report.splitlines()[0] if report else "unknown failure"
+    """The failed rank's report without its traceback (its message may span lines: keep them all)."""
+    if not report:
+        return "unknown failure"
+    return report.split("\nTraceback (most recent call last):")[0].rstrip()
 
 
 def _start_watchdog(store: dist.Store, rank: int, on_abort: Callable[[str], None], poll_s: float = 0.1) -> threading.Event:
