@@ -188,3 +188,14 @@ def test_ue8m0_packed_sm100(case):
 def test_ue8m0_needs_groups_of_four():
     with pytest.raises(ValueError, match="multiple of 4"):
         per_token_cast_to_fp8_ue8m0_packed(torch.randn(2, 96).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES[:6], ids=str)
+def test_same_bits_on_cuda(case):
+    """The multiply is spelled out, so CUDA staging gives the CPU bits (and DeepGEMM's, measured)."""
+    x = make_x(case)
+    q, sf = per_token_cast_to_fp8(x)
+    qc, sfc = per_token_cast_to_fp8(x.cuda())
+    assert_bitwise_equal(sfc.cpu(), sf, f"{case}: scales on CUDA vs CPU")
+    assert_bitwise_equal(qc.cpu().float(), q.float(), f"{case}: values on CUDA vs CPU")
