@@ -37,8 +37,9 @@ def first_mismatch(x: torch.Tensor, y: torch.Tensor) -> str:
         return f"shape {tuple(x.shape)} != {tuple(y.shape)}"
     if x.dtype != y.dtype:
         return f"dtype {x.dtype} != {y.dtype}"
-    xb = x.detach().contiguous().view(torch.uint8).reshape(x.numel(), -1) if x.numel() else x
-    yb = y.detach().contiguous().view(torch.uint8).reshape(y.numel(), -1) if y.numel() else y
+    # reshape(-1) first: view(uint8) needs a last dim, which 0-dim and some strided tensors lack.
+    xb = x.detach().reshape(-1).contiguous().view(torch.uint8).reshape(x.numel(), -1) if x.numel() else x
+    yb = y.detach().reshape(-1).contiguous().view(torch.uint8).reshape(y.numel(), -1) if y.numel() else y
     if x.numel() == 0 or torch.equal(xb, yb):
         return ""
     bad = (xb != yb).any(dim=1)
@@ -159,7 +160,8 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     unwritten element shows as NaN instead of passing as a plausible zero."""
     if t.dtype.is_floating_point:
         return t.fill_(float("nan"))
-    return t.view(torch.uint8).fill_(0x7F) and t
+    t.view(torch.uint8).fill_(0x7F)
+    return t
 
 
 # ------------------------------------------------------------------------------------ weights for a recipe
