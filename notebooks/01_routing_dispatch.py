@@ -46,7 +46,7 @@ print(g)
 # uneven: we give each expert a fixed popularity offset so a few experts run hot.
 
 # %%
-T = 4096
+T = 2048
 gen = torch.Generator().manual_seed(0)
 popularity = torch.randn(g.num_experts, generator=gen) * 0.3  # [E] per-expert offset: hot and cold experts
 logits = torch.randn(T, g.num_experts, generator=gen) + popularity  # [T, E]

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 from megamoe import get_geometry, make_inputs, random_mxfp4_weights
 from megamoe.recipe import get_recipe
 from megamoe.reference import combine, moe_forward, moe_forward_ep, undispatch
-from megamoe.testing import MoEInputs, first_mismatch, rel_l2
+from megamoe.testing import MoEInputs, first_mismatch
 
 from _nb import Figures
 

@@ -25,7 +25,6 @@
 
 # %%
 import json
-from pathlib import Path
 
 import torch
 import matplotlib.pyplot as plt

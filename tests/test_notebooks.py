@@ -2,7 +2,8 @@
 
 Each ``notebooks/NN_*.py`` (jupytext percent format) is converted to a notebook, run by nbclient in a
 fresh ipykernel of *this* interpreter (a kernelspec written to a temp dir, so a stale or missing
-``python3`` kernelspec on the machine does not matter), with matplotlib's Agg backend. A cell that
+``python3`` kernelspec on the machine does not matter), with matplotlib's Agg backend and one
+intra-op thread. A cell that
 raises fails the test with the cell's traceback. All notebooks together must run in under 5 minutes.
 """
 
@@ -58,8 +59,12 @@ def kernel_spec_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("kernels")
     spec = root / "megamoe-nb"
     spec.mkdir()
+    # One intra-op thread: on a shared 2-core runner, OpenMP threads spinning against other processes
+    # made the notebooks 5x slower (measured under load); the notebooks' tensors are small anyway.
     env = {
         "MPLBACKEND": "Agg",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO), str(NB_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     }
