@@ -173,7 +173,7 @@ used = (vw.abs().view(vw.shape[0], -1, 128).amax(2) / sf_fi).flatten()  # larges
 ax1.hist(used[sf_fi.flatten() > 0].numpy(), bins=50, color="tab:purple")
 ax1.axvline(448, color="k", ls=":", lw=1)
 ax1.set(xlabel="largest |q| in the group (e4m3 units)", ylabel="groups",
-        title="G=128, power-of-two scale: the group max lands in (224, 448]")
+        title="G=128, pow2 scale: group max lands in (224, 448]")
 figs.save(fig, "l2_requant")
 
 # %% [markdown]

@@ -91,7 +91,7 @@ figs.save(fig, "plan_vs_tokens")
 
 # %%
 waves = {}
-for t in (32, 512, 8192):
+for t in (8, 512, 8192):
     p = plan(t)
     idx, _ = make_routing(t, g.num_experts, g.num_topk, gen=torch.Generator().manual_seed(t))
     n_e = torch.bincount(idx[idx >= 0], minlength=g.num_experts)  # [E] rows per expert
@@ -110,7 +110,7 @@ for ax, (t, per_wave) in zip(axes, waves.items()):
     ax.bar(range(per_wave.numel()), per_wave.numpy(), color="tab:blue")
     ax.axhline(H200_NUM_SMS, color="r", ls="--", lw=1, label="132 SMs")
     ax.set(xlabel="wave", ylabel="L1 tiles", title=f"T = {t}: BLOCK_M {plan(t).block_m}, {plan(t).num_experts_per_wave} experts/wave")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
 figs.save(fig, "tiles_per_wave")
 
 # %% [markdown]
