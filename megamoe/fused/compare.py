@@ -97,24 +97,32 @@ def _match_scales(kernel: dict, krows: torch.Tensor, ref_sf: torch.Tensor, block
     if raw is None:
         return {}
     raw = raw.float() if raw.dtype.is_floating_point else raw.view(torch.float32)
-    if raw.ndim == 2:
-        a, b = raw.shape
-        if b >= ng and a > krows.max():
-            cands["row-major"] = raw[krows, :ng]
-        if a >= ng and b > krows.max():
-            cands["k-major"] = raw[:ng, krows].T
-        for bm in (8, 16, 24, 32, 64, 128):
-            if a >= ng:
-                idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
-                if idx.max() < b:
-                    cands[f"k-major-padded-bm{bm}"] = raw[:ng, idx].T
-            if b >= ng:
-                idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
-                if idx.max() < a:
-                    cands[f"row-major-padded-bm{bm}"] = raw[idx, :ng]
+    views = [raw]
+    if raw.ndim == 2 and raw.shape[0] > raw.shape[1]:
+        views.append(raw.reshape(raw.shape[1], raw.shape[0]))  # MN-major storage behind a [P, K] view
+    for vi, raw in enumerate(views):
+        _candidates(raw, krows, ng, cands, "" if vi == 0 else "reinterp-")
     best = ("none", 0.0)
     for name, v in cands.items():
         rate = float((v == ref_sf).float().mean())
         if rate > best[1]:
             best = (name, rate)
     return {"sf_layout": best[0], "sf_match": best[1]}
+
+
+def _candidates(raw, krows, ng, cands, prefix):
+    if raw.ndim == 2:
+        a, b = raw.shape
+        if b >= ng and a > krows.max():
+            cands[prefix + "row-major"] = raw[krows, :ng]
+        if a >= ng and b > krows.max():
+            cands[prefix + "k-major"] = raw[:ng, krows].T
+        for bm in (8, 16, 24, 32, 64, 128):
+            if a >= ng:
+                idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
+                if idx.max() < b:
+                    cands[f"{prefix}k-major-padded-bm{bm}"] = raw[:ng, idx].T
+            if b >= ng:
+                idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
+                if idx.max() < a:
+                    cands[f"{prefix}row-major-padded-bm{bm}"] = raw[idx, :ng]

@@ -1,0 +1,295 @@
+"""The differential test matrix: each case runs one backend and its faithful reference and compares
+the output (calc_diff) and, where the kernel exposes them, the L2-input FP8 codes and scales.
+
+Cases are ``Case`` dataclasses with readable ids (``dsv4-flash-T128-bm24-ragged``). The reference of a
+case does not depend on BLOCK_M, so it is computed once and reused by every forced BLOCK_M variant.
+Broken variants (gate/up not interleaved, L2 scales one exponent high) are cases that must FAIL the
+bound: ``detected`` is recorded for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+MAX_DIFF = 1e-5
+MIN_CODE_MATCH = 0.99
+TOKENS = (1, 2, 7, 64, 128, 300, 512, 2048, 8192)
+
+
+@dataclass(frozen=True)
+class Case:
+    geometry: str
+    num_tokens: int
+    block_m: int | None = None  # forced BLOCK_M (None: the backend's own plan)
+    routing: str = "uniform"  # uniform | masked | allmasked | empty-expert | skewed
+    ragged: tuple[int, ...] = ()  # per-rank counts of a data-parallel step; this rank runs num_tokens padded to max
+    weights: str = "random"  # random | checkpoint
+    broken: str = ""  # "" | gate-up-not-interleaved | scale-off-by-one
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        parts = [self.geometry, f"T{self.num_tokens}", f"bm{self.block_m}" if self.block_m else "auto"]
+        if self.routing != "uniform":
+            parts.append(self.routing)
+        if self.ragged:
+            parts.append("ragged" + "x".join(map(str, self.ragged)))
+        if self.weights != "random":
+            parts.append(self.weights)
+        if self.broken:
+            parts.append("BROKEN-" + self.broken)
+        return "-".join(parts)
+
+    @property
+    def launch_tokens(self) -> int:
+        return max(self.ragged) if self.ragged else self.num_tokens
+
+    def routing_kwargs(self) -> dict:
+        return {
+            "uniform": {},
+            "masked": {"mask_prob": 0.3},
+            "allmasked": {"fully_masked_tokens": tuple(range(0, self.num_tokens, 5))},
+            "empty-expert": {"empty_experts": (0, 1, 7)},
+            "skewed": {"skew": 1.5},
+        }[self.routing]
+
+    def ref_key(self) -> tuple:
+        return (self.geometry, self.num_tokens, self.routing, self.weights, self.seed)
+
+
+def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: bool = False) -> list[Case]:
+    cases: list[Case] = []
+    small_tokens = (1, 2, 7, 64, 128, 300, 512)
+    big_tokens = (1, 7, 128, 512, 2048) if quick else TOKENS
+    if allows_zero:
+        cases += [Case("small", 0), Case("dsv4-flash", 0)]
+    for t in small_tokens:
+        cases.append(Case("small", t, seed=t))
+    for t in big_tokens:
+        cases.append(Case("dsv4-flash", t, seed=t))
+    for bm in legal_block_ms:
+        for t in (7, 64, 300):
+            cases.append(Case("small", t, block_m=bm, seed=t))
+        for t in (7, 128, 512) if not quick else (128,):
+            cases.append(Case("dsv4-flash", t, block_m=bm, seed=t))
+    for geo, t in (("small", 64), ("dsv4-flash", 128)):
+        for r in ("masked", "allmasked", "empty-expert", "skewed"):
+            cases.append(Case(geo, t, routing=r, seed=11))
+        cases.append(Case(geo, t, weights="checkpoint", seed=12))
+    cases += [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14),
+              Case("dsv4-flash", 0, ragged=(0, 64), seed=15)] if not allows_zero else \
+             [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14)]
+    if backend_name == "flashinfer-mxfp4":
+        cases += [Case("small", 64, broken="gate-up-not-interleaved", seed=16), Case("small", 64, broken="scale-off-by-one", seed=16)]
+    return cases
+
+
+def _weights(preset: str, kind: str, device):
+    from ..geometry import get_geometry
+    from ..weights import random_mxfp4_weights
+
+    g = get_geometry(preset)
+    w = random_mxfp4_weights(g, seed=0, device=device) if preset != "small" else random_mxfp4_weights(g, seed=0).to(device)
+    if kind == "checkpoint":
+        import tempfile
+
+        from ..layouts.checkpoint import load_layer, write_checkpoint
+
+        d = tempfile.mkdtemp(prefix="megamoe-ckpt-")
+        write_checkpoint(d, 3, w.to("cpu"), num_files=2)
+        w = load_layer(d, 3, device=device)
+    return g, w
+
+
+def _break(be, case: Case):
+    """Swap the backend's device weights for a deliberately broken layout; returns a restore fn."""
+    from ..layouts._common import deinterleave_gate_up
+    from ..layouts.flashinfer_sm90 import to_flashinfer_sm90
+
+    kw = be.kernel_weights
+    old = (be.l1, be.l2)
+    if case.broken == "gate-up-not-interleaved":
+        be.l1, _ = to_flashinfer_sm90(dataclasses.replace(kw, l1=deinterleave_gate_up(kw.l1), l1_scale=deinterleave_gate_up(kw.l1_scale)), check=False)
+    elif case.broken == "scale-off-by-one":
+        _, be.l2 = to_flashinfer_sm90(dataclasses.replace(kw, l2_scale=kw.l2_scale + 1), check=False)
+
+    def restore():
+        be.l1, be.l2 = old
+
+    return restore
+
+
+def _time_launch(be, m: int, iters: int) -> float:
+    torch.cuda.synchronize()
+    for _ in range(2):
+        be.launch(m)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in ev:
+        s.record()
+        be.launch(m)
+        e.record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
+    return ts[len(ts) // 2]
+
+
+def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mma: str | None = None,
+               time_iters: int = 20, quick: bool = False, deadline_s: float | None = None, log=print) -> list[dict]:
+    """Run every case on one backend; returns one row per case and writes {"rows": [...]} to out_json."""
+    from ..reference import moe_forward
+    from ..testing import calc_diff, make_inputs
+    from .compare import compare_l2_inputs
+    from .registry import get_backend_class
+
+    cls = get_backend_class(backend_name)
+    ok, why = cls.availability()
+    if not ok:
+        rows = [{"backend": backend_name, "case": "all", "status": "unavailable", "reason": why}]
+        _write(out_json, rows)
+        return rows
+    t0 = time.time()
+    dev = torch.device("cuda")
+    backends, refs, rows = {}, {}, []
+    if cases is None:
+        probe = cls(get_geometry_safe("small"), capacity=1)
+        cases = default_cases(backend_name, probe.legal_block_ms(), cls.allows_zero_tokens, quick=quick)
+    cases = list(cases)
+    # One backend (buffer, prepared weights) per (geometry, weights); every plan built before any launch.
+    for c in cases:
+        key = (c.geometry, c.weights)
+        if key in backends:
+            continue
+        g, w = _weights(c.geometry, c.weights, dev)
+        cap = max([x.launch_tokens for x in cases if (x.geometry, x.weights) == key] + [1])
+        be = cls(g, capacity=cap)
+        be.prepare(w if cls.weight_format == "mxfp4" else _fp8(w))
+        be.allocate()
+        backends[key] = be
+    jobs = {}
+    for key, be in backends.items():
+        for c in cases:
+            if (c.geometry, c.weights) != key or c.launch_tokens <= 0:
+                continue
+            be.force_block_m = c.block_m
+            k, fn = be._build_job(c.launch_tokens)
+            jobs.setdefault((id(be), k), fn)
+        be.force_block_m = None
+    fns = list(jobs.values())
+    if cls.__name__ == "FlashInferMXFP4":  # pure JIT builds: in parallel threads
+        import threading
+
+        errs = []
+
+        def work(items):
+            for fn in items:
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001
+                    errs.append(exc)
+
+        ths = [threading.Thread(target=work, args=(fns[i::12],)) for i in range(min(12, len(fns)))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        if errs:
+            log(f"[matrix] build errors: {errs[:3]}")
+    else:  # builds that launch: one at a time
+        for fn in fns:
+            fn()
+    log(f"[matrix] {backend_name}: {len(cases)} cases, plans built in {time.time() - t0:.0f}s")
+    for c in cases:
+        row = {"backend": backend_name, "case": c.id, **dataclasses.asdict(c)}
+        if deadline_s is not None and time.time() - t0 > deadline_s:
+            row.update(status="skipped", reason="deadline")
+            rows.append(row)
+            continue
+        be = backends[(c.geometry, c.weights)]
+        restore = None
+        try:
+            be.force_block_m = c.block_m
+            g = be.g
+            inp = make_inputs(g, c.num_tokens, seed=1000 + c.seed, **c.routing_kwargs()).to(dev)
+            recipe = be.recipe if mma is None else be.recipe.with_(mma=mma)
+            if c.ref_key() not in refs or refs[c.ref_key()][0] != recipe:
+                tr = time.time()
+                res = moe_forward(inp, be.kernel_weights, recipe, g, keep_stages=True)
+                refs[c.ref_key()] = (recipe, res, time.time() - tr)
+            _, res, t_ref = refs[c.ref_key()]
+            if c.broken:
+                restore = _break(be, c)
+            m = c.launch_tokens
+            row["plan"] = be.plan(m).describe() if m else "no launch (0 tokens)"
+            be.poison_intermediates()
+            be.stage(inp, m)
+            y = be.launch(m)[: c.num_tokens].clone()
+            torch.cuda.synchronize()
+            inter = be.intermediates() if c.num_tokens else None
+            row["nan"] = int(torch.isnan(y.float()).sum())
+            row["calc_diff"] = calc_diff(y, res.y[0]) if c.num_tokens else 0.0
+            row["bitwise_frac"] = float((y.view(torch.int16) == res.y[0].view(torch.int16)).float().mean()) if c.num_tokens else 1.0
+            if c.routing == "allmasked":
+                rows_masked = torch.tensor(c.routing_kwargs()["fully_masked_tokens"], device=dev)
+                row["masked_rows_zero"] = bool((y[rows_masked].float() == 0).all())
+            if inter is not None:
+                row.update({k: v for k, v in compare_l2_inputs(inter, res.ranks[0], inp, g.num_topk).items()})
+            row["ref_s"] = round(t_ref, 2)
+            if m and time_iters and not c.broken:
+                row["launch_us"] = _time_launch(be, m, time_iters)
+            passed = row["nan"] == 0 and row["calc_diff"] <= MAX_DIFF and row.get("code_match", 1.0) >= MIN_CODE_MATCH
+            if c.routing == "allmasked":
+                passed = passed and row["masked_rows_zero"]
+            row["status"] = ("detected" if not passed else "NOT DETECTED") if c.broken else ("pass" if passed else "FAIL")
+        except Exception as exc:  # noqa: BLE001 - one case must not stop the matrix
+            row.update(status="error", error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc()[-2000:])
+        finally:
+            if restore is not None:
+                restore()
+            be.force_block_m = None
+        rows.append(row)
+        log(f"[matrix] {c.id:45s} {row.get('status'):12s} diff {row.get('calc_diff', float('nan')):.2e} "
+            f"codes {row.get('code_match', float('nan')):.4f} sf {row.get('sf_match', float('nan')):.3f} "
+            f"{row.get('launch_us', float('nan')):8.1f} us  {row.get('plan', '')}")
+        _write(out_json, rows)
+    for be in backends.values():
+        be.destroy()
+    _write(out_json, rows)
+    return rows
+
+
+def get_geometry_safe(name):
+    from ..geometry import get_geometry
+
+    return get_geometry(name)
+
+
+def _fp8(w):
+    from ..layouts.deepgemm_sm90 import to_fp8_block
+
+    return to_fp8_block(w)
+
+
+def _write(path, rows) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"rows": rows}, f, indent=1, default=str)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of matrix rows."""
+    head = "| backend | case | status | calc_diff | L2-input codes identical | L2 scales identical | launch (us) | plan |\n|---|---|---|---|---|---|---|---|"
+    lines = [head]
+    for r in rows:
+        def f(k, fmt):
+            v = r.get(k)
+            return fmt.format(v) if isinstance(v, (int, float)) else "-"
+        lines.append(f"| {r.get('backend')} | {r.get('case')} | {r.get('status')} | {f('calc_diff', '{:.2e}')} | "
+                     f"{f('code_match', '{:.4f}')} | {f('sf_match', '{:.4f}')} | {f('launch_us', '{:.1f}')} | "
+                     f"{r.get('plan', r.get('error', r.get('reason', '')))} |")
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""megamoe.fused: availability reasons, argument checks, the matrix case list, the stage comparison and
+the tensor-core model on CPU; the kernels themselves under ``@pytest.mark.gpu``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megamoe.fused.base import cuda_hopper_reason
+from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
+from megamoe.fused.matrix import Case, default_cases
+from megamoe.fused.registry import BACKENDS, available_backends, get_backend_class
+from megamoe.geometry import get_geometry
+from megamoe.layouts.staging import per_token_cast_to_fp8
+from megamoe.recipe import FLASHINFER_MXFP4
+from megamoe.reference import moe_forward
+from megamoe.reference.tensorcore import EXACT_BLOCK, TensorCoreModel, tc_dot
+from megamoe.formats import e4m3_satfinite
+from megamoe.testing import make_inputs
+
+
+def test_every_backend_reports_availability_with_a_reason():
+    rows = available_backends()
+    assert [r[0] for r in rows] == list(BACKENDS)
+    for name, ok, why in rows:
+        assert isinstance(ok, bool)
+        assert ok or why, f"{name} unavailable without a reason"
+        assert not ok or why == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU reason")
+def test_no_gpu_reason_is_named():
+    assert "no GPU" in cuda_hopper_reason()
+    for name, ok, why in available_backends():
+        assert not ok
+        assert any(s in why for s in ("no GPU", "package missing", "kernel missing")), why
+
+
+def test_fp4_backend_names_missing_entry_points():
+    from megamoe.fused.deepgemm_fp4 import sm90_fp4_missing
+
+    class Fake:  # the shape of sgl-deep-gemm 0.1.5.post1: an SM100-only fp8_fp4_mega_moe
+        fp8_fp4_mega_moe = object()
+
+    assert sm90_fp4_missing(Fake) == ["transform_weights_for_mega_moe_sm90_fp4"]
+
+
+def test_unknown_backend_and_bad_capacity():
+    with pytest.raises(ValueError, match="unknown backend"):
+        get_backend_class("nope")
+    with pytest.raises(ValueError, match="capacity"):
+        BACKENDS["flashinfer-mxfp4"]("small", capacity=0)
+
+
+def test_force_block_m_is_checked():
+    be = BACKENDS["flashinfer-mxfp4"]("small", capacity=64)
+    be.set_force_block_m(24)
+    with pytest.raises(ValueError, match="force_block_m must be one of"):
+        be.set_force_block_m(48)
+    with pytest.raises(ValueError, match="force_block_m"):
+        BACKENDS["deepgemm-sm90-fp8"]("small", capacity=64, force_block_m=64)
+
+
+def test_check_inputs_rejects_before_any_kernel():
+    be = BACKENDS["flashinfer-mxfp4"]("small", capacity=8)
+    be.__class__ = type("CPUFlashInfer", (be.__class__,), {"device": property(lambda self: torch.device("cpu"))})
+    g = be.g
+    good = make_inputs(g, 4, seed=0)
+    assert be.check_inputs(good) == 4
+    assert be.check_inputs(good, 8) == 8
+    with pytest.raises(ValueError, match="exceeds the buffer capacity 8"):
+        be.check_inputs(make_inputs(g, 9, seed=0))
+    with pytest.raises(ValueError, match="below the staged token count"):
+        be.check_inputs(good, 3)
+    with pytest.raises(TypeError, match="bfloat16"):
+        be.check_inputs(dataclasses.replace(good, x=good.x.float()))
+    with pytest.raises(ValueError, match=r"x must be \[T, 512\]"):
+        be.check_inputs(dataclasses.replace(good, x=good.x[:, :256]))
+    bad = good.clone()
+    bad.x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        be.check_inputs(bad)
+    with pytest.raises(ValueError, match="at least one token"):
+        be.check_inputs(make_inputs(g, 0, seed=0))
+    bad = good.clone()
+    bad.topk_idx[0, 0] = g.num_experts
+    with pytest.raises(ValueError, match="topk_idx must be in"):
+        be.check_inputs(bad)
+
+
+def test_matrix_cases_cover_the_issue():
+    cases = default_cases("flashinfer-mxfp4", (8, 24, 64))
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids))
+    big = {c.num_tokens for c in cases if c.geometry == "dsv4-flash" and c.block_m is None and c.routing == "uniform" and not c.ragged}
+    assert {1, 2, 7, 64, 128, 300, 512, 2048, 8192} <= big
+    assert {c.block_m for c in cases} == {None, 8, 24, 64}
+    assert {c.routing for c in cases} >= {"masked", "allmasked", "empty-expert", "skewed"}
+    assert any(c.ragged for c in cases) and any(c.weights == "checkpoint" for c in cases)
+    assert {c.broken for c in cases} >= {"gate-up-not-interleaved", "scale-off-by-one"}
+    assert Case("dsv4-flash", 37, ragged=(37, 128)).launch_tokens == 128
+    assert any(c.num_tokens == 0 for c in default_cases("deepgemm-sm90-fp8", (), allows_zero=True))
+
+
+def _fake_kernel(g, inp, res, shuffle_seed=0):
+    """What a kernel buffer would hold: the reference pool in a shuffled row order plus stale rows."""
+    st = res.ranks[0]
+    lay = st.layout
+    x_q, _ = per_token_cast_to_fp8(inp.x)
+    p = lay.num_pool_rows
+    order = torch.cat([torch.randperm(p, generator=torch.Generator().manual_seed(shuffle_seed)), torch.arange(p, p + 5)])
+    pool = torch.full((p + 5, g.hidden), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    real = lay.src_token >= 0
+    pool[:p][real] = x_q[lay.src_token[real]]
+    l2 = torch.cat([st.l2_in, torch.zeros(5, g.intermediate).to(torch.float8_e4m3fn)])
+    sf = torch.cat([st.l2_in_sf, torch.zeros(5, st.l2_in_sf.shape[1])])
+    return {"pool_x": pool[order], "l2_in": l2[order], "l2_in_sf_kmajor": sf[order].T.contiguous(), "block_m": 8}
+
+
+def test_stage_compare_matches_rows_by_content_and_catches_a_flip(small):
+    g, w = small
+    from megamoe.layouts.ranges import repair_ranges
+
+    w = repair_ranges(w, FLASHINFER_MXFP4)
+    inp = make_inputs(g, 12, seed=3, mask_prob=0.25)
+    res = moe_forward(inp, w, FLASHINFER_MXFP4, g, block_m=8, keep_stages=True)
+    k = _fake_kernel(g, inp, res)
+    out = compare_l2_inputs(k, res.ranks[0], inp, g.num_topk)
+    assert out["rows_matched"] == out["rows_expected"] == res.ranks[0].layout.num_routed_rows
+    assert out["code_match"] == 1.0 and out["sf_match"] == 1.0 and out["sf_layout"] == "k-major"
+    # A broken kernel: every code of one row off by one step -> the match rate drops below 1.
+    k["l2_in"].view(torch.uint8)[int(torch.nonzero(match_pool_tokens(k["pool_x"], per_token_cast_to_fp8(inp.x)[0]) >= 0)[0])] ^= 1
+    assert compare_l2_inputs(k, res.ranks[0], inp, g.num_topk)["code_match"] < 1.0
+
+
+def test_tensorcore_exact_model_equals_fp64_sum_and_truncation_differs():
+    gen = torch.Generator().manual_seed(0)
+    a = e4m3_satfinite(torch.randn(32, 64, generator=gen) * 4).float()
+    b = e4m3_satfinite(torch.randn(8, 64, generator=gen)).float()
+    exact = (a.double() @ b.double().T).float()
+    assert torch.equal(tc_dot(a, b, EXACT_BLOCK), exact)
+    assert torch.equal(tc_dot(a, b, TensorCoreModel("no-loss", chunk=32, frac_bits=60, out_round="rn")), exact)
+    trunc = tc_dot(a, b, TensorCoreModel("t", chunk=32, frac_bits=13, out_bits=13, out_round="rz"))
+    assert not torch.equal(trunc, exact)
+    assert ((trunc.view(torch.int32) & 0x3FF) == 0).all()  # 13 mantissa bits kept
+    # Alignment loss is relative to the largest term, not to the (possibly cancelled) sum.
+    assert ((trunc - exact).abs() <= (a.abs() @ b.abs().T) * 2.0**-10).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8"])
+def test_fused_backend_matches_its_reference_small(name):
+    pytest.importorskip("flashinfer.megamoe" if "flashinfer" in name else "deep_gemm")
+    from megamoe.fused.matrix import run_matrix
+
+    rows = run_matrix(name, [Case("small", 64, seed=1), Case("small", 7, seed=2)], None, time_iters=0)
+    for r in rows:
+        assert r["status"] == "pass", r
+
+
+@pytest.mark.gpu
+def test_flashinfer_broken_layouts_are_detected():
+    pytest.importorskip("flashinfer.megamoe")
+    from megamoe.fused.matrix import run_matrix
+
+    rows = run_matrix("flashinfer-mxfp4", [Case("small", 64, broken="gate-up-not-interleaved"),
+                                           Case("small", 64, broken="scale-off-by-one")], None, time_iters=0)
+    assert [r["status"] for r in rows] == ["detected", "detected"], rows
