@@ -20,11 +20,8 @@ BUDGET = float(os.environ.get("MATRIX_BUDGET_S", "380"))
 print("device", torch.cuda.get_device_name(), "available", available_backends(), flush=True)
 rows = []
 plan = [
-    ("flashinfer-mxfp4", dict(quick=False), 0.55),
-    ("deepgemm-sm90-fp8", dict(quick=True), 0.85),
-    ("deepgemm-staged-fp8", dict(cases=[Case("small", 7, seed=7), Case("small", 300, seed=300), Case("dsv4-flash", 128, seed=128),
-                                        Case("dsv4-flash", 2048, seed=2048), Case("small", 64, routing="allmasked", seed=11)]), 0.93),
-    ("flashinfer-mxfp4", dict(cases=[Case("small", t, seed=t) for t in (7, 64, 300)], mma="sm90-fp8-tc", tag="tc"), 1.0),
+    ("flashinfer-mxfp4", dict(quick=True, time_iters=10), 0.72),
+    ("deepgemm-sm90-fp8", dict(quick=True, time_iters=10), 1.0),
 ]
 for name, kw, frac in plan:
     tag = kw.pop("tag", "")

@@ -66,7 +66,7 @@ class Case:
 def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: bool = False) -> list[Case]:
     cases: list[Case] = []
     small_tokens = (1, 2, 7, 64, 128, 300, 512)
-    big_tokens = (1, 7, 128, 512, 2048) if quick else TOKENS
+    big_tokens = (1, 7, 128, 512, 2048, 8192) if quick else TOKENS
     if allows_zero:
         cases += [Case("small", 0), Case("dsv4-flash", 0)]
     for t in small_tokens:
