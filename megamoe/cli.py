@@ -4,7 +4,8 @@
     megamoe check --preset tiny --tokens 9 --ranks 4 --block-m 64 --json out.json
     megamoe check --backend flashinfer-mxfp4        # plus a fused backend's differential matrix (SM90)
     megamoe check --ranks 4 --dist                  # real gloo ranks (megamoe.distributed) instead of simulated
-    megamoe bench ...                               # megamoe.bench.cli
+    megamoe bench ...                               # megamoe.bench.cli (single GPU sweep)
+    megamoe bench --ranks 4 --preset tiny           # real gloo EP ranks, distributed reference step
 
 Exit status: 0 when every sanity check passed, 1 when one failed, 2 on bad arguments.
 """
@@ -44,7 +45,14 @@ def _check(a: argparse.Namespace) -> int:
         except ImportError as exc:
             console.print(f"[red]--dist needs megamoe.distributed: {exc}[/red]")
             return 2
-        rep = check_ranks(a.ranks, a.preset, None, a.seed, block_m=a.block_m)
+        from .distributed.agreement import SetupMismatchError
+        from .distributed.launch import RankError
+
+        try:
+            rep = check_ranks(a.ranks, a.preset, None, a.seed, block_m=a.block_m)
+        except (RankError, SetupMismatchError) as exc:
+            console.print(f"[red]megamoe check --dist: {exc}[/red]")
+            return 1
         console.print(rep.summary())
         return 0 if rep.ok else 1
 
@@ -67,6 +75,18 @@ def _check(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _bench(a: argparse.Namespace) -> int:
+    if a.ranks > 1:
+        from .distributed.check import bench_ranks
+
+        rep = bench_ranks(a.ranks, getattr(a, "preset", None) or "tiny", None, getattr(a, "seed", 0) or 0)
+        print(rep.summary())
+        return 0
+    from .bench import cli as bench_cli
+
+    return int(bench_cli.main(a) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megamoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
@@ -80,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     if bench_cli is not None:
         b = sub.add_parser("bench", help="timing sweep of the fused backends and the reference")
         bench_cli.add_arguments(b)
-        b.set_defaults(func=bench_cli.main)
+        b.add_argument("--ranks", type=int, default=1,
+                       help="> 1: spawn this many gloo EP ranks and time the distributed reference step "
+                            "(megamoe.distributed.bench_ranks) instead of the single-GPU sweep")
+        b.set_defaults(func=_bench)
     return p
 
 

@@ -57,3 +57,11 @@ def test_check_bad_arguments(args, rc, needle, capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "check" in capsys.readouterr().out
+
+
+def test_bench_ranks_spawns_real_ranks(capsys):
+    from megamoe.cli import main
+
+    assert main(["bench", "--ranks", "2", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "2 gloo ranks" in out and "agreement all-reduce" in out
