@@ -498,8 +498,8 @@ def _gate_up_swapped(mp):
 
 
 def _weight_twice(mp):
-    orig = pipeline_mod.expert_forward
-    mp.setattr(pipeline_mod, "expert_forward", lambda xa, x_sf, weight, *a: orig(xa, x_sf, weight * weight, *a))
+    orig = pipeline_mod.experts_forward
+    mp.setattr(pipeline_mod, "experts_forward", lambda xa, x_sf, weight, *a: orig(xa, x_sf, weight * weight, *a))
 
 
 def _dropped_slot(mp):

@@ -94,20 +94,31 @@ def decode_expert(weights, e: int, recipe: Recipe):
     return decode(w1).float(), None, decode(w2).float(), None, gs1, gs2
 
 
-def expert_forward(
-    xa: torch.Tensor, x_sf: torch.Tensor | None, weight: torch.Tensor, weights, e: int, g: Geometry, recipe: Recipe
+def experts_forward(
+    xa: torch.Tensor, x_sf: torch.Tensor | None, weight: torch.Tensor, weights, experts: list[int], g: Geometry,
+    recipe: Recipe,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One expert on its M real rows: xa [M, H], x_sf [M, H/gran], weight [M]
-    -> (l1_out [M, 2I], l2_in [M, I], l2_in_sf [M, I/G] or None, l2_out [M, H])."""
-    w1, w1_sf, w2, w2_sf, gs1, gs2 = decode_expert(weights, e, recipe)
+    """B experts at once on M rows each: xa [B, M, H], x_sf [B, M, H/gran], weight [B, M]
+    -> (l1_out [B, M, 2I], l2_in [B, M, I], l2_in_sf [B, M, I/G] or None, l2_out [B, M, H]).
+
+    Rows are independent: a row's result does not depend on B, M or the other rows (rows that pad
+    an expert's batch are computed and thrown away)."""
+    dec = [decode_expert(weights, e, recipe) for e in experts]
+    w1, w2 = torch.stack([d[0] for d in dec]), torch.stack([d[2] for d in dec])
+    w1_sf = None if dec[0][1] is None else torch.stack([d[1] for d in dec])
+    w2_sf = None if dec[0][3] is None else torch.stack([d[3] for d in dec])
+    gs1 = None if dec[0][4] is None else torch.stack([d[4] for d in dec]).view(-1, 1, 1)
+    gs2 = None if dec[0][5] is None else torch.stack([d[5] for d in dec]).view(-1, 1, 1)
+    del dec
     if x_sf is None:
         h = exact_gemm(xa, w1, recipe.accum)
     else:
         h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma)
+    del w1
     if gs1 is not None:
         h = h * gs1  # FlashInfer: on the L1 accumulators, before the clamp
     v = swiglu(h, g.clamp, recipe.gate_up_bf16)
-    vw = v * weight.to(v.dtype).unsqueeze(1)  # the routing weight, before the requant
+    vw = v * weight.to(v.dtype).unsqueeze(-1)  # the routing weight, before the requant
     if recipe.l2_group is None:
         l2_in, l2_sf = vw, None
         out = exact_gemm(vw, w2, recipe.accum)
@@ -120,6 +131,39 @@ def expert_forward(
     if recipe.slot_output_bf16:
         out = out.to(torch.bfloat16)
     return h, l2_in, l2_sf, out
+
+
+def expert_forward(
+    xa: torch.Tensor, x_sf: torch.Tensor | None, weight: torch.Tensor, weights, e: int, g: Geometry, recipe: Recipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One expert on its M real rows: xa [M, H], x_sf [M, H/gran], weight [M]
+    -> (l1_out [M, 2I], l2_in [M, I], l2_in_sf [M, I/G] or None, l2_out [M, H])."""
+    res = experts_forward(xa[None], None if x_sf is None else x_sf[None], weight[None], weights, [e], g, recipe)
+    return tuple(None if t is None else t[0] for t in res)
+
+
+def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> list[list[int]]:
+    """Group the non-empty local experts into batches whose [B, KB, M, N] partial-sum tensor stays
+    within a memory budget (2 GiB on a GPU, 256 MiB elsewhere). The ``exact`` recipe runs one expert
+    at a time: its float64 GEMMs are not exact sums, so batching could change its last bits."""
+    experts = [e for e, c in enumerate(counts) if c]
+    if not recipe.stage_x or recipe.mma != "exact-block":
+        return [[e] for e in experts]
+    budget = (2 << 30) if torch.device(device).type == "cuda" else (256 << 20)
+    n_max = max(2 * g.intermediate, g.hidden)
+    batches, cur, cur_m = [], [], 0
+    for e in sorted(experts, key=lambda e: counts[e]):
+        m = max(cur_m, counts[e])
+        # float64 matmul output + its float32 copy, for L1 ([KB, M, 2I]) and L2 ([KB, M, H]).
+        per_expert = 12 * (g.hidden // 128) * m * n_max
+        if cur and per_expert * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur, m = [], counts[e]
+        cur.append(e)
+        cur_m = m
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe) -> torch.Tensor:
@@ -194,17 +238,23 @@ def moe_forward_ep(
             l2_in_dtype = recipe.accum if recipe.l2_group is None else torch.float8_e4m3fn
             l2_in = torch.full((lay.num_pool_rows, i), float("nan"), device=weights.device).to(l2_in_dtype)
             l2_sf = None if recipe.l2_group is None else torch.full((lay.num_pool_rows, i // recipe.l2_group), float("nan"), device=weights.device)
-        for e in range(el):
-            rows = lay.rows_of(e)
-            if rows.stop == rows.start:
-                continue
-            sf_rows = None if pool_sf is None else pool_sf[rows]
-            res = expert_forward(pool_x[rows], sf_rows, pool_w[rows], weights, d * el + e, g, recipe)
-            l2_out[rows] = res[3]
+        counts = lay.counts.tolist()
+        for batch in _expert_batches(counts, g, recipe, weights.device):
+            m = max(counts[e] for e in batch)
+            # [B, M] pool row of each (expert, slot); rows past an expert's count repeat its first row.
+            starts = lay.padded_offsets[torch.tensor(batch, device=lay.counts.device)]
+            ar = torch.arange(m, device=starts.device)
+            valid = ar[None, :] < lay.counts[torch.tensor(batch, device=starts.device)][:, None]
+            src = starts[:, None] + torch.where(valid, ar[None, :], torch.zeros_like(ar)[None, :])
+            sf_rows = None if pool_sf is None else pool_sf[src]
+            w_rows = torch.where(valid, pool_w[src], torch.zeros_like(pool_w[src]))
+            res = experts_forward(pool_x[src], sf_rows, w_rows, weights, [d * el + e for e in batch], g, recipe)
+            dst = src[valid]
+            l2_out[dst] = res[3][valid]
             if keep_stages:
-                l1_out[rows], l2_in[rows] = res[0].to(l1_out.dtype), res[1]
+                l1_out[dst], l2_in[dst] = res[0][valid].to(l1_out.dtype), res[1][valid]
                 if l2_sf is not None:
-                    l2_sf[rows] = res[2]
+                    l2_sf[dst] = res[2][valid]
         layouts.append(lay)
         outs.append(l2_out)
         if keep_stages:

@@ -23,8 +23,8 @@ _INV_448 = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 
 def swiglu(h: torch.Tensor, clamp: float, gate_up_bf16: bool = False) -> torch.Tensor:
     """h [M, 2I] (gate columns then up columns; the logical order, not a kernel's interleave) -> v [M, I]."""
-    i = h.shape[1] // 2
-    g, u = h[:, :i], h[:, i:]
+    i = h.shape[-1] // 2
+    g, u = h[..., :i], h[..., i:]
     if gate_up_bf16:
         g, u = g.to(torch.bfloat16).to(h.dtype), u.to(torch.bfloat16).to(h.dtype)
     g = g.clamp(max=clamp)
@@ -36,11 +36,11 @@ def requant_fp8(
     vw: torch.Tensor, group: int, rule: str = "pow2_ceil", amax_floor: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vw fp32 [M, I] -> (e4m3 [M, I], fp32 sf [M, I/group])."""
-    m, i = vw.shape
+    *lead, i = vw.shape
     if i % group:
         raise ValueError(f"I={i} must be a multiple of the requant group {group}")
-    v3 = vw.float().view(m, i // group, group)
-    amax = v3.abs().amax(dim=2)  # [M, I/G]
+    v3 = vw.float().reshape(*lead, i // group, group)
+    amax = v3.abs().amax(dim=-1)  # [..., M, I/G]
     y = amax * _INV_448.to(vw.device)
     if rule == "pow2_ceil":
         pos = y > 0
@@ -51,5 +51,5 @@ def requant_fp8(
     else:
         raise ValueError(f"rule must be 'pow2_ceil' or 'continuous', got {rule!r}")
     inv = torch.where(sf > 0, torch.reciprocal(sf), torch.zeros_like(sf))
-    q = e4m3_satfinite(v3 * inv.unsqueeze(2)).view(m, i)
+    q = e4m3_satfinite(v3 * inv.unsqueeze(-1)).reshape(*lead, i)
     return q, sf
