@@ -318,8 +318,18 @@ class Sweep:
             except Exception as exc:  # noqa: BLE001
                 return key, exc, traceback.format_exc()
 
+        # deep_gemm's JIT include parser is not thread-safe (seen on the H200: "Circular include may
+        # occur" when two of its builds overlap), so its plans build one after another in one worker.
+        items = list(jobs.items())
+        dg = [it for it in items if isinstance(it[0], tuple) and str(it[0][0]).startswith("dg")]
+        rest = [it for it in items if it not in dg]
+
+        def work_serial(group):
+            return [e for e in map(work, group) if e is not None]
+
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.build_threads)) as pool:
-            errs = [e for e in pool.map(work, list(jobs.items())) if e is not None]
+            serial = pool.submit(work_serial, dg)
+            errs = [e for e in pool.map(work, rest) if e is not None] + serial.result()
         for key, exc, tb in errs:
             self.log(f"[bench] build of {key} failed: {exc}\n{tb}")
             self.results["errors"].append({"where": f"build {key}", "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
@@ -463,7 +473,10 @@ class Sweep:
         kern = {(r["backend"], r["tokens"]): r["median_us"] for r in self.results["rows"] if r["pass"] == 0}
         dg_cast = None
         try:
-            from deep_gemm.utils.math import per_token_cast_to_fp8 as dg_cast  # type: ignore[import-not-found]
+            from deep_gemm.utils.math import per_token_cast_to_fp8 as _dg_cast  # type: ignore[import-not-found]
+
+            def dg_cast(x):  # SM90 staging: FP32 scales, not UE8M0
+                return _dg_cast(x, use_ue8m0=False)
         except Exception:  # noqa: BLE001
             pass
         for t in self.cfg.tokens:

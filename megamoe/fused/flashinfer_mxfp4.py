@@ -22,7 +22,6 @@ import dataclasses
 
 import torch
 
-from ..layouts.staging import per_token_cast_to_fp8
 from ..recipe import FLASHINFER_MXFP4
 from ..testing import MoEInputs
 from .base import FusedBackend, Plan, cuda_hopper_reason
@@ -124,18 +123,14 @@ class FlashInferMXFP4(FusedBackend):
 
     # ------------------------------------------------------------------ run
     def _stage(self, inputs: MoEInputs, m: int) -> None:
-        b, t = self.buf, inputs.num_tokens
-        if t:
-            q, sf = per_token_cast_to_fp8(inputs.x)
-            b.x[:t].copy_(q)
-            b.x_sf[:t].copy_(sf)
-            b.topk_idx[:t].copy_(inputs.topk_idx)
-            b.topk_weights[:t].copy_(inputs.topk_weights)
-        if m > t:  # agreed-count padding: rows routed nowhere
-            b.x[t:m].view(torch.uint8).zero_()
-            b.x_sf[t:m].zero_()
-            b.topk_idx[t:m].fill_(-1)
-            b.topk_weights[t:m].zero_()
+        # One pass over x straight into the buffer's views (megamoe.staging: Triton on CUDA, the
+        # reference path elsewhere), bit-exact with per_token_cast_to_fp8; rows T..m-1 become
+        # padding routed to -1. check_inputs already rejected NaN/Inf, so the kernel skips its flag.
+        from ..staging import stage_into
+
+        b = self.buf
+        stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights, m,
+                   check_finite=False)
         b.commit_staged(m)
 
     def launch(self, num_tokens: int) -> torch.Tensor:
