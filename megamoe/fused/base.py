@@ -47,6 +47,23 @@ class Plan:
         return f"BLOCK_M {self.block_m}{' (forced)' if self.forced else ''}{'; ' + extra if extra else ''}"
 
 
+def kernel_availability(importer, label: str, required: tuple[str, ...]) -> tuple[bool, str]:
+    """(ok, reason) for a backend: an SM90 GPU, the package importable through ``importer()``, and
+    every attribute in ``required`` present on it. The reason names the first thing missing."""
+    why = cuda_hopper_reason()
+    if why:
+        return False, why
+    try:
+        mod = importer()
+    except Exception as exc:  # noqa: BLE001
+        return False, f"package missing: {label} not importable ({type(exc).__name__}: {exc})"
+    for attr in required:
+        if not hasattr(mod, attr):
+            version = getattr(mod, "__version__", None)
+            return False, f"kernel missing: {label}{f' {version}' if version else ''} has no {attr}"
+    return True, ""
+
+
 def cuda_hopper_reason() -> str:
     """'' when an SM90 GPU is usable, else why not."""
     if not torch.cuda.is_available():

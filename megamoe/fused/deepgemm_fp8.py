@@ -21,7 +21,7 @@ from ..layouts.staging import per_token_cast_to_fp8
 from ..recipe import DEEPGEMM_SM90_FP8
 from ..testing import MoEInputs
 from ..weights import FP8BlockWeights, MXFP4Weights
-from .base import FusedBackend, Plan, cuda_hopper_reason
+from .base import FusedBackend, Plan, kernel_availability
 
 
 def _import():
@@ -38,17 +38,8 @@ class DeepGEMMFP8(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        why = cuda_hopper_reason()
-        if why:
-            return False, why
-        try:
-            dg = _import()
-        except Exception as exc:  # noqa: BLE001
-            return False, f"package missing: deep_gemm not importable ({type(exc).__name__}: {exc})"
-        for attr in ("fp8_mega_moe", "get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90"):
-            if not hasattr(dg, attr):
-                return False, f"kernel missing: deep_gemm {getattr(dg, '__version__', '?')} has no {attr}"
-        return True, ""
+        return kernel_availability(
+            _import, "deep_gemm", ("fp8_mega_moe", "get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90"))
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return ()  # chosen in C++, not forceable in 0.1.5.post1

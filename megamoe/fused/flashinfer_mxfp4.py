@@ -24,7 +24,7 @@ import torch
 
 from ..recipe import FLASHINFER_MXFP4
 from ..testing import MoEInputs
-from .base import FusedBackend, Plan, cuda_hopper_reason
+from .base import FusedBackend, Plan, kernel_availability
 
 LEGAL_BLOCK_MS_H200 = (8, 24, 64)
 
@@ -44,17 +44,8 @@ class FlashInferMXFP4(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        why = cuda_hopper_reason()
-        if why:
-            return False, why
-        try:
-            fm = _import()
-        except Exception as exc:  # noqa: BLE001
-            return False, f"package missing: flashinfer.megamoe not importable ({type(exc).__name__}: {exc})"
-        for attr in ("mxfp4_mega_moe", "MegaMoESymmBuffer", "select_mxfp4_fused_plan", "_run_kernel"):
-            if not hasattr(fm, attr):
-                return False, f"kernel missing: flashinfer.megamoe has no {attr}"
-        return True, ""
+        return kernel_availability(
+            _import, "flashinfer.megamoe", ("mxfp4_mega_moe", "MegaMoESymmBuffer", "select_mxfp4_fused_plan", "_run_kernel"))
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return LEGAL_BLOCK_MS_H200

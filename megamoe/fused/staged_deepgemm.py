@@ -16,6 +16,8 @@ SwiGLU, and the L2 activation scale is DeepGEMM's staging rule (amax floored at 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ..layouts.staging import per_token_cast_to_fp8
@@ -24,7 +26,7 @@ from ..reference.dispatch import build_layout, dispatch_slot_values, undispatch
 from ..reference.pipeline import combine
 from ..testing import MoEInputs
 from ..weights import FP8BlockWeights, MXFP4Weights
-from .base import FusedBackend, Plan, cuda_hopper_reason
+from .base import FusedBackend, Plan, kernel_availability
 
 DEEPGEMM_STAGED_FP8 = DEEPGEMM_SM90_FP8.with_(
     name="deepgemm-staged-fp8",
@@ -47,17 +49,9 @@ class StagedDeepGEMM(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        why = cuda_hopper_reason()
-        if why:
-            return False, why
-        try:
-            import deep_gemm as dg
-        except Exception as exc:  # noqa: BLE001
-            return False, f"package missing: deep_gemm not importable ({type(exc).__name__}: {exc})"
-        for attr in ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"):
-            if not hasattr(dg, attr):
-                return False, f"kernel missing: deep_gemm has no {attr}"
-        return True, ""
+        return kernel_availability(
+            lambda: importlib.import_module("deep_gemm"), "deep_gemm",
+            ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"))
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return ()
