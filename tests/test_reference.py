@@ -553,3 +553,27 @@ def test_broken_variant_is_rejected(variant, recipe, monkeypatch):
         BROKEN[variant](mp)
         with pytest.raises(AssertionError, match="calc_diff|bitwise mismatch"):
             check_against_oracle(case, recipe)
+
+
+def test_kernel_recipe_with_float_slot_outputs_matches_per_expert_path():
+    """Batched experts must write float (not bf16) slot outputs too, bit-identical to one expert at a time."""
+    import torch
+
+    from megamoe import PRESETS, make_inputs
+    from megamoe.recipe import DEEPGEMM_SM90_FP4
+    from megamoe.reference import expert_forward, moe_forward
+    from megamoe.weights import random_mxfp4_weights
+
+    g = PRESETS["tiny"]
+    w = random_mxfp4_weights(g, seed=3)
+    recipe = DEEPGEMM_SM90_FP4.with_(slot_output_bf16=False, combine_bf16=False, accum=torch.float64)
+    inp = make_inputs(g, 13, seed=4)
+    res = moe_forward(inp, w, recipe, g, keep_stages=True)
+    st = res.ranks[0]
+    assert st.l2_out.dtype == torch.float64
+    for e in range(g.num_experts):
+        rows = st.layout.rows_of(e)
+        if rows.stop == rows.start:
+            continue
+        one = expert_forward(st.pool_x[rows], st.pool_x_sf[rows], st.pool_weight[rows], w, e, g, recipe)
+        assert torch.equal(st.l2_out[rows], one[3].to(torch.float64)), f"expert {e}"

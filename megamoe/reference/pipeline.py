@@ -250,11 +250,11 @@ def moe_forward_ep(
             w_rows = torch.where(valid, pool_w[src], torch.zeros_like(pool_w[src]))
             res = experts_forward(pool_x[src], sf_rows, w_rows, weights, [d * el + e for e in batch], g, recipe)
             dst = src[valid]
-            l2_out[dst] = res[3][valid]
+            l2_out[dst] = res[3][valid].to(l2_out.dtype)
             if keep_stages:
-                l1_out[dst], l2_in[dst] = res[0][valid].to(l1_out.dtype), res[1][valid]
+                l1_out[dst], l2_in[dst] = res[0][valid].to(l1_out.dtype), res[1][valid].to(l2_in.dtype)
                 if l2_sf is not None:
-                    l2_sf[dst] = res[2][valid]
+                    l2_sf[dst] = res[2][valid].to(l2_sf.dtype)
         layouts.append(lay)
         outs.append(l2_out)
         if keep_stages:
