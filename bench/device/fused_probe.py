@@ -130,18 +130,9 @@ def weights_for(preset):
 
 
 def time_launch(be, m, iters=20):
-    torch.cuda.synchronize()
-    for _ in range(3):
-        be.launch(m)
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        be.launch(m)
-        e.record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
-    return ts[len(ts) // 2]
+    from megamoe.fused.matrix import _time_launch
+
+    return _time_launch(be, m, iters)
 
 
 def run_case(be, g, weights_ref, t, recipes: dict, *, seed, tag, routing=None, save=False, time_it=True):

@@ -19,6 +19,7 @@ import torch
 
 from ..formats import pack_ue8m0_x4, unpack_ue8m0_x4
 from ..weights import MXFP4Weights
+from .deepgemm_sm90 import check_fp4_ue8m0_x4
 from ._common import deinterleave_gate_up, expect_tensor, interleave_gate_up, require_no_global_scales
 
 UTCCP_ROWS = 128
@@ -55,13 +56,6 @@ def to_deepgemm_sm100_fp4(weights: MXFP4Weights):
 def from_deepgemm_sm100_fp4(l1_weights, l2_weights) -> MXFP4Weights:
     """Inverse of ``to_deepgemm_sm100_fp4``, bitwise."""
     (l1, l1_sf), (l2, l2_sf) = l1_weights, l2_weights
-    expect_tensor("l1", l1, dtype=torch.uint8)
-    if l1.ndim != 3:
-        raise ValueError(f"l1 must be 3-D [E, 2I, H/2], got shape {tuple(l1.shape)}")
-    e, two_i, half_h = l1.shape
-    h, i = 2 * half_h, two_i // 2
-    expect_tensor("l1_sf", l1_sf, shape=(e, two_i, h // 128), dtype=torch.int32, device=l1.device)
-    expect_tensor("l2", l2, shape=(e, h, i // 2), dtype=torch.uint8, device=l1.device)
-    expect_tensor("l2_sf", l2_sf, shape=(e, h, i // 128), dtype=torch.int32, device=l1.device)
+    check_fp4_ue8m0_x4(l1, l1_sf, l2, l2_sf)
     s1 = deinterleave_gate_up(unpack_ue8m0_x4(utccp_rows_inverse(l1_sf)))
     return MXFP4Weights(deinterleave_gate_up(l1), s1, l2.contiguous(), unpack_ue8m0_x4(utccp_rows_inverse(l2_sf)))

@@ -95,11 +95,9 @@ def to_deepgemm_sm90_fp4(
     return (l1, l1_sf), (weights.l2.contiguous(), pack_ue8m0_x4(weights.l2_scale))
 
 
-def from_deepgemm_sm90_fp4(
-    l1_weights: tuple[torch.Tensor, torch.Tensor], l2_weights: tuple[torch.Tensor, torch.Tensor]
-) -> MXFP4Weights:
-    """Inverse of ``to_deepgemm_sm90_fp4``, bitwise."""
-    (l1, l1_sf), (l2, l2_sf) = l1_weights, l2_weights
+def check_fp4_ue8m0_x4(l1, l1_sf, l2, l2_sf) -> None:
+    """Shapes of a DeepGEMM FP4 weight set (SM90 and SM100): l1 uint8 [E, 2I, H/2], l1_sf int32
+    [E, 2I, H/128], l2 uint8 [E, H, I/2], l2_sf int32 [E, H, I/128], all on l1's device."""
     expect_tensor("l1", l1, dtype=torch.uint8)
     if l1.ndim != 3:
         raise ValueError(f"l1 must be 3-D [E, 2I, H/2], got shape {tuple(l1.shape)}")
@@ -108,6 +106,14 @@ def from_deepgemm_sm90_fp4(
     expect_tensor("l1_sf", l1_sf, shape=(e, two_i, h // 128), dtype=torch.int32, device=l1.device)
     expect_tensor("l2", l2, shape=(e, h, i // 2), dtype=torch.uint8, device=l1.device)
     expect_tensor("l2_sf", l2_sf, shape=(e, h, i // 128), dtype=torch.int32, device=l1.device)
+
+
+def from_deepgemm_sm90_fp4(
+    l1_weights: tuple[torch.Tensor, torch.Tensor], l2_weights: tuple[torch.Tensor, torch.Tensor]
+) -> MXFP4Weights:
+    """Inverse of ``to_deepgemm_sm90_fp4``, bitwise."""
+    (l1, l1_sf), (l2, l2_sf) = l1_weights, l2_weights
+    check_fp4_ue8m0_x4(l1, l1_sf, l2, l2_sf)
     return MXFP4Weights(
         deinterleave_gate_up(l1), deinterleave_gate_up(unpack_ue8m0_x4(l1_sf)), l2.contiguous(), unpack_ue8m0_x4(l2_sf)
     )
