@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from ..geometry import Geometry
 from ..recipe import Recipe, get_recipe
-from ..reference.dispatch import build_layout, dispatch, dispatch_slot_values, validate_topk
-from ..reference.pipeline import combine, expert_forward, stage_activations
+from ..reference.dispatch import build_layout, dispatch, dispatch_slot_values
+from ..reference.pipeline import combine, expert_forward, stage_activations, validate_rank_inputs
 from ..testing import MoEInputs
 from .comm import FieldSpec, _reduce_scatter_single, all_gather_counts, all_gather_ragged, all_to_all_ragged, comm_device, pack_rows, unpack_rows
 
@@ -41,16 +41,7 @@ SCHEMES = ("allgather_reducescatter", "all_to_all")
 def _validate_local(inputs: MoEInputs, weights, g: Geometry, rank: int, world: int) -> int:
     el = g.experts_per_rank(world)
     what = f"rank {rank}"
-    x = inputs.x
-    if x.ndim != 2 or x.shape[1] != g.hidden:
-        raise ValueError(f"{what}: x must be [T, {g.hidden}], got {tuple(x.shape)}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{what}: x must be bfloat16, got {x.dtype}")
-    if inputs.topk_idx.shape != (x.shape[0], g.num_topk):
-        raise ValueError(f"{what}: topk_idx must be [{x.shape[0]}, {g.num_topk}], got {tuple(inputs.topk_idx.shape)}")
-    validate_topk(inputs.topk_idx, inputs.topk_weights, g.num_experts, what)
-    if x.numel() and not torch.isfinite(x).all():
-        raise ValueError(f"{what}: x contains NaN or Inf")
+    validate_rank_inputs(inputs, g, weights.device, what)
     if weights.hidden != g.hidden or weights.intermediate != g.intermediate:
         raise ValueError(f"{what}: weights are (H, I) = {(weights.hidden, weights.intermediate)} but geometry "
                          f"{g.name!r} expects {(g.hidden, g.intermediate)}")
@@ -126,7 +117,6 @@ def moe_forward_dist(
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     el = _validate_local(inputs, weights, g, rank, world)
-    specs = _token_specs(g, recipe)
     rec = _token_records(inputs, recipe)  # [T, B]
     t, k, h = inputs.num_tokens, g.num_topk, g.hidden
     out_dtype = torch.bfloat16 if recipe.slot_output_bf16 else recipe.accum

@@ -185,23 +185,28 @@ def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int) -> 
     if len(inputs) != num_ranks:
         raise ValueError(f"expected one MoEInputs per rank ({num_ranks}), got {len(inputs)}")
     for r, inp in enumerate(inputs):
-        what = f"rank {r}"
-        x = inp.x
-        if x.ndim != 2 or x.shape[1] != g.hidden:
-            raise ValueError(f"{what}: x must be [T, {g.hidden}], got {tuple(x.shape)}")
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"{what}: x must be bfloat16, got {x.dtype}")
-        if x.device != weights.device:
-            raise ValueError(f"{what}: x is on {x.device} but the weights are on {weights.device}")
-        if inp.topk_idx.shape != (x.shape[0], g.num_topk):
-            raise ValueError(f"{what}: topk_idx must be [{x.shape[0]}, {g.num_topk}], got {tuple(inp.topk_idx.shape)}")
-        for name in ("topk_idx", "topk_weights"):
-            t = getattr(inp, name)
-            if t.device != x.device:
-                raise ValueError(f"{what}: {name} is on {t.device} but x is on {x.device}")
-        validate_topk(inp.topk_idx, inp.topk_weights, g.num_experts, what)
-        if x.numel() and not torch.isfinite(x).all():
-            raise ValueError(f"{what}: x contains NaN or Inf")
+        validate_rank_inputs(inp, g, weights.device, f"rank {r}")
+
+
+def validate_rank_inputs(inp: MoEInputs, g: Geometry, device: torch.device, what: str) -> None:
+    """One rank's step, checked before anything runs: x bf16 [T, H] on ``device``, topk_idx int64 /
+    topk_weights fp32 [T, K] on x's device and in range, no NaN/Inf in x. Errors start with ``what``."""
+    x = inp.x
+    if x.ndim != 2 or x.shape[1] != g.hidden:
+        raise ValueError(f"{what}: x must be [T, {g.hidden}], got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{what}: x must be bfloat16, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{what}: x is on {x.device} but the weights are on {device}")
+    if inp.topk_idx.shape != (x.shape[0], g.num_topk):
+        raise ValueError(f"{what}: topk_idx must be [{x.shape[0]}, {g.num_topk}], got {tuple(inp.topk_idx.shape)}")
+    for name in ("topk_idx", "topk_weights"):
+        t = getattr(inp, name)
+        if t.device != x.device:
+            raise ValueError(f"{what}: {name} is on {t.device} but x is on {x.device}")
+    validate_topk(inp.topk_idx, inp.topk_weights, g.num_experts, what)
+    if x.numel() and not torch.isfinite(x).all():
+        raise ValueError(f"{what}: x contains NaN or Inf")
 
 
 def moe_forward_ep(
