@@ -164,12 +164,20 @@ def plot_sweep(results: dict, path: str) -> bool:
         f8 = {r["tokens"]: r["floor_us"] for r in rows if r["weight_format"] == "fp8_block"}
         t8 = sorted(f8)
         ax.plot(t8, [f8[t] for t in t8], "k:", lw=1.2, label="floor (FP8 weights)")
+    m = results["meta"]
+    title = f"{m.get('geometry', {}).get('name', '')} on {m['card']} ({m['date'][:10]}, {m['commit']})"
+    return _finish_loglog(fig, ax, path, "device time per layer (us)", title)
+
+
+def _finish_loglog(fig, ax, path: str, ylabel: str, title: str) -> bool:
+    """Log-log axes over tokens per rank, grid, legend; save to ``path`` and close the figure."""
+    import matplotlib.pyplot as plt
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("device time per layer (us)")
-    m = results["meta"]
-    ax.set_title(f"{m.get('geometry', {}).get('name', '')} on {m['card']} ({m['date'][:10]}, {m['commit']})", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -195,17 +203,7 @@ def plot_block_m(results: dict, path: str) -> bool:
                   key=lambda r: r["tokens"])
     if plan:
         ax.plot([r["tokens"] for r in plan], [r["median_us"] for r in plan], "k--", lw=1, label="plan's own choice")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("device time (us)")
-    ax.set_title("every forced BLOCK_M", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return _finish_loglog(fig, ax, path, "device time (us)", "every forced BLOCK_M")
 
 
 def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
