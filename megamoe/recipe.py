@@ -7,7 +7,7 @@ accumulate inside one 128-wide K block. The contract is ``shared/design/KERNELS.
 Pipeline stages and the recipe fields that steer them:
     stage x         stage_x, x_gran, x_scale               (bf16 -> e4m3 + scale per token per gran)
     decode weights  weight_format, weight_decode          (MXFP4 -> the e4m3 value the MMA reads)
-    L1 GEMM         promote_k, accum                      (per-K-block promotion of x_sf, FP32 acc)
+    L1 GEMM         promote_k, accum, mma, accumulate     (per-K-block promotion of x_sf, FP32 acc)
     global scales   global_scales                         (gs1 on L1 acc before the clamp, gs2 on L2)
     SwiGLU          gate_up_bf16                          (round gate/up to bf16 first: SM100 only)
     L2 requant      l2_group, l2_scale, l2_amax_floor     (routing weight folded in before this)
@@ -24,6 +24,7 @@ import torch
 WEIGHT_DECODES = ("exact", "e4m3_flush_saturate", "e4m3_rn")
 L2_SCALES = ("pow2_ceil", "continuous")
 MMA_MODELS = ("exact-block", "sm90-fp8-tc")
+ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class Recipe:
     # How the tensor cores sum one promotion block (megamoe.reference.tensorcore): "exact-block" rounds
     # the exact block sum once to FP32; "sm90-fp8-tc" emulates the H200's FP8 accumulation bit by bit.
     mma: str = "exact-block"
+    # How the block sums are combined (megamoe.reference.gemm): "promote" (fresh block, FFMA into an FP32
+    # accumulator), "rescale" / "rescale-ratio" (one running tensor-core accumulator, divided by each
+    # block's scale before its MMAs: DeepGEMM SM90 FP8's kReuseAccumAsFinal configurations).
+    accumulate: str = "promote"
     # Legal E8M0 scale bytes for groups with nonzero codes (None: no limit). Checked, never clipped.
     min_scale_byte: int | None = None
     max_scale_byte: int | None = None
@@ -70,6 +75,8 @@ class Recipe:
             raise ValueError(f"l2_scale must be one of {L2_SCALES}, got {self.l2_scale!r}")
         if self.weight_format not in ("mxfp4", "fp8_block"):
             raise ValueError(f"weight_format must be 'mxfp4' or 'fp8_block', got {self.weight_format!r}")
+        if self.accumulate not in ACCUMULATE_MODES:
+            raise ValueError(f"accumulate must be one of {ACCUMULATE_MODES}, got {self.accumulate!r}")
         if self.mma not in MMA_MODELS:
             raise ValueError(f"mma must be one of {MMA_MODELS}, got {self.mma!r}")
         if self.x_scale not in ("fp32", "ue8m0"):

@@ -9,11 +9,29 @@ spans at most 43 bits: in float64 it is exact, whatever the order. The reference
 computes ``partial`` exactly and rounds it once to FP32; what a real tensor core does inside the
 block (its own rounding) is the one residual the reference does not model. The FP32 FMA is
 emulated in float64 (the product of two FP32 numbers is exact there) then rounded once.
+
+``accumulate`` names how the block sums are combined (what the kernel's epilogue does with them):
+
+    promote        acc = fma(s_kb, block_kb, acc)                 a fresh tensor-core block per kb, then FFMA
+                   (FlashInfer; DeepGEMM's kReuseAccumAsFinal=false configurations)
+    rescale        acc = fl(tc(fl(acc * fl(1 / s_kb)), block_kb) * s_kb)
+                   the running sum stays in the tensor-core accumulator, divided by the block's scale
+                   before the block's MMAs and multiplied back after (DeepGEMM SM90 FP8,
+                   kReuseAccumAsFinal=true with hidden < 7168: ``prescale`` / ``postscale``)
+    rescale-ratio  acc = tc(fl(acc * r_kb), block_kb), r_kb = fl(s_{kb-1} * fl(1 / s_kb)), times the last
+                   scale at the end (the same flag with hidden >= 7168; read from source, never run)
+
+with s_kb = a_sf * b_sf (FP32). In the rescale modes the tensor cores' own rounding applies to the whole
+running sum, not to one block, which is why those configurations sit further from an exact-block
+reference (measured on the H200: docs/kernel-numerics.md). ``1 / s`` models the kernel's
+``rcp.approx.ftz`` as the correctly rounded reciprocal.
 """
 
 from __future__ import annotations
 
 import torch
+
+ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
 
 
 def promoted_gemm(
@@ -23,6 +41,7 @@ def promoted_gemm(
     b_sf: torch.Tensor | None,
     promote_k: int,
     mma: str = "exact-block",
+    accumulate: str = "promote",
 ) -> torch.Tensor:
     """a [..., M, K] (e4m3 values), a_sf fp32 [..., M, K/ga], b [..., N, K] (e4m3 values), b_sf fp32
     [..., N/128, K/128] or None -> fp32 [..., M, N]. Leading dims batch experts: each output row
@@ -31,7 +50,10 @@ def promoted_gemm(
     ``promote_k`` is the promotion block; it must divide the activation-scale group ga and 128.
     ``mma`` names the block-sum model (``megamoe.reference.tensorcore``): "exact-block" (exact, one
     FP32 rounding) or "sm90-fp8-tc" (the H200 tensor cores' own accumulation, emulated).
+    ``accumulate`` is one of ACCUMULATE_MODES (module docstring).
     """
+    if accumulate not in ACCUMULATE_MODES:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
     *lead, m, k = a.shape
     n = b.shape[-2]
     if b.shape[-1] != k or tuple(b.shape[:-2]) != tuple(lead):
@@ -44,6 +66,8 @@ def promoted_gemm(
     nkb = k // promote_k
     if m == 0:
         return torch.zeros(*lead, 0, n, dtype=torch.float32, device=a.device)
+    if accumulate != "promote":
+        return _rescaled_gemm(a, a_sf, b, b_sf, promote_k, ga, mma, accumulate)
     # [..., KB, M, pk] @ [..., KB, pk, N] -> [..., KB, M, N], exact in float64, then one rounding to FP32.
     a3 = a.double().reshape(*lead, m, nkb, promote_k).movedim(-2, -3)
     b3 = b.double().reshape(*lead, n, nkb, promote_k).movedim(-2, -3).transpose(-1, -2)
@@ -59,13 +83,53 @@ def promoted_gemm(
             [torch.stack([tc_dot(a4[j, kb], b4[j, kb].T, model) for kb in range(nkb)]) for j in range(a4.shape[0])]
         ).reshape(*lead, nkb, m, n)
     acc = torch.zeros(*lead, m, n, dtype=torch.float32, device=a.device)
-    rows = torch.arange(n, device=a.device) // 128
     for kb in range(nkb):
-        scale = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1)  # [..., M, 1]
-        if b_sf is not None:
-            scale = scale * b_sf[..., rows, (kb * promote_k) // 128].unsqueeze(-2)  # FP32 product [..., M, N]
+        scale = _block_scale(a_sf, b_sf, kb, promote_k, ga, n)
         acc = (scale.double() * partial[..., kb, :, :].double() + acc.double()).float()
     return acc
+
+
+def _block_scale(a_sf, b_sf, kb: int, promote_k: int, ga: int, n: int) -> torch.Tensor:
+    """s_kb = a_sf * b_sf, FP32 [..., M, N] (or [..., M, 1] without weight scales)."""
+    scale = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1)  # [..., M, 1]
+    if b_sf is not None:
+        rows = torch.arange(n, device=a_sf.device) // 128
+        scale = scale * b_sf[..., rows, (kb * promote_k) // 128].unsqueeze(-2)  # FP32 product [..., M, N]
+    return scale
+
+
+def _rescaled_gemm(a, a_sf, b, b_sf, promote_k: int, ga: int, mma: str, accumulate: str) -> torch.Tensor:
+    """The ``rescale`` / ``rescale-ratio`` modes: one running accumulator through every block."""
+    from .tensorcore import MODELS, tc_dot
+
+    model = MODELS[mma]
+    *lead, m, k = a.shape
+    n = b.shape[-2]
+    nkb = k // promote_k
+    a2, b2 = a.reshape(-1, m, k), b.reshape(-1, n, k)
+    out = torch.empty(a2.shape[0], m, n, dtype=torch.float32, device=a.device)
+    sa = a_sf.reshape(-1, m, a_sf.shape[-1])
+    sb = None if b_sf is None else b_sf.reshape(-1, *b_sf.shape[-2:])
+    for j in range(a2.shape[0]):
+        acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+        prev = None
+        for kb in range(nkb):
+            s = _block_scale(sa[j], None if sb is None else sb[j], kb, promote_k, ga, n).expand(m, n)
+            if kb == 0:
+                c = acc  # the kernel skips the first prescale: the accumulator is still zero
+            elif accumulate == "rescale":
+                c = (acc.double() * torch.reciprocal(s).double()).float()
+            else:
+                c = acc if prev is None else (acc.double() * (prev.double() * torch.reciprocal(s).double()).float().double()).float()
+            blk = slice(kb * promote_k, (kb + 1) * promote_k)
+            acc = tc_dot(a2[j, :, blk], b2[j, :, blk], model, c=c)
+            if accumulate == "rescale":
+                acc = (acc.double() * s.double()).float()
+            prev = s
+        if accumulate == "rescale-ratio" and prev is not None:
+            acc = (acc.double() * prev.double()).float()
+        out[j] = acc
+    return out.reshape(*lead, m, n)
 
 
 def exact_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

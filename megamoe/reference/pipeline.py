@@ -113,7 +113,7 @@ def experts_forward(
     if x_sf is None:
         h = exact_gemm(xa, w1, recipe.accum)
     else:
-        h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma)
+        h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma, recipe.accumulate)
     del w1
     if gs1 is not None:
         h = h * gs1  # FlashInfer: on the L1 accumulators, before the clamp
@@ -125,7 +125,8 @@ def experts_forward(
     else:
         q, l2_sf = requant_fp8(vw, recipe.l2_group, recipe.l2_scale, recipe.l2_amax_floor)
         l2_in = q
-        out = promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma)
+        out = promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma,
+                             recipe.accumulate)
     if gs2 is not None:
         out = out * gs2  # FlashInfer: on the L2 accumulators, before the bf16 cast
     if recipe.slot_output_bf16:
@@ -147,7 +148,7 @@ def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> l
     within a memory budget (2 GiB on a GPU, 256 MiB elsewhere). The ``exact`` recipe runs one expert
     at a time: its float64 GEMMs are not exact sums, so batching could change its last bits."""
     experts = [e for e, c in enumerate(counts) if c]
-    if not recipe.stage_x or recipe.mma != "exact-block":
+    if not recipe.stage_x or recipe.mma != "exact-block" or recipe.accumulate != "promote":
         return [[e] for e in experts]
     budget = (2 << 30) if torch.device(device).type == "cuda" else (256 << 20)
     n_max = max(2 * g.intermediate, g.hidden)
