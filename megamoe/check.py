@@ -217,8 +217,12 @@ def backend_availability() -> list[tuple[str, bool, str]] | None:
     return [tuple(b) for b in registry.available_backends()]
 
 
-def run_backend(report: CheckReport, name: str, json_path: str | None = None) -> None:
-    """``--backend NAME``: the fused backend's differential matrix, when the backend runs here."""
+MATRIX_BAD = ("FAIL", "NOT DETECTED", "error")
+
+
+def run_backend(report: CheckReport, name: str, json_path: str | None = None, **matrix_kwargs) -> None:
+    """``--backend NAME``: the fused backend's differential matrix, when the backend runs here.
+    ``matrix_kwargs`` go to ``megamoe.fused.matrix.run_matrix`` (mma, ref_max_tokens, quick, ...)."""
     avail = report.backends
     if avail is None:
         report.sanity.append(Sanity(f"backend {name}", False, "no fused backends are installed (megamoe.fused.registry)"))
@@ -232,11 +236,12 @@ def run_backend(report: CheckReport, name: str, json_path: str | None = None) ->
         return
     from .fused import registry
 
-    results = registry.run_matrix(name, out_json=json_path)
+    results = registry.run_matrix(name, out_json=json_path, **matrix_kwargs)
     report.backend_results = results
-    bad = [r for r in results if r.get("ok") is False]
+    bad = [r for r in results if r.get("status") in MATRIX_BAD]
     report.sanity.append(Sanity(f"backend {name}: differential matrix", not bad,
-                                f"{len(results)} cases, {len(bad)} failed"))
+                                f"{len(results)} cases, {len(bad)} failed or not detected: "
+                                f"{[r.get('case') for r in bad][:8]}" if bad else f"{len(results)} cases, all within bounds"))
 
 
 # ------------------------------------------------------------------------------------ printing
@@ -298,6 +303,22 @@ def render(report: CheckReport, console=None) -> None:
         for name, ok, why in report.backends:
             bt.add_row(name, "[green]yes[/green]" if ok else "[yellow]no[/yellow]", why)
         console.print(bt)
+    if report.backend_results:
+        mt = Table(title="differential matrix (kernel vs its faithful reference)")
+        for col in ("case", "status", "calc_diff", "L2 codes", "L2 sf rel", "ref", "launch us", "plan"):
+            mt.add_column(col)
+        for r in report.backend_results:
+            def num(k, fmt):
+                v = r.get(k)
+                return fmt.format(v) if isinstance(v, (int, float)) else "-"
+            st = r.get("status", "")
+            color = "red" if st in MATRIX_BAD else ("green" if st in ("pass", "detected") else "yellow")
+            rr = r.get("reference_recipe") or {}
+            mt.add_row(str(r.get("case")), f"[{color}]{st}[/{color}]", num("calc_diff", "{:.2e}"),
+                       num("code_match", "{:.4f}"), num("sf_rel_median", "{:.1e}"),
+                       f"{rr.get('mma', '')}/{rr.get('accumulate', '')}" if rr else "-",
+                       num("launch_us", "{:.1f}"), str(r.get("plan", r.get("reason", r.get("error", ""))))[:60])
+        console.print(mt)
     secs = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
     console.print(f"time: {secs}")
     console.print("[bold green]all checks passed[/bold green]" if report.ok else

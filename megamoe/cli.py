@@ -31,6 +31,12 @@ def _add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
     p.add_argument("--backend", metavar="NAME", default=None,
                    help="also run this fused backend's differential matrix (megamoe.fused.registry)")
+    p.add_argument("--mma", default="sm90-fp8-tc", choices=["exact-block", "sm90-fp8-tc"],
+                   help="--backend: the reference's tensor-core model (default: the H200's emulated accumulation)")
+    p.add_argument("--ref-max-tokens", type=int, default=512,
+                   help="--backend: above this many tokens the reference runs on a random token subset")
+    p.add_argument("--quick", action="store_true", help="--backend: the shorter matrix")
+    p.add_argument("--matrix-json", metavar="PATH", default=None, help="--backend: write the matrix rows as JSON")
     p.add_argument("--dist", action="store_true",
                    help="spawn --ranks gloo processes (megamoe.distributed) and compare bitwise, instead of simulating")
 
@@ -66,7 +72,7 @@ def _check(a: argparse.Namespace) -> int:
         return 2
     report.backends = backend_availability()
     if a.backend:
-        run_backend(report, a.backend)
+        run_backend(report, a.backend, a.matrix_json, mma=a.mma, ref_max_tokens=a.ref_max_tokens, quick=a.quick)
     render(report, console)
     if a.json:
         with open(a.json, "w") as f:

@@ -88,26 +88,41 @@ def compare_l2_inputs(kernel: dict, ref_stage, inputs, num_topk: int, chunk: int
 
 
 def _match_scales(kernel: dict, krows: torch.Tensor, ref_sf: torch.Tensor, block_m) -> dict:
-    """Try each layout of the kernel's scale region; keep the one with the most exact matches."""
+    """The kernel's scales of the matched rows against the reference's: exact-match rate and relative
+    error (continuous FP32 scales differ in their last bits wherever the amax element does). A kernel
+    that names its layout (``l2_in_sf_rowmajor`` + ``block_m``) is read with it; otherwise every
+    plausible layout is tried and the one closest to the reference is kept."""
     ng = ref_sf.shape[1]
     cands: dict[str, torch.Tensor] = {}
-    raw = kernel.get("l2_in_sf_kmajor")
-    if raw is None:
-        raw = kernel.get("l2_in_sf_raw")
-    if raw is None:
-        return {}
-    raw = raw.float() if raw.dtype.is_floating_point else raw.view(torch.float32)
-    views = [raw]
-    if raw.ndim == 2 and raw.shape[0] > raw.shape[1]:
-        views.append(raw.reshape(raw.shape[1], raw.shape[0]))  # MN-major storage behind a [P, K] view
-    for vi, raw in enumerate(views):
-        _candidates(raw, krows, ng, cands, "" if vi == 0 else "reinterp-")
-    best = ("none", 0.0)
+    named = kernel.get("l2_in_sf_rowmajor")
+    if named is not None and block_m:
+        bm = int(block_m)
+        idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
+        if int(idx.max()) < named.shape[0]:
+            cands[f"row-major-padded-bm{bm}"] = named.float()[idx, :ng]
+    else:
+        raw = kernel.get("l2_in_sf_kmajor")
+        if raw is None:
+            raw = kernel.get("l2_in_sf_raw", named)
+        if raw is None:
+            return {}
+        raw = raw.float() if raw.dtype.is_floating_point else raw.view(torch.float32)
+        views = [raw]
+        if raw.ndim == 2 and raw.shape[0] > raw.shape[1]:
+            views.append(raw.reshape(raw.shape[1], raw.shape[0]))  # MN-major storage behind a [P, K] view
+        for vi, raw in enumerate(views):
+            _candidates(raw, krows, ng, cands, "" if vi == 0 else "reinterp-")
+    best, best_key = None, None
     for name, v in cands.items():
-        rate = float((v == ref_sf).float().mean())
-        if rate > best[1]:
-            best = (name, rate)
-    return {"sf_layout": best[0], "sf_match": best[1]}
+        rel = (v / ref_sf - 1).abs().nan_to_num(float("inf"))
+        key = (float((v == ref_sf).float().mean()), -float(rel.median()))
+        if best_key is None or key > best_key:
+            best, best_key = (name, rel), key
+    if best is None:
+        return {"sf_layout": "none", "sf_match": 0.0}
+    name, rel = best
+    return {"sf_layout": name, "sf_match": best_key[0], "sf_rel_median": float(rel.median()),
+            "sf_rel_max": float(rel.max())}
 
 
 def _candidates(raw, krows, ng, cands, prefix):

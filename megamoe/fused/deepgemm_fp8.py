@@ -4,30 +4,141 @@ Weights: FP8BlockWeights (from MXFP4 through ``megamoe.layouts.deepgemm_sm90.to_
 or given directly), then ``to_deepgemm_sm90_fp8`` (= ``deep_gemm.transform_weights_for_mega_moe_sm90``:
 L1 rows gate/up interleaved by 8, scales untouched).
 
-Plans: the package chooses BLOCK_M (a multiple of 64) and its other template parameters in C++
-(``heuristics/sm90_mega_moe.hpp``) from the local token count, with no Python override; the plan is
-reported as chosen by the package and ``legal_block_ms`` is empty (nothing can be forced). Every
-configuration is a JIT build on first use.
+Plans: the package chooses its configuration in C++ (``heuristics/sm90_mega_moe.hpp``) from the local
+token count, with no Python override, so nothing can be forced (``legal_block_ms`` is empty). What it
+chose is read back: with ``DG_PRINT_CONFIGS=1`` (set before the first import) the heuristic prints
+``MegaMoESM90Config(block_m=.., block_n=.., ...)`` once per token count, captured from file descriptor 1
+during the build launch; the JIT-generated source in ``DG_JIT_CACHE_DIR`` (default ``~/.deep_gemm``) holds
+the kernel's full template arguments, of which two change the numerics:
+
+    kFP8SwapAB          weights as the MMA's M operand (no numerical effect)
+    kReuseAccumAsFinal  the running sum stays in the tensor-core accumulator across K blocks
+                        (``accumulate="rescale"`` in the reference; hidden >= 7168: "rescale-ratio")
+
+Seen on the H200 (bench/results/*dg-probe*): BLOCK_M 64 x BLOCK_N 128 (swap-AB up to ~128 tokens per
+rank, reuse off) for small counts, BLOCK_M 128 x BLOCK_N 256 with reuse on for large ones (small geometry
+T >= 300, DeepSeek-V4-Flash T = 8192). ``recipe_for(num_tokens)`` returns the recipe of the plan a launch
+of that size runs.
 
 Intermediates: ``SM90SymmBuffer`` exposes ``l1_acts`` (the dispatched pool, e4m3 [P, H]), ``l1_acts_sf``,
-``l2_acts`` (the L2 input, e4m3 [P, I]) and ``l2_acts_sf`` (fp32, one per 64 channels).
+``l2_acts`` (the L2 input, e4m3 [P, I]) and ``l2_acts_sf`` (fp32 [P_sf, I/64], row-major; pool row r of
+a BLOCK_M block b sits at row b * roundup(BLOCK_M, 128) + r % BLOCK_M).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import re
+import sys
+import tempfile
+
 import torch
 
-from ..layouts.staging import per_token_cast_to_fp8
-from ..recipe import DEEPGEMM_SM90_FP8
+from ..recipe import DEEPGEMM_SM90_FP8, Recipe
 from ..testing import MoEInputs
 from ..weights import FP8BlockWeights, MXFP4Weights
 from .base import FusedBackend, Plan, kernel_availability
 
 
 def _import():
+    # The C++ heuristic prints its choice (once per token count) only when this is set at first use.
+    os.environ.setdefault("DG_PRINT_CONFIGS", "1")
     import deep_gemm
 
     return deep_gemm
+
+
+# Template parameters of sm90_fp8_mega_moe_impl, in order (include/deep_gemm/impls/sm90_fp8_mega_moe.cuh).
+TEMPLATE_PARAMS = (
+    "num_max_tokens_per_rank", "hidden", "intermediate_hidden", "num_experts", "num_topk", "num_experts_per_wave",
+    "block_m", "block_n", "block_k", "num_max_pool_tokens", "num_padded_sf_pool_tokens", "num_stages",
+    "num_dispatch_threads", "num_non_epilogue_threads", "num_epilogue_threads", "num_sms", "num_ranks",
+    "activation_clamp", "fast_math", "epilogue_register_budget", "reuse_accum_as_final", "l2_arrival_counter",
+    "l2_epilogue_requires_full_sync", "split_phase_hot_path", "fp8_swap_ab",
+)
+
+
+def parse_config_print(text: str) -> dict:
+    """The last ``MegaMoESM90Config(key=value, ...)`` of the heuristic's printout -> {key: int}."""
+    found = re.findall(r"MegaMoESM90Config\(([^()]*block_m=[^()]*)\)", text)
+    if not found:
+        return {}
+    out = {}
+    for kv in found[-1].split(","):
+        k, _, v = kv.strip().partition("=")
+        out[k] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
+def parse_template_args(src: str) -> dict | None:
+    """The template arguments of the ``sm90_fp8_mega_moe_impl<...>`` instantiation in a JIT source."""
+    i = src.find("sm90_fp8_mega_moe_impl<")
+    if i < 0:
+        return None
+    depth, j = 0, i + len("sm90_fp8_mega_moe_impl")
+    for j in range(j, len(src)):
+        depth += {"<": 1, ">": -1}.get(src[j], 0)
+        if depth == 0:
+            break
+    args = [a.strip() for a in src[i + len("sm90_fp8_mega_moe_impl<") : j].split(",")]
+    if len(args) < len(TEMPLATE_PARAMS):
+        return None
+
+    def val(a: str):
+        if a in ("true", "false"):
+            return a == "true"
+        try:
+            return int(a)
+        except ValueError:
+            return a
+
+    return {k: val(a) for k, a in zip(TEMPLATE_PARAMS, args)}
+
+
+def find_kernel_args(config: dict, cache_dir: str | None = None) -> dict | None:
+    """Template arguments of the JIT-built kernel that matches a printed config (None if not found)."""
+    root = cache_dir or os.environ.get("DG_JIT_CACHE_DIR") or os.path.expanduser("~/.deep_gemm")
+    keys = ("block_m", "block_n", "block_k", "num_max_pool_tokens", "num_padded_sf_pool_tokens", "num_stages",
+            "num_experts_per_wave", "num_dispatch_threads", "num_non_epilogue_threads", "num_epilogue_threads")
+    for d, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith((".cu", ".cuh", ".cpp")):
+                continue
+            try:
+                args = parse_template_args(open(os.path.join(d, f), errors="replace").read())
+            except OSError:
+                continue
+            if args and all(args.get(k) == config.get(k) for k in keys if k in config):
+                return args
+    return None
+
+
+def capture_stdout_fd(fn):
+    """Run fn() with file descriptor 1 (C/C++ stdout) redirected; returns (result, captured text)."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(1)
+        os.dup2(tmp.fileno(), 1)
+        try:
+            res = fn()
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    return res, text
+
+
+def recipe_for_kernel(base: Recipe, args: dict | None, config: dict, hidden: int, mma: str) -> Recipe:
+    """The reference recipe of one DeepGEMM configuration. Without the template arguments the reuse
+    flag is inferred from the tile (the 128 x 256 tile is the only one seen with it on)."""
+    reuse = args["reuse_accum_as_final"] if args else (config.get("block_m") == 128 and config.get("block_n") == 256)
+    acc = "promote" if not reuse else ("rescale-ratio" if hidden >= 7168 else "rescale")
+    return base.with_(mma=mma, accumulate=acc)
 
 
 class DeepGEMMFP8(FusedBackend):
@@ -66,14 +177,43 @@ class DeepGEMMFP8(FusedBackend):
         self.y = torch.empty(self.buf.num_max_tokens_per_rank, g.hidden, dtype=torch.bfloat16, device=self.device)
 
     def plan(self, num_tokens: int) -> Plan:
-        return Plan(block_m=0, forced=False, detail={"source": "deep_gemm C++ heuristic (not exposed)"})
+        """The configuration a launch of num_tokens runs: known once build() (or a first launch through
+        ``_launch_capturing``) has seen the heuristic's printout for that count."""
+        cfg = getattr(self, "_configs", {}).get(int(num_tokens))
+        if not cfg:
+            return Plan(block_m=0, forced=False, detail={"source": "deep_gemm C++ heuristic (not yet built)"})
+        args = cfg.get("template_args") or {}
+        detail = {k: v for k, v in cfg["config"].items() if k != "block_m"}
+        detail.update(swap_ab=args.get("fp8_swap_ab"), reuse_accum=args.get("reuse_accum_as_final"),
+                      source="DG_PRINT_CONFIGS" + (" + JIT source" if args else ""))
+        return Plan(block_m=int(cfg["config"].get("block_m", 0)), forced=False, detail=detail)
+
+    def recipe_for(self, num_tokens: int, mma: str | None = None) -> Recipe:
+        """The recipe of the plan a launch of num_tokens runs (accumulation mode from the kernel's
+        template arguments). ``mma`` defaults to the recipe's own block-sum model."""
+        cfg = getattr(self, "_configs", {}).get(int(num_tokens))
+        mma = mma or self.recipe.mma
+        if not cfg:
+            return self.recipe.with_(mma=mma)
+        return recipe_for_kernel(self.recipe, cfg.get("template_args"), cfg["config"], self.g.hidden, mma)
+
+    def _launch_capturing(self, num_tokens: int) -> None:
+        """Launch once with fd 1 captured; record the printed configuration and its kernel's arguments."""
+        _, text = capture_stdout_fd(lambda: (self.launch(num_tokens), torch.cuda.synchronize()))
+        cfg = parse_config_print(text)
+        rest = re.sub(r"MegaMoESM90Config\([^\n]*\n?", "", text).strip()
+        if rest:
+            print(rest, flush=True)  # anything else the package printed (JIT messages) stays visible
+        if cfg:
+            if not hasattr(self, "_configs"):
+                self._configs = {}
+            self._configs[int(num_tokens)] = {"config": cfg, "template_args": find_kernel_args(cfg)}
 
     def _build_job(self, num_tokens: int):
         # A launch builds its configuration on first use; warm it with staged padding rows.
         def warm():
             self._stage_padding(num_tokens)
-            self.launch(num_tokens)
-            torch.cuda.synchronize()
+            self._launch_capturing(num_tokens)
 
         return ("dg", num_tokens), warm
 
@@ -88,18 +228,14 @@ class DeepGEMMFP8(FusedBackend):
         b.topk_weights[:m].zero_()
 
     def _stage(self, inputs: MoEInputs, m: int) -> None:
-        b, t = self.buf, inputs.num_tokens
-        if t:
-            q, sf = per_token_cast_to_fp8(inputs.x)
-            b.x[:t].copy_(q)
-            b.x_sf[:t].copy_(sf)
-            b.topk_idx[:t].copy_(inputs.topk_idx)
-            b.topk_weights[:t].copy_(inputs.topk_weights)
-        if m > t:
-            b.x[t:m].view(torch.uint8).zero_()
-            b.x_sf[t:m].fill_(1.0)
-            b.topk_idx[t:m].fill_(-1)
-            b.topk_weights[t:m].zero_()
+        # One pass over x straight into the buffer's views (megamoe.staging: Triton on CUDA), bit-exact
+        # with per_token_cast_to_fp8; rows T..m-1 become padding routed to -1. check_inputs already
+        # rejected NaN/Inf, so the staging kernel skips its flag (no host sync).
+        from ..staging import stage_into
+
+        b = self.buf
+        stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights, m,
+                   check_finite=False)
 
     allows_zero_tokens = True
 
@@ -123,8 +259,10 @@ class DeepGEMMFP8(FusedBackend):
 
     def intermediates(self) -> dict:
         b = self.buf
-        return {"pool_x": b.l1_acts.clone(), "l2_in": b.l2_acts.clone(), "l2_in_sf_raw": b.l2_acts_sf.clone(),
-                "l2_group": 64, "block_m": None}
+        m = getattr(self, "_staged", None)
+        bm = self.plan(m).block_m if m else 0
+        return {"pool_x": b.l1_acts.clone(), "l2_in": b.l2_acts.clone(), "l2_in_sf_rowmajor": b.l2_acts_sf.clone(),
+                "l2_group": 64, "block_m": bm or None}
 
     def destroy(self) -> None:
         buf = getattr(self, "buf", None)

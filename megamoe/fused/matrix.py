@@ -139,9 +139,26 @@ def _time_launch(be, m: int, iters: int) -> float:
     return ts[len(ts) // 2]
 
 
+def _subset(inp, n: int, seed: int):
+    """A sorted random subset of n tokens (the reference of a token depends only on its own rows)."""
+    from ..testing import MoEInputs
+
+    gen = torch.Generator().manual_seed(seed)
+    sel = torch.randperm(inp.num_tokens, generator=gen)[:n].sort().values.to(inp.x.device)
+    return sel, MoEInputs(x=inp.x[sel], topk_idx=inp.topk_idx[sel], topk_weights=inp.topk_weights[sel])
+
+
 def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mma: str | None = None,
-               time_iters: int = 20, quick: bool = False, deadline_s: float | None = None, log=print) -> list[dict]:
-    """Run every case on one backend; returns one row per case and writes {"rows": [...]} to out_json."""
+               time_iters: int = 20, quick: bool = False, deadline_s: float | None = None,
+               ref_max_tokens: int | None = None, log=print) -> list[dict]:
+    """Run every case on one backend; returns one row per case and writes {"rows": [...]} to out_json.
+
+    ``mma`` picks the reference's block-sum model (None: the recipe's own, "sm90-fp8-tc": the tensor
+    cores emulated). The reference recipe of a case is the backend's ``recipe_for(launch tokens)`` when
+    it has one (DeepGEMM's accumulation mode depends on the configuration its heuristic picked).
+    ``ref_max_tokens``: above this many tokens the reference runs on a random subset of that size and
+    the output / L2 codes are compared on those tokens only (rows are independent, so the subset's
+    reference is bit-identical to the full one's rows; the emulated tensor cores are slow)."""
     from ..reference import moe_forward
     from ..testing import calc_diff, make_inputs
     from .compare import compare_l2_inputs
@@ -216,29 +233,41 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             be.force_block_m = c.block_m
             g = be.g
             inp = make_inputs(g, c.num_tokens, seed=1000 + c.seed, **c.routing_kwargs()).to(dev)
-            recipe = be.recipe if mma is None else be.recipe.with_(mma=mma)
+            m = c.launch_tokens
+            if hasattr(be, "recipe_for"):
+                recipe = be.recipe_for(m, mma)
+            else:
+                recipe = be.recipe if mma is None else be.recipe.with_(mma=mma)
+            row["reference_recipe"] = {"name": recipe.name, "mma": recipe.mma, "accumulate": recipe.accumulate}
+            sel, ref_inp = None, inp
+            if ref_max_tokens is not None and c.num_tokens > ref_max_tokens:
+                sel, ref_inp = _subset(inp, ref_max_tokens, c.seed)
+            row["ref_tokens"] = ref_inp.num_tokens
             if c.ref_key() not in refs or refs[c.ref_key()][0] != recipe:
                 tr = time.time()
-                res = moe_forward(inp, be.kernel_weights, recipe, g, keep_stages=True)
+                res = moe_forward(ref_inp, be.kernel_weights, recipe, g, keep_stages=True)
                 refs[c.ref_key()] = (recipe, res, time.time() - tr)
             _, res, t_ref = refs[c.ref_key()]
             if c.broken:
                 restore = _break(be, c)
-            m = c.launch_tokens
             row["plan"] = be.plan(m).describe() if m else "no launch (0 tokens)"
             be.poison_intermediates()
             be.stage(inp, m)
             y = be.launch(m)[: c.num_tokens].clone()
             torch.cuda.synchronize()
+            row["plan"] = be.plan(m).describe() if m else row["plan"]  # now known for every backend
             inter = be.intermediates() if c.num_tokens else None
+            y_full = y
+            if sel is not None:
+                y = y[sel]
             row["nan"] = int(torch.isnan(y.float()).sum())
             row["calc_diff"] = calc_diff(y, res.y[0]) if c.num_tokens else 0.0
             row["bitwise_frac"] = float((y.view(torch.int16) == res.y[0].view(torch.int16)).float().mean()) if c.num_tokens else 1.0
             if c.routing == "allmasked":
                 rows_masked = torch.tensor(c.routing_kwargs()["fully_masked_tokens"], device=dev)
-                row["masked_rows_zero"] = bool((y[rows_masked].float() == 0).all())
+                row["masked_rows_zero"] = bool((y_full[rows_masked].float() == 0).all())
             if inter is not None:
-                row.update({k: v for k, v in compare_l2_inputs(inter, res.ranks[0], inp, g.num_topk).items()})
+                row.update({k: v for k, v in compare_l2_inputs(inter, res.ranks[0], ref_inp, g.num_topk).items()})
             row["ref_s"] = round(t_ref, 2)
             if m and time_iters and not c.broken:
                 row["launch_us"] = _time_launch(be, m, time_iters)
