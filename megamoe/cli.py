@@ -36,6 +36,8 @@ def _add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ref-max-tokens", type=int, default=512,
                    help="--backend: above this many tokens the reference runs on a random token subset")
     p.add_argument("--quick", action="store_true", help="--backend: the shorter matrix")
+    p.add_argument("--matrix-deadline", type=float, default=None, metavar="S",
+                   help="--backend: cases not started within S seconds are reported as skipped")
     p.add_argument("--matrix-json", metavar="PATH", default=None, help="--backend: write the matrix rows as JSON")
     p.add_argument("--dist", action="store_true",
                    help="spawn --ranks gloo processes (megamoe.distributed) and compare bitwise, instead of simulating")
@@ -72,7 +74,8 @@ def _check(a: argparse.Namespace) -> int:
         return 2
     report.backends = backend_availability()
     if a.backend:
-        run_backend(report, a.backend, a.matrix_json, mma=a.mma, ref_max_tokens=a.ref_max_tokens, quick=a.quick)
+        run_backend(report, a.backend, a.matrix_json, mma=a.mma, ref_max_tokens=a.ref_max_tokens, quick=a.quick,
+                    deadline_s=a.matrix_deadline)
     render(report, console)
     if a.json:
         with open(a.json, "w") as f:

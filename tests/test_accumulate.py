@@ -77,13 +77,14 @@ def test_modes_differ_where_they_should():
     assert rel < 1e-2  # same value to a few accumulator ulps, not a different result
 
 
-def test_batched_leading_dims_equal_per_expert():
+@pytest.mark.parametrize("mode", ["promote", "rescale"])
+def test_batched_leading_dims_equal_per_expert(mode):
     gen = torch.Generator().manual_seed(7)
     a, b = _e4m3((2, 5, 256), gen), _e4m3((2, 128, 256), gen)
     a_sf, b_sf = torch.rand(2, 5, 2, generator=gen) + 0.1, torch.rand(2, 1, 2, generator=gen) + 0.1
-    both = promoted_gemm(a, a_sf, b, b_sf, 128, "sm90-fp8-tc", "rescale")
+    both = promoted_gemm(a, a_sf, b, b_sf, 128, "sm90-fp8-tc", mode)
     for e in range(2):
-        one = promoted_gemm(a[e], a_sf[e], b[e], b_sf[e], 128, "sm90-fp8-tc", "rescale")
+        one = promoted_gemm(a[e], a_sf[e], b[e], b_sf[e], 128, "sm90-fp8-tc", mode)
         assert torch.equal(both[e], one)
 
 

@@ -79,9 +79,8 @@ def promoted_gemm(
 
         model = MODELS[mma]
         a4, b4 = a3.reshape(-1, nkb, m, promote_k), b3.reshape(-1, nkb, promote_k, n)
-        partial = torch.stack(
-            [torch.stack([tc_dot(a4[j, kb], b4[j, kb].T, model) for kb in range(nkb)]) for j in range(a4.shape[0])]
-        ).reshape(*lead, nkb, m, n)
+        partial = torch.stack([tc_dot(a4[:, kb], b4[:, kb].transpose(-1, -2), model) for kb in range(nkb)], dim=1)
+        partial = partial.reshape(*lead, nkb, m, n)
     acc = torch.zeros(*lead, m, n, dtype=torch.float32, device=a.device)
     for kb in range(nkb):
         scale = _block_scale(a_sf, b_sf, kb, promote_k, ga, n)
@@ -107,28 +106,26 @@ def _rescaled_gemm(a, a_sf, b, b_sf, promote_k: int, ga: int, mma: str, accumula
     n = b.shape[-2]
     nkb = k // promote_k
     a2, b2 = a.reshape(-1, m, k), b.reshape(-1, n, k)
-    out = torch.empty(a2.shape[0], m, n, dtype=torch.float32, device=a.device)
     sa = a_sf.reshape(-1, m, a_sf.shape[-1])
     sb = None if b_sf is None else b_sf.reshape(-1, *b_sf.shape[-2:])
-    for j in range(a2.shape[0]):
-        acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
-        prev = None
-        for kb in range(nkb):
-            s = _block_scale(sa[j], None if sb is None else sb[j], kb, promote_k, ga, n).expand(m, n)
-            if kb == 0:
-                c = acc  # the kernel skips the first prescale: the accumulator is still zero
-            elif accumulate == "rescale":
-                c = (acc.double() * torch.reciprocal(s).double()).float()
-            else:
-                c = acc if prev is None else (acc.double() * (prev.double() * torch.reciprocal(s).double()).float().double()).float()
-            blk = slice(kb * promote_k, (kb + 1) * promote_k)
-            acc = tc_dot(a2[j, :, blk], b2[j, :, blk], model, c=c)
-            if accumulate == "rescale":
-                acc = (acc.double() * s.double()).float()
-            prev = s
-        if accumulate == "rescale-ratio" and prev is not None:
-            acc = (acc.double() * prev.double()).float()
-        out[j] = acc
+    acc = torch.zeros(a2.shape[0], m, n, dtype=torch.float32, device=a.device)
+    prev = None
+    for kb in range(nkb):
+        s = _block_scale(sa, sb, kb, promote_k, ga, n).expand(a2.shape[0], m, n)
+        if kb == 0:
+            c = acc  # the kernel skips the first prescale: the accumulator is still zero
+        elif accumulate == "rescale":
+            c = (acc.double() * torch.reciprocal(s).double()).float()
+        else:
+            c = (acc.double() * (prev.double() * torch.reciprocal(s).double()).float().double()).float()
+        blk = slice(kb * promote_k, (kb + 1) * promote_k)
+        acc = tc_dot(a2[..., blk], b2[..., blk], model, c=c)
+        if accumulate == "rescale":
+            acc = (acc.double() * s.double()).float()
+        prev = s
+    if accumulate == "rescale-ratio" and prev is not None:
+        acc = (acc.double() * prev.double()).float()
+    out = acc
     return out.reshape(*lead, m, n)
 
 

@@ -145,18 +145,22 @@ def expert_forward(
 
 def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> list[list[int]]:
     """Group the non-empty local experts into batches whose [B, KB, M, N] partial-sum tensor stays
-    within a memory budget (2 GiB on a GPU, 256 MiB elsewhere). The ``exact`` recipe runs one expert
-    at a time: its float64 GEMMs are not exact sums, so batching could change its last bits."""
+    within a memory budget (2 GiB on a GPU, 256 MiB elsewhere; the emulated tensor cores need ~33x
+    more per row). The ``exact`` recipe runs one expert at a time: its float64 GEMMs are not exact
+    sums, so batching could change its last bits."""
     experts = [e for e, c in enumerate(counts) if c]
-    if not recipe.stage_x or recipe.mma != "exact-block" or recipe.accumulate != "promote":
+    if not recipe.stage_x:
         return [[e] for e in experts]
     budget = (2 << 30) if torch.device(device).type == "cuda" else (256 << 20)
     n_max = max(2 * g.intermediate, g.hidden)
+    emulated = recipe.mma != "exact-block"
     batches, cur, cur_m = [], [], 0
     for e in sorted(experts, key=lambda e: counts[e]):
         m = max(cur_m, counts[e])
-        # float64 matmul output + its float32 copy, for L1 ([KB, M, 2I]) and L2 ([KB, M, H]).
-        per_expert = 12 * (g.hidden // 128) * m * n_max
+        if emulated:  # tensorcore.tc_step: float64 [M, N, chunk + 1] terms and ~3 temporaries of that size
+            per_expert = 8 * 33 * 4 * m * n_max + 12 * (g.hidden // 128) * m * n_max
+        else:  # float64 matmul output + its float32 copy, for L1 ([KB, M, 2I]) and L2 ([KB, M, H]).
+            per_expert = 12 * (g.hidden // 128) * m * n_max
         if cur and per_expert * (len(cur) + 1) > budget:
             batches.append(cur)
             cur, m = [], counts[e]

@@ -94,20 +94,21 @@ def tc_step(c: torch.Tensor, p: torch.Tensor, model: TensorCoreModel) -> torch.T
 
 
 def tc_dot(a: torch.Tensor, b: torch.Tensor, model: TensorCoreModel, c: torch.Tensor | None = None) -> torch.Tensor:
-    """a [M, K], b [N, K] (e4m3 values as floats), K a multiple of model.chunk -> FP32 [M, N]:
-    the chained tensor-core sum of one block, starting from accumulator c (FP32 [M, N], or 0)."""
-    m, k = a.shape
-    n = b.shape[0]
-    if b.shape[1] != k:
-        raise ValueError(f"a is [M, {k}] but b is {tuple(b.shape)}")
+    """a [..., M, K], b [..., N, K] (e4m3 values as floats; leading dims batch independent problems),
+    K a multiple of model.chunk -> FP32 [..., M, N]: the chained tensor-core sum of one block, starting
+    from accumulator c (FP32 [..., M, N], or 0)."""
+    *lead, m, k = a.shape
+    n = b.shape[-2]
+    if b.shape[-1] != k or tuple(b.shape[:-2]) != tuple(lead):
+        raise ValueError(f"a is {tuple(a.shape)} but b is {tuple(b.shape)} (want [..., N, {k}])")
     if k % model.chunk:
         raise ValueError(f"K={k} must be a multiple of the model's chunk {model.chunk}")
     if model.is_exact and c is None:
-        return (a.double() @ b.double().T).float()
-    acc = torch.zeros(m, n, dtype=torch.float64, device=a.device) if c is None else c.double()
+        return (a.double() @ b.double().transpose(-1, -2)).float()
+    acc = torch.zeros(*lead, m, n, dtype=torch.float64, device=a.device) if c is None else c.double()
     ad, bd = a.double(), b.double()
     for k0 in range(0, k, model.chunk):
-        p = ad[:, None, k0 : k0 + model.chunk] * bd[None, :, k0 : k0 + model.chunk]  # [M, N, chunk]
+        p = ad[..., :, None, k0 : k0 + model.chunk] * bd[..., None, :, k0 : k0 + model.chunk]  # [..., M, N, chunk]
         acc = tc_step(acc, p, model)
     return acc.float()
 
