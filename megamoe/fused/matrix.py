@@ -312,13 +312,16 @@ def _write(path, rows) -> None:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of matrix rows."""
-    head = "| backend | case | status | calc_diff | L2-input codes identical | L2 scales identical | launch (us) | plan |\n|---|---|---|---|---|---|---|---|"
+    head = ("| backend | case | status | calc_diff | L2-input codes identical | L2 scales identical | L2 sf rel | "
+            "reference | launch (us) | plan |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         def f(k, fmt):
             v = r.get(k)
             return fmt.format(v) if isinstance(v, (int, float)) else "-"
+        rr = r.get("reference_recipe") or {}
+        ref = f"{rr.get('mma')}/{rr.get('accumulate')}" + (f" ({r['ref_tokens']} tok)" if r.get("ref_tokens", r.get("num_tokens")) != r.get("num_tokens") else "") if rr else "-"
         lines.append(f"| {r.get('backend')} | {r.get('case')} | {r.get('status')} | {f('calc_diff', '{:.2e}')} | "
-                     f"{f('code_match', '{:.4f}')} | {f('sf_match', '{:.4f}')} | {f('launch_us', '{:.1f}')} | "
-                     f"{r.get('plan', r.get('error', r.get('reason', '')))} |")
+                     f"{f('code_match', '{:.4f}')} | {f('sf_match', '{:.4f}')} | {f('sf_rel_median', '{:.1e}')} | {ref} | "
+                     f"{f('launch_us', '{:.1f}')} | {r.get('plan', r.get('error', r.get('reason', '')))} |")
     return "\n".join(lines)
