@@ -43,9 +43,10 @@ def test_time_fn_cpu_fallback_measures_the_call():
 
 def test_time_fn_rotates_input_sets_and_warms_up():
     seen = []
-    tm = time_fn(seen.append, args=["a", "b", "c"], warmup=2, repeats=6, device="cpu")
-    assert tm.rotated == 3 and tm.warmup == 2
-    assert seen == ["a", "b", "c", "a", "b", "c", "a", "b"]  # 2 warm-up + 6 timed, cycling
+    tm = time_fn(seen.append, args=["a", "b", "c"], warmup=2, repeats=5, device="cpu")
+    assert tm.rotated == 3 and tm.warmup == 3  # the warm-up covers every input set at least once
+    # 3 warm-up + 5 timed rounded up to whole rotations (6), cycling in order
+    assert seen == ["a", "b", "c"] * 3 and tm.set_index == [0, 1, 2, 0, 1, 2] and len(tm.samples_us) == 6
 
 
 def test_time_fn_rejects_bad_arguments():
@@ -135,7 +136,10 @@ def test_repeatability_and_speedup_tables():
             {"backend": "u", "fused": False, "tokens": 1, "pass": 0, "median_us": 300.0},
             {"backend": "f", "fused": True, "tokens": 1, "pass": 1, "median_us": 102.0}]
     rep = repeatability(rows)
-    assert rep == [{"backend": "f", "tokens": 1, "medians_us": [100.0, 102.0], "spread": pytest.approx(0.02)}]
+    assert rep == [{"backend": "f", "tokens": 1, "medians_us": [100.0, 102.0], "spread": pytest.approx(0.02), "flag": False}]
+    rows.append({"backend": "u", "fused": False, "tokens": 1, "pass": 1, "median_us": 330.0})
+    flagged = {r["backend"]: r["flag"] for r in repeatability(rows)}
+    assert flagged == {"f": False, "u": True}  # 10% >= 3%: flagged, never dropped
     sp = speedups(rows)
     assert len(sp) == 1 and sp[0]["speedup"] == pytest.approx(3.0) and sp[0]["unfused"] == "u"
 

@@ -10,6 +10,15 @@
                       BLOCK_M, and a way to force BLOCK_M. Only ``launch`` is timed; the staged buffer
                       cannot be rotated, so the L2 is flushed between calls instead.
 
+Two properties steer how the sweep times a backend (``megamoe.bench.sweep.select_timing``):
+
+    graph_capturable  the backend promises that its timed call may be captured in a CUDA graph (after
+                      build): FusedAdapter reads the fused class's ``graph_capturable`` (missing = False);
+                      such a backend is timed by graph replays, staging done once before capture
+    host_bound        the timed call syncs the host and launches many small kernels (the eager
+                      reference; an unfused peer whose launch is not capturable): timed with events, but
+                      with the host-bound hygiene (gc off, allocator cache emptied first, more repeats)
+
 Everything the fused package spells differently is looked up here (``_first_attr``), nowhere else.
 """
 
@@ -75,6 +84,9 @@ class BenchBackend:
     weight_format: str = "mxfp4"  # picks the bytes per weight of the roofline floor
     fused: bool = False
     rotatable: bool = True  # whether timing may cycle among several input sets
+    jit_group: str | None = None  # builds of one group run one after another (sweep.build_all)
+    graph_capturable: bool = False  # the timed call may be captured in a CUDA graph (after build)
+    host_bound: bool = False  # the timed call syncs the host (its figure is host time)
 
     def prepare(self, weights) -> None:
         """Convert / upload weights (not timed)."""
@@ -125,8 +137,10 @@ class CallableBackend(BenchBackend):
     """Times ``fn(inputs)``; ``reference_fn(inputs, weights)`` gives the output to check against."""
 
     def __init__(self, name: str, fn: Callable[[MoEInputs], torch.Tensor], *, weight_format: str = "mxfp4",
-                 reference_fn: Callable | None = None, fused: bool = False, plan: dict | None = None):
+                 reference_fn: Callable | None = None, fused: bool = False, plan: dict | None = None,
+                 graph_capturable: bool = False, host_bound: bool = False):
         self.name, self.fn, self.weight_format, self.fused = name, fn, weight_format, fused
+        self.graph_capturable, self.host_bound = bool(graph_capturable), bool(host_bound)
         self.reference_fn = reference_fn
         self._plan = plan or {}
 
@@ -154,7 +168,8 @@ def reference_backend(g: Geometry, weights, recipe: str = "flashinfer-mxfp4", na
     except Exception:  # noqa: BLE001 - the raw weights time the same arithmetic
         pass
     fn = lambda inp: moe_forward(inp, weights, recipe, g)  # noqa: E731
-    return CallableBackend(name or f"reference ({recipe})", fn, weight_format="mxfp4", plan={"recipe": recipe})
+    return CallableBackend(name or f"reference ({recipe})", fn, weight_format="mxfp4", plan={"recipe": recipe},
+                           host_bound=True)
 
 
 class FusedAdapter(BenchBackend):
@@ -174,6 +189,31 @@ class FusedAdapter(BenchBackend):
         fused = _first_attr(self.obj, ("fused", "is_fused"))
         self.fused = bool(fused) if fused is not None else ("unfused" not in name and "grouped" not in name)
         self._weights = None
+
+    @property
+    def jit_group(self) -> str | None:
+        """Builds in one group must not overlap (deep_gemm's JIT include parser is process-global and
+        not thread-safe): the object's own ``jit_group``, else "deep_gemm" for the DeepGEMM backends."""
+        v = _first_attr(self.obj, ("jit_group",))
+        if isinstance(v, str):
+            return v
+        mod = type(self.obj).__module__ or ""
+        return "deep_gemm" if ("deepgemm" in self.name.lower() or "deepgemm" in mod or "deep_gemm" in mod) else None
+
+    @property
+    def graph_capturable(self) -> bool:
+        """The fused class's promise (``graph_capturable = True``) that launch() may be captured after
+        build(); a missing attribute is False."""
+        return getattr(self.obj, "graph_capturable", False) is True
+
+    @property
+    def host_bound(self) -> bool:
+        """The object's own ``host_bound`` / ``syncs_host`` when it says; else a launch that is not
+        capturable and not a fused kernel (the unfused peer's torch glue syncs the host)."""
+        v = _first_attr(self.obj, ("host_bound", "syncs_host"))
+        if isinstance(v, bool):
+            return v
+        return not self.graph_capturable and not self.fused
 
     def _construct(self, block_m):
         kw = dict(self.kwargs)
@@ -320,6 +360,18 @@ class ForcedBlockM(BenchBackend):
     object; every entry point pins it first (the sweep uses one view at a time), close() unpins."""
 
     rotatable = False
+
+    @property
+    def graph_capturable(self) -> bool:
+        return self.base.graph_capturable
+
+    @property
+    def jit_group(self) -> str | None:
+        return self.base.jit_group
+
+    @property
+    def host_bound(self) -> bool:
+        return self.base.host_bound
 
     def __init__(self, base: FusedAdapter, block_m: int):
         self.base, self.block_m = base, block_m

@@ -65,18 +65,56 @@ def sweep_table(results: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def detail_table(results: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["backend", "tokens", "BM", "median us", "spread", "TFLOP/s", "GB/s", "of FP8 peak", "of copy BW",
-            "floor us", "of floor", "calc_diff", "pass 2 us", "repeat spread"]
+    head = ["backend", "tokens", "BM", "timed by", "median us", "spread", "TFLOP/s", "GB/s", "of FP8 peak", "of copy BW",
+            "floor us", "of floor", "calc_diff", "pass 2 us", "repeat spread", "between input sets"]
     rep = {(r["backend"], r["tokens"]): r for r in results.get("repeatability", [])}
     body = []
     for r in first_pass(results):
         rp = rep.get((r["backend"], r["tokens"]))
-        body.append([r["backend"], str(r["tokens"]), str(r.get("block_m") or "-"), _fmt_us(r["median_us"]),
+        body.append([r["backend"], str(r["tokens"]), str(r.get("block_m") or "-"), _method(r), _fmt_us(r["median_us"]),
                      _pct(r["spread"]), f"{r['tflops']:.3g}", f"{r['gbps']:.4g}", _pct(r["frac_fp8_peak"]),
                      _pct(r["frac_copy_bw"]), _fmt_us(r["floor_us"]), _pct(r["frac_of_floor"]),
                      f"{r['calc_diff']:.1e}" if r.get("calc_diff") is not None else "-",
-                     _fmt_us(rp["medians_us"][1]) if rp else "-", f"{100 * rp['spread']:.2f}%" if rp else "-"])
+                     _fmt_us(rp["medians_us"][1]) if rp else "-",
+                     (f"{100 * rp['spread']:.2f}%" + (" (over)" if rp.get("flag") else "")) if rp else "-",
+                     _pct(r.get("rotation_spread")) if r.get("rotation_spread") is not None else "-"])
     return head, body
+
+
+def _method(r: dict) -> str:
+    """How a row was timed: the clock (``method``), and the harness's pick (``path``) when they differ."""
+    m, p = r.get("method", "-"), r.get("path")
+    return m if not p or p == m else f"{m} ({p})"
+
+
+def _worst(rep: list[dict]) -> dict:
+    return max(rep, key=lambda r: r["spread"] if r["spread"] == r["spread"] else float("inf"))
+
+
+def repeatability_text(results: dict) -> list[str]:
+    """The repeatability paragraph, every flagged row listed, and the drift check."""
+    rep = results.get("repeatability", [])
+    proto = results.get("meta", {}).get("timing_protocol", {})
+    limit = proto.get("repeat_limit", 0.03)
+    out = []
+    if rep:
+        worst = _worst(rep)
+        flagged = [r for r in rep if r.get("flag", r["spread"] >= limit)]
+        how = proto.get("repeat") or "two sweeps back to back in one call"
+        out += [f"Protocol ({proto.get('repeat_mode', 'sweeps')}): {how}. Largest per-row spread "
+                f"{100 * worst['spread']:.2f}% ({worst['backend']} at {worst['tokens']} tokens); {len(flagged)} of "
+                f"{len(rep)} rows at or over {100 * limit:.0f}%."]
+        if flagged:
+            out += ["", md_table(["backend", "tokens", "pass medians us", "spread"],
+                                 [[r["backend"], str(r["tokens"]), ", ".join(_fmt_us(m) for m in r["medians_us"]),
+                                   f"{100 * r['spread']:.2f}%"] for r in flagged])]
+    drift = results.get("drift") or []
+    if drift:
+        out += ["", "Drift over the sweep (each backend's first case timed again at the end):", "",
+                md_table(["backend", "tokens", "start us", "end us", "change", "flag"],
+                         [[d["backend"], str(d["tokens"]), _fmt_us(d["start_us"]), _fmt_us(d["end_us"]),
+                           f"{100 * d['change']:+.2f}%", "OVER" if d.get("flag") else ""] for d in drift])]
+    return out
 
 
 def md_table(head, body) -> str:
@@ -100,18 +138,21 @@ def to_markdown(results: dict) -> str:
     out.append(f"- timing: median of {cfg.get('repeats')} calls after {cfg.get('warmup')} warm-up calls ({', '.join(methods)}), "
                f"L2 flushed between calls (fused) / {cfg.get('rotate')} input sets rotated (callables); "
                f"wall time of the run {results.get('wall_seconds', '?')} s")
+    proto = m.get("timing_protocol")
+    if proto:
+        out.append("- paths: " + "; ".join(f"{k}: {v}" for k, v in proto.get("paths", {}).items()))
+        hb = proto.get("host_bound", {})
+        if hb:
+            out.append("- host-bound rows (eager reference, a peer whose launch syncs the host): "
+                       + ", ".join(f"{k} {v}" for k, v in hb.items()))
     out.append("- 'of floor' = floor / time (100% = at the roofline floor); floor = max(bytes of the experts touched "
                "+ activations over copy bandwidth, FLOPs over the FP8 rate), with each backend's own weight format")
     if results["rows"]:
         out += ["", "## Sweep", "", md_table(*sweep_table(results))]
         out += ["", "## Every row", "", md_table(*detail_table(results))]
-    rep = results.get("repeatability", [])
-    if rep:
-        worst = max(rep, key=lambda r: r["spread"])
-        n_bad = sum(r["spread"] >= 0.03 for r in rep)
-        out += ["", "## Repeatability", "",
-                f"Two sweeps back to back in one call: largest per-row spread {100 * worst['spread']:.2f}% "
-                f"({worst['backend']} at {worst['tokens']} tokens); {n_bad} of {len(rep)} rows at or over 3%."]
+    text = repeatability_text(results)
+    if text:
+        out += ["", "## Repeatability", ""] + text
     if results.get("block_m_best"):
         bms = sorted({k for r in results["block_m_best"] for k in r["times_us"]}, key=int)
         head = ["backend", "tokens", "plan BM", "plan us"] + [f"BM {b} us" for b in bms] + ["best BM", "plan / best"]
@@ -132,10 +173,14 @@ def to_markdown(results: dict) -> str:
         body = [[r["what"], str(r["tokens"]), _fmt_us(r["median_us"])] + [_pct(r.get(k)) for k in keys] for r in results["staging"]]
         out += ["", "## Staging cost", "", md_table(head, body)]
     if results.get("overhead"):
-        head = ["backend", "tokens", "bare loop us", "harness us", "harness / bare", "within 2%", "harness, L2 flushed us"]
-        body = [[r["backend"], str(r["tokens"]), _fmt_us(r["bare_loop_us"]), _fmt_us(r["harness_us"]), f"{r['ratio']:.4f}",
-                 "yes" if r["ok"] else "NO", _fmt_us(r["harness_flushed_us"])] for r in results["overhead"]]
-        out += ["", "## Harness overhead", "", md_table(head, body)]
+        head = ["backend", "tokens", "timed by", "input sets", "bare loop us", "harness us", "harness / bare", "within 2%",
+                "harness median us", "between input sets", "harness, L2 flushed us"]
+        body = [[r["backend"], str(r["tokens"]), r.get("path", r.get("method", "-")), str(r.get("sets", 1)),
+                 _fmt_us(r["bare_loop_us"]), _fmt_us(r["harness_us"]), f"{r['ratio']:.4f}", "yes" if r["ok"] else "NO",
+                 _fmt_us(r.get("harness_median_us")), _pct(r.get("rotation_spread")) if r.get("rotation_spread") is not None else "-",
+                 _fmt_us(r.get("harness_flushed_us"))] for r in results["overhead"]]
+        note = results["overhead"][0].get("compared")
+        out += ["", "## Harness overhead", ""] + ([f"Compared: {note}.", ""] if note else []) + [md_table(head, body)]
     if results.get("skipped"):
         out += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()]
     if results.get("errors"):
@@ -251,10 +296,18 @@ def print_tables(results: dict, console=None) -> None:
         console.print(t)
     rep = results.get("repeatability", [])
     if rep:
-        worst = max(rep, key=lambda r: r["spread"])
-        console.print(f"repeatability: worst per-row spread {100 * worst['spread']:.2f}% ({worst['backend']} T={worst['tokens']})")
+        worst = _worst(rep)
+        flagged = [r for r in rep if r.get("flag")]
+        console.print(f"repeatability: worst per-row spread {100 * worst['spread']:.2f}% ({worst['backend']} T={worst['tokens']}); "
+                      f"{len(flagged)} of {len(rep)} rows at or over the limit"
+                      + "".join(f"\n  {r['backend']} T={r['tokens']}: {100 * r['spread']:.2f}%" for r in flagged))
+    for d in results.get("drift", []):
+        console.print(f"drift {d['backend']} T={d['tokens']}: {d['start_us']:.1f} -> {d['end_us']:.1f} us "
+                      f"({100 * d['change']:+.2f}%){' OVER' if d.get('flag') else ''}")
     for r in results.get("overhead", []):
-        console.print(f"overhead {r['backend']} T={r['tokens']}: harness {r['harness_us']:.1f} us vs bare loop "
-                      f"{r['bare_loop_us']:.1f} us, ratio {r['ratio']:.4f} ({'ok' if r['ok'] else 'OVER 2%'})")
+        rot = r.get("rotation_spread")
+        console.print(f"overhead {r['backend']} T={r['tokens']} ({r.get('path', r.get('method'))}, {r.get('sets', 1)} set(s)): "
+                      f"harness {r['harness_us']:.1f} us vs bare loop {r['bare_loop_us']:.1f} us, ratio {r['ratio']:.4f} "
+                      f"({'ok' if r['ok'] else 'OVER 2%'})" + (f"; between input sets {100 * rot:.1f}%" if rot is not None else ""))
     for e in results.get("errors", []):
         console.print(f"[red]error[/] {e['where']}: {e['error']}")

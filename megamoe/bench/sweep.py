@@ -4,18 +4,59 @@ Sections (each one in try/except, results written after each, so a failure leave
 
     ceilings      copy bandwidth, FP8 and bf16 matmul rates (ceilings.py)
     sweep         every backend at every token count: correctness (calc_diff vs the backend's reference
-                  recipe, on cloned inputs) first, then device time, TFLOP/s, GB/s, fraction of ceilings,
-                  roofline floor, BLOCK_M of the plan; run ``passes`` times (repeatability per row)
+                  recipe, on cloned inputs) of every case first, then device time, TFLOP/s, GB/s, fraction
+                  of ceilings, roofline floor, BLOCK_M of the plan; each case timed ``passes`` times
+                  (repeatability); the device-bound backends first, the eager reference's rows last
+    drift         the first case of every backend timed again after the sweep (interleaved mode)
     speedup       fused / unfused time per token count
     block_m       every forced BLOCK_M at every token count (backends that can force it)
     ragged        a ragged data-parallel step: each rank at its own count vs padded to the agreed count
     staging       per_token_cast_to_fp8 + copy into the buffer, as a fraction of the kernel
-    overhead      the harness figure vs a bare timed loop of the same launch (within 2%)
+    overhead      the harness figure vs a bare timed loop of the same calls (within 2%)
+
+How a case is timed (``select_timing``, recorded per row as ``path``; ``method`` is the clock that
+actually produced the numbers):
+
+    cuda-graph    backends that promise ``graph_capturable`` (after build): launch() captured in a CUDA
+                  graph (one graph per input set for rotated callables), each replay timed with one event
+                  pair, the L2 flushed between replays when a single set is timed. Staging (``stage()``:
+                  validation, the FP8 cast and the copy into the kernel's buffer) runs once, before
+                  capture, and is not in the figure: the figure is the launch alone, as with events. A
+                  capture that fails falls back to events and says so (``graph_error``).
+    cuda-events   everything else: one event pair per call, L2 flushed between calls (fused) or the inputs
+                  rotated (callables).
+    perf_counter  no CUDA device: host wall time per call (the CPU fallback).
+
+Host-bound rows (the eager reference; an unfused peer whose launch syncs the host): with events, the
+figure is host time, so the host is kept quiet while they run. Python's GC is off during every timing
+(``timing.gc_paused``), the caching allocator's cache is emptied and ``gc.collect()`` run before the case
+(outside the timed region: the warm-up, at least one call per input set and ``host_min_warmup_s``
+long, then re-populates the cache, so no timed call waits on a cudaMalloc or a cache flush; any that
+still does is counted in the row, ``device_mallocs`` / ``alloc_retries``), and the case keeps timing past
+``reference_repeats`` until ``host_min_time_s`` of samples (at most ``host_max_repeats``), in whole
+rotations of the input sets. The card's clocks and P-state are read (nvidia-smi) before and after each
+host-bound row (``gpu_before`` / ``gpu_after``). The progress bar never refreshes from a background thread
+(it is redrawn between cases only), and the build thread pool is joined before the sweep starts, so
+nothing the sweep started runs while a case is timed. Measured on the H200 (2026-12-02): no GC collection,
+no cudaMalloc and no live Python thread besides the main one inside any timed region; still, the eager
+reference's per-call time sits at one of two levels (about 14 and 18 ms at 1 token) and can switch
+within a row, so its rows stay flagged when its passes land on different levels.
+
+Repeatability (``repeat_mode``). "interleaved" (the default): each case is timed ``passes`` times back
+to back (pass A, then pass B of the same case, each with its own warm-up) before the next case. The spread
+between A and B is then the reproducibility of that row's figure under one state of the process and the
+card, which is what a per-row spread should measure; a slow change of state over the sweep (clocks,
+allocator, something left running) would otherwise show up as a per-row spread that belongs to no row. Such
+a change is not hidden: the ``drift`` section times the first case of every backend again at the end and
+reports the change against its start. "sweeps" keeps the older protocol: ``passes`` whole sweeps back to
+back, each row compared to itself one sweep later (per-row spread = reproducibility + drift). Both modes
+report every row's spread and flag those at or over ``repeat_limit`` (3%); nothing is dropped or trimmed.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import os
 import subprocess
 import threading
@@ -31,7 +72,7 @@ from ..testing import MoEInputs, calc_diff, make_inputs
 from .backends import BenchBackend, block_m_of, make_backends
 from .ceilings import Ceilings, device_name, measure_ceilings
 from .roofline import achieved, step_floor
-from .timing import Timing, overhead_check, resolve_device, time_fn, time_graph
+from .timing import GraphSet, Timing, overhead_check, resolve_device, time_fn, time_graph
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
@@ -51,6 +92,14 @@ class SweepConfig:
     max_diff: float = 1e-3
     reference_max_tokens: int = 8192
     reference_repeats: int = 3
+    host_min_time_s: float = 0.5  # host-bound rows: time at least this long (past reference_repeats / repeats)
+    host_max_repeats: int = 64  # ... but never more calls than this
+    host_min_warmup_s: float = 1.0  # host-bound rows: warm up for at least this long (and one call per set)
+    repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
+    repeat_limit: float = 0.03  # rows whose pass-to-pass spread reaches this are flagged
+    drift_check: bool = True  # interleaved mode: re-time each backend's first case after the sweep
+    graph_capturable: bool = True  # time backends that promise graph_capturable by CUDA-graph replays
+    settle_s: float = 2.0  # CUDA: idle seconds before each timed phase and before the overhead check
     block_m_study: bool = True
     block_m_tokens: list[int] | None = None  # None: the sweep's tokens
     ragged: bool = True
@@ -123,7 +172,9 @@ class _Progress:
             try:
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-                self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+                # auto_refresh=False: no refresh thread runs beside a timed call; redrawn in step()
+                self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  auto_refresh=False)
                 self.p.start()
                 self.task = self.p.add_task("bench", total=total)
             except Exception:  # noqa: BLE001
@@ -132,10 +183,12 @@ class _Progress:
     def step(self, desc: str) -> None:
         if self.p is not None:
             self.p.update(self.task, advance=1, description=desc)
+            self.p.refresh()
 
     def describe(self, desc: str) -> None:
         if self.p is not None:
             self.p.update(self.task, description=desc)
+            self.p.refresh()
 
     def add(self, n: int) -> None:
         if self.p is not None:
@@ -159,8 +212,10 @@ class Sweep:
         # not asdict(cfg): it would deep-copy the weights it may hold
         self.meta.update(geometry=asdict(self.g), config={f.name: getattr(cfg, f.name) for f in fields(cfg)
                                                            if f.name not in ("weights", "extra_backends", "ceilings")})
+        self.meta["timing_protocol"] = timing_protocol(cfg)
         self.results: dict = {"meta": self.meta, "ceilings": None, "rows": [], "speedup": [], "repeatability": [],
-                              "block_m": [], "ragged": [], "staging": [], "overhead": [], "errors": [], "skipped": {}}
+                              "drift": [], "block_m": [], "ragged": [], "staging": [], "overhead": [], "errors": [],
+                              "skipped": {}}
         self.backends: list[BenchBackend] = []
         self.out_dir: str | None = None
         self._inputs_cache: dict = {}
@@ -190,18 +245,50 @@ class Sweep:
             torch.cuda.synchronize()
 
     def _time(self, b: BenchBackend, t: int, sets: Sequence[MoEInputs]) -> Timing:
+        """Time one case by the path ``select_timing`` picks; ``Timing.extra['path']`` records the pick."""
+        cfg = self.cfg
+        path = select_timing(b, self.dev.type, cfg.graph_capturable)
         fn, args = b.timer(sets)
         is_ref = b.name.startswith("reference")
-        reps = self.cfg.reference_repeats if is_ref else self.cfg.repeats
-        warm = 1 if is_ref else self.cfg.warmup
-        tm = time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=self.cfg.flush_l2 and args is None, device=self.dev)
-        if self.cfg.graph and not is_ref and self.dev.type == "cuda":
+        reps = cfg.reference_repeats if is_ref else cfg.repeats
+        warm = 1 if is_ref else cfg.warmup
+        flush = cfg.flush_l2 and args is None
+        host = b.host_bound and path != "cuda-graph"
+        tm = None
+        graph_error = None
+        if path == "cuda-graph":
             try:
-                gt = time_graph(fn, args=args, repeats=max(5, reps // 2), device=self.dev)
-                tm.extra["graph_us"] = gt.median_us
+                tm = time_graph(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev)
+                tm.extra["staging"] = "outside the figure: staged once before capture" if not b.rotatable else \
+                    "none (one graph per input set)"
+            except Exception as exc:  # noqa: BLE001 - a broken promise keeps the event figure, labelled
+                graph_error = f"{type(exc).__name__}: {exc}"
+                self._sync()
+                fn, args = b.timer(sets)  # re-stage: a failed capture may have left the stream dirty
+        if tm is None:
+            kw = {}
+            if host:
+                host_quiet(self.dev)
+                kw = dict(min_time_s=cfg.host_min_time_s, max_repeats=max(reps, cfg.host_max_repeats),
+                          min_warmup_s=cfg.host_min_warmup_s)
+                before = gpu_state(self.dev)
+            tm = time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw)
+            if host:
+                after = gpu_state(self.dev)
+                if before or after:  # the card's clocks around a host-bound row (its figure is host time)
+                    tm.extra["gpu_before"], tm.extra["gpu_after"] = before, after
+        tm.extra["path"] = path if graph_error is None else "cuda-events (graph capture failed)"
+        tm.extra["host_bound"] = host
+        if graph_error is not None:
+            tm.extra["graph_error"] = graph_error
+        if cfg.graph and path != "cuda-graph" and not is_ref and self.dev.type == "cuda":
+            try:  # the optional extra figure for backends that made no promise
+                gt = time_graph(fn, args=args, repeats=max(5, reps // 2), calls_per_graph=20, device=self.dev)
+                tm.extra["graph_us"] = gt.median_us  # 20 calls back to back per replay: warm-stream throughput
                 tm.extra["graph_spread"] = gt.spread
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot be captured keeps its event time
-                tm.extra["graph_error"] = f"{type(exc).__name__}: {exc}"
+                tm.extra["graph_try_error"] = f"{type(exc).__name__}: {exc}"
+                self._sync()
         return tm
 
     def check(self, b: BenchBackend, t: int) -> dict:
@@ -282,8 +369,11 @@ class Sweep:
         self.results["skipped"].update({f"backend {k}": v for k, v in skipped.items()})
         for k, v in skipped.items():
             self.log(f"[bench] skipping backend {k}: {v}")
-        self.results["backends"] = [{"name": b.name, "fused": b.fused, "weight_format": b.weight_format} for b in self.backends]
+        self.results["backends"] = [{"name": b.name, "fused": b.fused, "weight_format": b.weight_format,
+                                     "graph_capturable": bool(b.graph_capturable), "host_bound": bool(b.host_bound),
+                                     "jit_group": b.jit_group} for b in self.backends]
         jobs: dict = {}
+        groups: dict = {}
         for b in self.backends:
             bms: list = [None]
             if cfg.block_m_study and b.fused:
@@ -300,12 +390,15 @@ class Sweep:
             try:
                 for key, fn in b.build_jobs(toks, tuple(bms)):
                     jobs.setdefault(key, fn)
+                    groups.setdefault(key, b.jit_group)
             except Exception as exc:  # noqa: BLE001
                 self.error(f"build_jobs {b.name}", exc)
-        self.build_all(jobs)
+        self.build_all(jobs, groups)
 
-    def build_all(self, jobs: dict) -> None:
-        """Build every JIT plan first, in parallel threads (each plan is a ~15 s compile)."""
+    def build_all(self, jobs: dict, groups: dict | None = None) -> None:
+        """Build every JIT plan first, in parallel threads (each plan is a ~15 s compile). Jobs of one
+        ``groups[key]`` (the backend's ``jit_group``) run one after another in one worker; the pool is
+        joined before this returns, so no build thread is alive while anything is timed."""
         from concurrent.futures import ThreadPoolExecutor
 
         t1 = time.perf_counter()
@@ -318,18 +411,30 @@ class Sweep:
             except Exception as exc:  # noqa: BLE001
                 return key, exc, traceback.format_exc()
 
-        # deep_gemm's JIT include parser is not thread-safe (seen on the H200: "Circular include may
-        # occur" when two of its builds overlap), so its plans build one after another in one worker.
+        # deep_gemm's JIT include parser is process-global and not thread-safe (seen on the H200: "Circular
+        # include may occur" when two of its builds overlap, and every later deep_gemm JIT in the process
+        # then fails the same way). Every job of a backend in the "deep_gemm" group (the fused DeepGEMM
+        # kernel AND the unfused peer's grouped GEMMs) runs in one serial worker. The old rule matched
+        # keys starting with "dg", but keys start with the backend name, so nothing was serialized.
+        groups = groups or {}
         items = list(jobs.items())
-        dg = [it for it in items if isinstance(it[0], tuple) and str(it[0][0]).startswith("dg")]
-        rest = [it for it in items if it not in dg]
+        by_group: dict = {}
+        rest = []
+        for it in items:
+            grp = groups.get(it[0])
+            if grp is None and isinstance(it[0], tuple) and "deepgemm" in str(it[0][0]).lower():
+                grp = "deep_gemm"
+            (by_group.setdefault(grp, []) if grp is not None else rest).append(it)
 
         def work_serial(group):
             return [e for e in map(work, group) if e is not None]
 
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.build_threads)) as pool:
-            serial = pool.submit(work_serial, dg)
-            errs = [e for e in pool.map(work, rest) if e is not None] + serial.result()
+            serial = [pool.submit(work_serial, grp_items) for grp_items in by_group.values()]
+            errs = [e for e in pool.map(work, rest) if e is not None]
+            for f in serial:
+                errs += f.result()
+        self.results["build_groups"] = {str(k): len(v) for k, v in by_group.items()}
         for key, exc, tb in errs:
             self.log(f"[bench] build of {key} failed: {exc}\n{tb}")
             self.results["errors"].append({"where": f"build {key}", "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
@@ -342,7 +447,9 @@ class Sweep:
         fl4 = step_floor(self.g, inp.topk_idx, self.ceilings, "mxfp4")
         row = {"backend": b.name, "fused": b.fused, "tokens": t, "pass": pass_idx, "block_m": block_m_of(plan),
                "median_us": tm.median_us, "min_us": tm.min_us, "spread": tm.spread, "method": tm.method,
-               "repeats": len(tm.samples_us), "flushed": tm.flushed, "rotated": tm.rotated,
+               "repeats": len(tm.samples_us), "warmup": tm.warmup, "flushed": tm.flushed, "rotated": tm.rotated,
+               "per_set_median_us": tm.per_set_median_us, "rotation_spread": tm.rotation_spread,
+               "graph_capturable": bool(b.graph_capturable),
                **achieved(fl, tm.median_us, self.ceilings), "floor_mxfp4_us": fl4.floor_us,
                "experts_touched": fl.experts_touched, "routed_rows": fl.routed_rows, "bytes": fl.bytes,
                "flops": fl.flops, "weight_format": b.weight_format, **{k: v for k, v in tm.extra.items()},
@@ -350,32 +457,83 @@ class Sweep:
         return row
 
     def section_sweep(self) -> None:
+        """Checks first (every case, before anything is timed), then the timed cases: the device-bound
+        backends at every token count, then the eager reference's rows last. Both the checks and the
+        reference are long runs of heavy GPU work that leave the card warm (the H200 then sits at its power
+        cap for a while); a pass timed right after them was measured 3-7% slower than the pass after it.
+        ``settle_s`` of idle time precede each timed phase."""
         cfg = self.cfg
-        cases = [(b, t) for b in self.backends for t in cfg.tokens
-                 if not (b.name.startswith("reference") and t > cfg.reference_max_tokens)]
-        prog = _Progress(cfg.progress, len(cases) * cfg.passes)
+        if cfg.repeat_mode not in ("interleaved", "sweeps"):
+            raise ValueError(f"repeat_mode must be 'interleaved' or 'sweeps', got {cfg.repeat_mode!r}")
+        keep = [(b, t) for t in cfg.tokens for b in self.backends
+                if not (b.name.startswith("reference") and t > cfg.reference_max_tokens)]
+        cases = [c for c in keep if not c[0].name.startswith("reference")] + \
+                [c for c in keep if c[0].name.startswith("reference")]
+        self.meta["threads_at_sweep"] = thread_report()
+        prog = _Progress(cfg.progress, len(cases) * (cfg.passes + 1))
+        first: dict = {}  # (backend, tokens) -> (check, plan)
         try:
-            for p in range(cfg.passes):
-                for t in cfg.tokens:
-                    for b in self.backends:
-                        if (b, t) not in cases:
-                            continue
-                        prog.step(f"pass {p + 1}/{cfg.passes} {b.name} T={t}")
-                        try:
-                            chk = self.check(b, t) if p == 0 else {}
-                            plan = b.plan(t) if p == 0 else {}
-                            sets = [self.inputs(t, k) for k in range(cfg.rotate if b.rotatable else 1)]
-                            tm = self._time(b, t, sets)
-                            self.results["rows"].append(self._row(b, t, tm, p, chk, plan))
-                        except Exception as exc:  # noqa: BLE001
-                            self.error(f"sweep {b.name} T={t} pass {p}", exc)
-                if p == 0:
+            for b, t in cases:
+                prog.step(f"check {b.name} T={t}")
+                try:
+                    first[(b.name, t)] = (self.check(b, t), b.plan(t))
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"check {b.name} T={t}", exc)
+            if cfg.repeat_mode == "interleaved":
+                order = [(b, t, p) for b, t in cases for p in range(cfg.passes)]
+            else:
+                order = [(b, t, p) for p in range(cfg.passes) for b, t in cases]
+            phase = None
+            for b, t, p in order:
+                ph = (p if cfg.repeat_mode == "sweeps" else 0, b.name.startswith("reference"))
+                if ph != phase:
+                    if phase is not None:
+                        self.write()  # what is done so far, before the next (long) phase
+                    self._settle()
+                    phase = ph
+                prog.step(f"pass {p + 1}/{cfg.passes} {b.name} T={t}")
+                try:
+                    chk, plan = first.get((b.name, t), ({}, {})) if p == 0 else ({}, {})
+                    tm = self._time(b, t, self._sets(b, t))
+                    self.results["rows"].append(self._row(b, t, tm, p, chk, plan))
+                except Exception as exc:  # noqa: BLE001
+                    self.error(f"sweep {b.name} T={t} pass {p}", exc)
+                if cfg.repeat_mode == "sweeps" and p == 0 and (b, t) == cases[-1]:
                     self.write()
         finally:
             prog.stop()
         self._fill_from_first_pass()
-        self.results["repeatability"] = repeatability(self.results["rows"])
+        self.results["repeatability"] = repeatability(self.results["rows"], cfg.repeat_limit)
         self.results["speedup"] = speedups(self.results["rows"])
+        if cfg.drift_check and cfg.repeat_mode == "interleaved":
+            self._settle()
+            self.section_drift()
+
+    def _settle(self) -> None:
+        if self.dev.type == "cuda" and self.cfg.settle_s > 0:
+            torch.cuda.synchronize()
+            time.sleep(self.cfg.settle_s)
+
+    def _sets(self, b: BenchBackend, t: int) -> list[MoEInputs]:
+        return [self.inputs(t, k) for k in range(self.cfg.rotate if b.rotatable else 1)]
+
+    def section_drift(self) -> None:
+        """Each backend's first case (smallest token count) timed again now, against its first pass."""
+        rows = {(r["backend"], r["tokens"]): r for r in self.results["rows"] if r["pass"] == 0}
+        for b in self.backends:
+            ts = [t for t in self.cfg.tokens if (b.name, t) in rows]
+            if not ts:
+                continue
+            t = ts[0]
+            try:
+                tm = self._time(b, t, self._sets(b, t))
+                start = rows[(b.name, t)]["median_us"]
+                change = tm.median_us / start - 1 if start > 0 else float("nan")
+                self.results["drift"].append({
+                    "backend": b.name, "tokens": t, "start_us": start, "end_us": tm.median_us, "change": change,
+                    "end_spread": tm.spread, "method": tm.method, "flag": bool(abs(change) >= self.cfg.repeat_limit)})
+            except Exception as exc:  # noqa: BLE001
+                self.error(f"drift {b.name} T={t}", exc)
 
     def _fill_from_first_pass(self) -> None:
         first = {(r["backend"], r["tokens"]): r for r in self.results["rows"] if r["pass"] == 0}
@@ -500,6 +658,8 @@ class Sweep:
                     self.error(f"staging {what} T={t}", exc)
 
     def section_overhead(self) -> None:
+        """The harness against a bare loop over the same calls: the row's own input set(s), in the same
+        order, by the row's own path (graph replays for capturable backends, launches otherwise)."""
         for b in self.backends:
             if b.name.startswith("reference"):
                 continue
@@ -507,10 +667,14 @@ class Sweep:
                 if t not in self.cfg.tokens and t > max(self.cfg.tokens):
                     continue
                 try:
-                    fn, args = b.timer([self.inputs(t)])
-                    call = (lambda: fn(args[0])) if args else fn
-                    oc = overhead_check(call, repeats=self.cfg.repeats, device=self.dev)
-                    self.results["overhead"].append({"backend": b.name, "tokens": t, **oc})
+                    path = select_timing(b, self.dev.type, self.cfg.graph_capturable)
+                    fn, args = b.timer(self._sets(b, t))
+                    if path == "cuda-graph":
+                        gs = GraphSet(fn, args, warmup=self.cfg.warmup)
+                        fn, args = gs.replay, list(range(gs.sets))
+                    oc = overhead_check(fn, args=args, device=self.dev,
+                                        settle_s=self.cfg.settle_s if self.dev.type == "cuda" else 0.0)
+                    self.results["overhead"].append({"backend": b.name, "tokens": t, "path": path, **oc})
                 except Exception as exc:  # noqa: BLE001
                     self.error(f"overhead {b.name} T={t}", exc)
 
@@ -527,16 +691,92 @@ class Sweep:
 
 
 # ------------------------------------------------------------------------------------ derived tables
-def repeatability(rows: list[dict]) -> list[dict]:
-    """Per (backend, tokens): the medians of each pass and their spread (max - min) / min."""
+def repeatability(rows: list[dict], limit: float = 0.03) -> list[dict]:
+    """Per (backend, tokens): the medians of each pass (in pass order), their spread (max - min) / min,
+    and ``flag`` when the spread reaches ``limit``."""
     by: dict = {}
     for r in rows:
-        by.setdefault((r["backend"], r["tokens"]), []).append(r["median_us"])
+        by.setdefault((r["backend"], r["tokens"]), []).append((r["pass"], r["median_us"]))
     out = []
-    for (b, t), meds in by.items():
+    for (b, t), pm in by.items():
+        meds = [m for _, m in sorted(pm, key=lambda x: x[0])]
         if len(meds) >= 2:
-            out.append({"backend": b, "tokens": t, "medians_us": meds, "spread": (max(meds) - min(meds)) / min(meds)})
+            spread = (max(meds) - min(meds)) / min(meds) if min(meds) > 0 else float("nan")
+            out.append({"backend": b, "tokens": t, "medians_us": meds, "spread": spread,
+                        "flag": bool(not spread < limit)})
     return out
+
+
+def select_timing(b: BenchBackend, device_type: str, use_graphs: bool = True) -> str:
+    """The path a case is timed by: "perf_counter" without CUDA; "cuda-graph" for a backend that
+    promises ``graph_capturable`` (when ``use_graphs``); otherwise "cuda-events"."""
+    if device_type != "cuda":
+        return "perf_counter"
+    if use_graphs and getattr(b, "graph_capturable", False) is True:
+        return "cuda-graph"
+    return "cuda-events"
+
+
+def host_quiet(dev) -> None:
+    """Before a host-bound case (outside any timing): collect garbage, and return the caching allocator's
+    unused blocks, so the warm-up allocates what the timed calls reuse instead of a timed call finding the
+    cache full of other cases' blocks (an allocation retry frees the whole cache and syncs the device)."""
+    gc.collect()
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def gpu_state(dev) -> str:
+    """SM / memory clock, power, P-state and throttle reasons from nvidia-smi ('' when unavailable or on
+    CPU): recorded around host-bound rows, whose figure moves between discrete levels (14 vs 18 ms for the
+    reference at 1 token on the H200) for a reason not yet established."""
+    if torch.device(dev).type != "cuda":
+        return ""
+    try:
+        idx = torch.device(dev).index
+        idx = torch.cuda.current_device() if idx is None else idx
+        out = subprocess.run(["nvidia-smi", "-i", str(idx), "--query-gpu=clocks.sm,clocks.mem,power.draw,pstate,"
+                              "clocks_event_reasons.active", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip()
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return ""
+
+
+def thread_report() -> dict:
+    """What runs beside the sweep: Python threads by name, native threads of the process, torch's pools."""
+    d = {"python_threads": sorted(t.name for t in threading.enumerate()),
+         "torch_intraop_threads": torch.get_num_threads()}
+    try:
+        d["native_threads"] = len(os.listdir("/proc/self/task"))
+    except OSError:
+        pass
+    return d
+
+
+def timing_protocol(cfg: SweepConfig) -> dict:
+    """The protocol of this run, for the results' metadata (see the module docstring)."""
+    return {
+        "repeat_mode": cfg.repeat_mode,
+        "repeat": ("each case timed `passes` times back to back (A then B), each with its own warm-up; "
+                   "a drift section re-times each backend's first case after the sweep"
+                   if cfg.repeat_mode == "interleaved" else
+                   "`passes` whole sweeps back to back; each row compared with itself one sweep later"),
+        "repeat_limit": cfg.repeat_limit,
+        "statistic": "median of the timed calls; spread = (p90 - p10) / median; every sample kept",
+        "paths": {"cuda-graph": "backends with graph_capturable = True: launch() replayed from a CUDA graph "
+                                "captured after build, staging done once before capture (not in the figure)",
+                  "cuda-events": "one event pair per call, L2 flushed between calls or inputs rotated",
+                  "perf_counter": "no CUDA device: host wall time"},
+        "host_bound": {"gc": "disabled during every timing", "before_case": "gc.collect() + torch.cuda.empty_cache()",
+                       "warmup": f"at least one call per input set and {cfg.host_min_warmup_s} s",
+                       "min_time_s": cfg.host_min_time_s,
+                       "max_repeats": cfg.host_max_repeats, "repeats": "whole rotations of the input sets"},
+        "progress": "redrawn between cases only (no refresh thread)",
+        "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
+                    "order), ABBA rounds; rotation-induced variation reported as per_set_median_us",
+    }
 
 
 def speedups(rows: list[dict]) -> list[dict]:
