@@ -94,3 +94,21 @@ def test_bad_mode_rejected():
     a = torch.ones(1, 128)
     with pytest.raises(ValueError, match="accumulate must be one of"):
         promoted_gemm(a, torch.ones(1, 1), torch.ones(128, 128), torch.ones(1, 1), 128, "exact-block", "bogus")
+
+
+def test_expert_batches_count_the_weights():
+    """A batch's decoded weights (float32 + float64 copies) stay within the budget too: on
+    DeepSeek-V4-Flash at 128 tokens an activation-only budget put 227 experts (28 GiB) in one batch."""
+    from megamoe.geometry import get_geometry
+    from megamoe.recipe import FLASHINFER_MXFP4
+    from megamoe.reference.pipeline import _expert_batches
+
+    g = get_geometry("dsv4-flash")
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 9, (g.num_experts,), generator=gen).tolist()
+    for dev, budget in (("cuda", 2 << 30), ("cpu", 256 << 20)):
+        batches = _expert_batches(counts, g, FLASHINFER_MXFP4, dev)
+        assert sorted(e for b in batches for e in b) == [e for e, c in enumerate(counts) if c]
+        for b in batches:
+            weight_bytes = len(b) * 12 * 3 * g.intermediate * g.hidden
+            assert len(b) == 1 or weight_bytes <= budget

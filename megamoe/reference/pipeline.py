@@ -145,8 +145,8 @@ def expert_forward(
 
 def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> list[list[int]]:
     """Group the non-empty local experts into batches whose [B, KB, M, N] partial-sum tensor stays
-    within a memory budget (2 GiB on a GPU, 256 MiB elsewhere; the emulated tensor cores need ~33x
-    more per row). The ``exact`` recipe runs one expert at a time: its float64 GEMMs are not exact
+    within a memory budget (2 GiB on a GPU, 256 MiB elsewhere), counting each expert's decoded weights
+    and its partial sums (the emulated tensor cores need ~33x more per row). The ``exact`` recipe runs one expert at a time: its float64 GEMMs are not exact
     sums, so batching could change its last bits."""
     experts = [e for e, c in enumerate(counts) if c]
     if not recipe.stage_x:
@@ -157,10 +157,13 @@ def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> l
     batches, cur, cur_m = [], [], 0
     for e in sorted(experts, key=lambda e: counts[e]):
         m = max(cur_m, counts[e])
+        # The expert's decoded weights, float32 and their float64 copy (L1 [2I, H] + L2 [H, I]): on
+        # DeepSeek-V4-Flash 200 MB an expert, which a budget of activations alone let grow to 28 GiB.
+        per_expert = 12 * 3 * g.intermediate * g.hidden
+        # float64 matmul output + its float32 copy, for L1 ([KB, M, 2I]) and L2 ([KB, M, H]).
+        per_expert += 12 * (g.hidden // 128) * m * n_max
         if emulated:  # tensorcore.tc_step: float64 [M, N, chunk + 1] terms and ~3 temporaries of that size
-            per_expert = 8 * 33 * 4 * m * n_max + 12 * (g.hidden // 128) * m * n_max
-        else:  # float64 matmul output + its float32 copy, for L1 ([KB, M, 2I]) and L2 ([KB, M, H]).
-            per_expert = 12 * (g.hidden // 128) * m * n_max
+            per_expert += 8 * 33 * 4 * m * n_max
         if cur and per_expert * (len(cur) + 1) > budget:
             batches.append(cur)
             cur, m = [], counts[e]
