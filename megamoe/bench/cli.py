@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rotate", type=int, default=4, help="input sets rotated for callable backends")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed calls")
     p.add_argument("--graph", action="store_true", help="also time CUDA-graph replays of each launch")
-    p.add_argument("--passes", type=int, default=2, help="sweeps back to back (repeatability spread per row)")
+    p.add_argument("--passes", type=int, default=2, help="timed passes per case, run back to back per case (A then B; repeatability spread per row)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--max-diff", type=float, default=1e-3, help="calc_diff above this marks a row FAIL")
     p.add_argument("--reference-max-tokens", type=int, default=8192)
