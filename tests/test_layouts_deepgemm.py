@@ -3,6 +3,8 @@ transform re-derived independently from its source (the real function runs in th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -156,3 +158,17 @@ def test_fp8_layout_equals_real_deep_gemm():
     theirs = dg.transform_weights_for_mega_moe_sm90((w.l1, w.l1_scale), (w.l2, w.l2_scale))
     for a, b, what in zip((*ours[0], *ours[1]), (*theirs[0], *theirs[1]), ("l1", "l1_sf", "l2", "l2_sf")):
         assert_bitwise_equal(a, b, what)
+
+
+def test_fp8_block_weights_for_kernel_rejects_nonfinite_and_wrong_types():
+    from megamoe.layouts.deepgemm_sm90 import fp8_block_weights_for_kernel, to_fp8_block
+    from megamoe.weights import random_mxfp4_weights
+
+    w = to_fp8_block(random_mxfp4_weights(get_geometry("tiny"), seed=4))
+    assert fp8_block_weights_for_kernel(w, "be") is w
+    bad = dataclasses.replace(w, l2_scale=w.l2_scale.clone())
+    bad.l2_scale[1, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="be: FP8 block weights l2_scale contain NaN or Inf"):
+        fp8_block_weights_for_kernel(bad, "be")
+    with pytest.raises(TypeError, match="be: weights must be MXFP4Weights or FP8BlockWeights, got str"):
+        fp8_block_weights_for_kernel("w", "be")

@@ -37,7 +37,6 @@ import torch
 
 from ..recipe import DEEPGEMM_SM90_FP8, Recipe
 from ..testing import MoEInputs
-from ..weights import FP8BlockWeights, MXFP4Weights
 from .base import FusedBackend, Plan, kernel_availability
 
 
@@ -156,14 +155,9 @@ class DeepGEMMFP8(FusedBackend):
         return ()  # chosen in C++, not forceable in 0.1.5.post1
 
     def _prepare(self, weights) -> None:
-        from ..layouts.deepgemm_sm90 import to_deepgemm_sm90_fp8, to_fp8_block
+        from ..layouts.deepgemm_sm90 import fp8_block_weights_for_kernel, to_deepgemm_sm90_fp8
 
-        if isinstance(weights, MXFP4Weights):
-            weights = to_fp8_block(weights)
-        if not isinstance(weights, FP8BlockWeights):
-            raise TypeError(f"{self.name}: weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
-        if not all(torch.isfinite(t.float()).all() for t in weights.tensors()):
-            raise ValueError(f"{self.name}: FP8 block weights contain NaN or Inf")
+        weights = fp8_block_weights_for_kernel(weights, self.name)
         self.kernel_weights = weights
         (l1, l1_sf), (l2, l2_sf) = to_deepgemm_sm90_fp8(weights)
         self.l1 = (l1.contiguous(), l1_sf.contiguous())

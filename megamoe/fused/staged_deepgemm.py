@@ -42,7 +42,7 @@ from ..geometry import Geometry
 from ..layouts.staging import AMAX_FLOOR, per_token_cast_to_fp8
 from ..recipe import DEEPGEMM_SM90_FP8, Recipe
 from ..testing import MoEInputs
-from ..weights import FP8BlockWeights, MXFP4Weights
+from ..weights import FP8BlockWeights
 from .base import FusedBackend, Plan, kernel_availability
 
 DEEPGEMM_STAGED_FP8 = DEEPGEMM_SM90_FP8.with_(
@@ -337,13 +337,9 @@ class StagedDeepGEMM(FusedBackend):
         self.align = int(dg.get_mk_alignment_for_contiguous_layout())
 
     def _prepare(self, weights) -> None:
-        from ..layouts.deepgemm_sm90 import to_fp8_block
+        from ..layouts.deepgemm_sm90 import fp8_block_weights_for_kernel
 
-        if isinstance(weights, MXFP4Weights):
-            weights = to_fp8_block(weights)
-        if not isinstance(weights, FP8BlockWeights):
-            raise TypeError(f"{self.name}: weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
-        self.kernel_weights = weights
+        self.kernel_weights = fp8_block_weights_for_kernel(weights, self.name)
         self._deep_gemm()
 
     def _allocate(self) -> None:

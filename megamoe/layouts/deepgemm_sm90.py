@@ -117,3 +117,17 @@ def from_deepgemm_sm90_fp4(
     return MXFP4Weights(
         deinterleave_gate_up(l1), deinterleave_gate_up(unpack_ue8m0_x4(l1_sf)), l2.contiguous(), unpack_ue8m0_x4(l2_sf)
     )
+
+
+def fp8_block_weights_for_kernel(weights, who: str):
+    """What a DeepGEMM FP8 backend's ``prepare`` takes: MXFP4Weights (converted, lossy, by to_fp8_block) or
+    FP8BlockWeights; NaN / Inf anywhere raise before anything reaches a kernel (the GEMMs would spread them
+    through every output row of the expert silently)."""
+    if isinstance(weights, MXFP4Weights):
+        weights = to_fp8_block(weights)
+    if not isinstance(weights, FP8BlockWeights):
+        raise TypeError(f"{who}: weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
+    for name, t in (("l1", weights.l1), ("l1_scale", weights.l1_scale), ("l2", weights.l2), ("l2_scale", weights.l2_scale)):
+        if not torch.isfinite(t.float()).all():
+            raise ValueError(f"{who}: FP8 block weights {name} contain NaN or Inf")
+    return weights
