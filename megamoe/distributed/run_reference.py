@@ -19,6 +19,14 @@ import time
 import torch
 
 
+
+def _say(line: str) -> None:
+    """One write per line: ranks share the launcher's pipe, and print() writes the text and the newline
+    separately, so two ranks' lines could interleave into one (seen in CI: 15 of 16 lines counted)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _parse(argv):
     from .reference import SCHEMES
 
@@ -73,10 +81,10 @@ def _main(rank: int, world: int, args) -> bool:
         for vs, ref in (("moe_forward_ep", ep), ("moe_forward", one)):
             msg = first_mismatch(y, ref)
             ok &= not msg
-            print(f"rank {rank}/{world} T={tokens[rank]:<4} {s:<24} vs {vs:<15} "
-                  f"{'bit-identical' if not msg else 'MISMATCH ' + msg} ({sec * 1e3:.0f} ms)", flush=True)
-    print(f"rank {rank}/{world} agreement: counts {list(agreement.counts)} -> agreed {agreement.agreed}, "
-          f"hint {agreement.hint}; all-reduce {agreement.seconds * 1e6:.0f} us", flush=True)
+            _say(f"rank {rank}/{world} T={tokens[rank]:<4} {s:<24} vs {vs:<15} "
+                 f"{'bit-identical' if not msg else 'MISMATCH ' + msg} ({sec * 1e3:.0f} ms)")
+    _say(f"rank {rank}/{world} agreement: counts {list(agreement.counts)} -> agreed {agreement.agreed}, "
+         f"hint {agreement.hint}; all-reduce {agreement.seconds * 1e6:.0f} us")
     if not ok:
         raise AssertionError(f"rank {rank}: the distributed reference differs from the single-process reference")
     return ok
