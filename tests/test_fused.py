@@ -168,3 +168,32 @@ def test_flashinfer_broken_layouts_are_detected():
     rows = run_matrix("flashinfer-mxfp4", [Case("small", 64, broken="gate-up-not-interleaved"),
                                            Case("small", 64, broken="scale-off-by-one")], None, time_iters=0)
     assert [r["status"] for r in rows] == ["detected", "detected"], rows
+
+
+@pytest.mark.parametrize("broken", ["gate-up-not-interleaved", "scale-off-by-one"])
+def test_deepgemm_broken_layouts_change_what_the_kernel_reads(broken):
+    """The matrix's broken DeepGEMM variants, read back through the layout's inverse, are weights whose
+    layer output is far from the real one (so a kernel reading them must fail the bound), and restore()
+    puts the real tensors back."""
+    from types import SimpleNamespace
+
+    from megamoe.fused.matrix import Case, _break
+    from megamoe.geometry import get_geometry
+    from megamoe.layouts.deepgemm_sm90 import from_deepgemm_sm90_fp8, to_deepgemm_sm90_fp8, to_fp8_block
+    from megamoe.recipe import DEEPGEMM_SM90_FP8
+    from megamoe.reference import moe_forward
+    from megamoe.testing import calc_diff, make_inputs
+    from megamoe.weights import random_mxfp4_weights
+
+    g = get_geometry("tiny")
+    kw = to_fp8_block(random_mxfp4_weights(g, seed=21))
+    l1, l2 = to_deepgemm_sm90_fp8(kw)
+    be = SimpleNamespace(weight_format="fp8_block", kernel_weights=kw, l1=l1, l2=l2)
+    restore = _break(be, Case("tiny", 16, broken=broken))
+    read = from_deepgemm_sm90_fp8(be.l1, be.l2)
+    inp = make_inputs(g, 16, seed=22)
+    good = moe_forward(inp, kw, DEEPGEMM_SM90_FP8, g)
+    bad = moe_forward(inp, read, DEEPGEMM_SM90_FP8, g)
+    assert calc_diff(bad, good) > 1e-2
+    restore()
+    assert be.l1 is l1 and be.l2 is l2

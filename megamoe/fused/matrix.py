@@ -85,7 +85,7 @@ def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick
     cases += [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14),
               Case("dsv4-flash", 0, ragged=(0, 64), seed=15)] if not allows_zero else \
              [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14)]
-    if backend_name == "flashinfer-mxfp4":
+    if backend_name in ("flashinfer-mxfp4", "deepgemm-sm90-fp8"):
         cases += [Case("small", 64, broken="gate-up-not-interleaved", seed=16), Case("small", 64, broken="scale-off-by-one", seed=16)]
     return cases
 
@@ -108,16 +108,25 @@ def _weights(preset: str, kind: str, device):
 
 
 def _break(be, case: Case):
-    """Swap the backend's device weights for a deliberately broken layout; returns a restore fn."""
-    from ..layouts._common import deinterleave_gate_up
-    from ..layouts.flashinfer_sm90 import to_flashinfer_sm90
+    """Swap the backend's device weights for a deliberately broken layout; returns a restore fn.
 
+    gate-up-not-interleaved: the kernel gets gate | up rows where it expects them interleaved (by 8 for
+    DeepGEMM, FlashInfer's own order otherwise); scale-off-by-one: the L2 weight scales one binade high."""
     kw = be.kernel_weights
     old = (be.l1, be.l2)
-    if case.broken == "gate-up-not-interleaved":
-        be.l1, _ = to_flashinfer_sm90(dataclasses.replace(kw, l1=deinterleave_gate_up(kw.l1), l1_scale=deinterleave_gate_up(kw.l1_scale)), check=False)
-    elif case.broken == "scale-off-by-one":
-        _, be.l2 = to_flashinfer_sm90(dataclasses.replace(kw, l2_scale=kw.l2_scale + 1), check=False)
+    if be.weight_format == "fp8_block":  # DeepGEMM SM90 FP8: ((l1, l1_sf), (l2, l2_sf))
+        if case.broken == "gate-up-not-interleaved":
+            be.l1 = (kw.l1.contiguous(), kw.l1_scale.contiguous())
+        elif case.broken == "scale-off-by-one":
+            be.l2 = (kw.l2.contiguous(), (kw.l2_scale * 2).contiguous())
+    else:
+        from ..layouts._common import deinterleave_gate_up
+        from ..layouts.flashinfer_sm90 import to_flashinfer_sm90
+
+        if case.broken == "gate-up-not-interleaved":
+            be.l1, _ = to_flashinfer_sm90(dataclasses.replace(kw, l1=deinterleave_gate_up(kw.l1), l1_scale=deinterleave_gate_up(kw.l1_scale)), check=False)
+        elif case.broken == "scale-off-by-one":
+            _, be.l2 = to_flashinfer_sm90(dataclasses.replace(kw, l2_scale=kw.l2_scale + 1), check=False)
 
     def restore():
         be.l1, be.l2 = old
