@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
+from ..recipe import ACCUMULATE_MODES
 
 
 def promoted_gemm(
@@ -125,8 +125,7 @@ def _rescaled_gemm(a, a_sf, b, b_sf, promote_k: int, ga: int, mma: str, accumula
         prev = s
     if accumulate == "rescale-ratio" and prev is not None:
         acc = (acc.double() * prev.double()).float()
-    out = acc
-    return out.reshape(*lead, m, n)
+    return acc.reshape(*lead, m, n)
 
 
 def exact_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

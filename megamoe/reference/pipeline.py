@@ -144,10 +144,10 @@ def expert_forward(
 
 
 def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> list[list[int]]:
-    """Group the non-empty local experts into batches whose [B, KB, M, N] partial-sum tensor stays
-    within a memory budget (2 GiB on a GPU, 256 MiB elsewhere), counting each expert's decoded weights
-    and its partial sums (the emulated tensor cores need ~33x more per row). The ``exact`` recipe runs one expert at a time: its float64 GEMMs are not exact
-    sums, so batching could change its last bits."""
+    """Group the non-empty local experts into batches that stay within a memory budget (2 GiB on a GPU,
+    256 MiB elsewhere), counting each expert's decoded weights and its [KB, M, N] partial sums (the
+    emulated tensor cores need ~33x more per row). The ``exact`` recipe runs one expert at a time: its
+    float64 GEMMs are not exact sums, so batching could change its last bits."""
     experts = [e for e, c in enumerate(counts) if c]
     if not recipe.stage_x:
         return [[e] for e in experts]
