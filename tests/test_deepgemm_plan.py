@@ -88,3 +88,17 @@ def test_check_backend_fails_on_a_failed_case(monkeypatch, status, ok):
     run_backend(rep, "fake")
     assert rep.ok is ok
     assert rep.backend_results == rows
+
+
+def test_recipe_for_defaults_and_deepgemm_before_build():
+    """Every backend answers recipe_for (the matrix calls it on all of them); before a DeepGEMM build
+    has read the plan back it is the base recipe with the requested block-sum model."""
+    from megamoe.fused.flashinfer_mxfp4 import FlashInferMXFP4
+    from megamoe.recipe import FLASHINFER_MXFP4
+
+    fi = FlashInferMXFP4("small", capacity=8)
+    assert fi.recipe_for(8) is FLASHINFER_MXFP4
+    assert fi.recipe_for(8, "sm90-fp8-tc") == FLASHINFER_MXFP4.with_(mma="sm90-fp8-tc")
+    d = dg.DeepGEMMFP8("small", capacity=8)
+    assert d.recipe_for(8, "sm90-fp8-tc") == DEEPGEMM_SM90_FP8.with_(mma="sm90-fp8-tc")
+    assert d.plan(8).block_m == 0

@@ -134,6 +134,11 @@ class FusedBackend:
     def plan(self, num_tokens: int) -> Plan:
         raise NotImplementedError
 
+    def recipe_for(self, num_tokens: int, mma: str | None = None) -> Recipe:
+        """The reference recipe of the plan a launch of num_tokens runs, with block-sum model ``mma``
+        (None: the recipe's own). Backends whose numerics depend on the plan override this."""
+        return self.recipe if mma is None else self.recipe.with_(mma=mma)
+
     def build(self, token_counts, max_workers: int = 8) -> int:
         """Build every plan the token counts need, in parallel threads. Returns how many were built."""
         self._need_allocated("build")

@@ -170,10 +170,15 @@ class DeepGEMMFP8(FusedBackend):
                                                         g.hidden, g.intermediate)
         self.y = torch.empty(self.buf.num_max_tokens_per_rank, g.hidden, dtype=torch.bfloat16, device=self.device)
 
+    def _config(self, num_tokens: int) -> dict | None:
+        """{'config': printed config, 'template_args': ... or None} of num_tokens, once a launch of it
+        went through ``_launch_capturing`` (build() does that); None before."""
+        return getattr(self, "_configs", {}).get(int(num_tokens))
+
     def plan(self, num_tokens: int) -> Plan:
-        """The configuration a launch of num_tokens runs: known once build() (or a first launch through
-        ``_launch_capturing``) has seen the heuristic's printout for that count."""
-        cfg = getattr(self, "_configs", {}).get(int(num_tokens))
+        """The configuration a launch of num_tokens runs: known once build() has seen the heuristic's
+        printout for that count."""
+        cfg = self._config(num_tokens)
         if not cfg:
             return Plan(block_m=0, forced=False, detail={"source": "deep_gemm C++ heuristic (not yet built)"})
         args = cfg.get("template_args") or {}
@@ -185,11 +190,11 @@ class DeepGEMMFP8(FusedBackend):
     def recipe_for(self, num_tokens: int, mma: str | None = None) -> Recipe:
         """The recipe of the plan a launch of num_tokens runs (accumulation mode from the kernel's
         template arguments). ``mma`` defaults to the recipe's own block-sum model."""
-        cfg = getattr(self, "_configs", {}).get(int(num_tokens))
-        mma = mma or self.recipe.mma
+        cfg = self._config(num_tokens)
         if not cfg:
-            return self.recipe.with_(mma=mma)
-        return recipe_for_kernel(self.recipe, cfg.get("template_args"), cfg["config"], self.g.hidden, mma)
+            return super().recipe_for(num_tokens, mma)
+        return recipe_for_kernel(self.recipe, cfg.get("template_args"), cfg["config"], self.g.hidden,
+                                 mma or self.recipe.mma)
 
     def _launch_capturing(self, num_tokens: int) -> None:
         """Launch once with fd 1 captured; record the printed configuration and its kernel's arguments."""
@@ -199,9 +204,8 @@ class DeepGEMMFP8(FusedBackend):
         if rest:
             print(rest, flush=True)  # anything else the package printed (JIT messages) stays visible
         if cfg:
-            if not hasattr(self, "_configs"):
-                self._configs = {}
-            self._configs[int(num_tokens)] = {"config": cfg, "template_args": find_kernel_args(cfg)}
+            self.__dict__.setdefault("_configs", {})[int(num_tokens)] = {
+                "config": cfg, "template_args": find_kernel_args(cfg)}
 
     def _build_job(self, num_tokens: int):
         # A launch builds its configuration on first use; warm it with staged padding rows.

@@ -163,8 +163,8 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
     """Run every case on one backend; returns one row per case and writes {"rows": [...]} to out_json.
 
     ``mma`` picks the reference's block-sum model (None: the recipe's own, "sm90-fp8-tc": the tensor
-    cores emulated). The reference recipe of a case is the backend's ``recipe_for(launch tokens)`` when
-    it has one (DeepGEMM's accumulation mode depends on the configuration its heuristic picked).
+    cores emulated). The reference recipe of a case is the backend's ``recipe_for(launch tokens)``
+    (DeepGEMM's accumulation mode depends on the configuration its heuristic picked).
     ``ref_max_tokens``: above this many tokens the reference runs on a random subset of that size and
     the output / L2 codes are compared on those tokens only (rows are independent, so the subset's
     reference is bit-identical to the full one's rows; the emulated tensor cores are slow)."""
@@ -243,10 +243,7 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             g = be.g
             inp = make_inputs(g, c.num_tokens, seed=1000 + c.seed, **c.routing_kwargs()).to(dev)
             m = c.launch_tokens
-            if hasattr(be, "recipe_for"):
-                recipe = be.recipe_for(m, mma)
-            else:
-                recipe = be.recipe if mma is None else be.recipe.with_(mma=mma)
+            recipe = be.recipe_for(m, mma)
             row["reference_recipe"] = {"name": recipe.name, "mma": recipe.mma, "accumulate": recipe.accumulate}
             sel, ref_inp = None, inp
             if ref_max_tokens is not None and c.num_tokens > ref_max_tokens:
