@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from ..recipe import DEEPGEMM_SM90_FP4
-from ..testing import MoEInputs
 from .base import FusedBackend, Plan, cuda_hopper_reason
 from .deepgemm_fp8 import DeepGEMMFP8
 
@@ -70,9 +69,6 @@ class DeepGEMMFP4(FusedBackend):
         return Plan(block_m=0, detail={"source": "deep_gemm C++ heuristic (not exposed)"})
 
     allows_zero_tokens = True
-
-    def _stage(self, inputs: MoEInputs, m: int) -> None:  # same staging as the FP8 kernel
-        DeepGEMMFP8._stage(self, inputs, m)
 
     def launch(self, num_tokens: int) -> torch.Tensor:
         y = self.y[: int(num_tokens)]

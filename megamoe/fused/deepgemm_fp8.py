@@ -36,7 +36,6 @@ import tempfile
 import torch
 
 from ..recipe import DEEPGEMM_SM90_FP8, Recipe
-from ..testing import MoEInputs
 from .base import FusedBackend, Plan, kernel_availability
 
 
@@ -210,30 +209,13 @@ class DeepGEMMFP8(FusedBackend):
     def _build_job(self, num_tokens: int):
         # A launch builds its configuration on first use; warm it with staged padding rows.
         def warm():
-            self._stage_padding(num_tokens)
+            self._stage(self._padding_inputs(), num_tokens)
             self._launch_capturing(num_tokens)
 
         return ("dg", num_tokens), warm
 
     def build(self, token_counts, max_workers: int = 1) -> int:
         return super().build(token_counts, max_workers=1)  # launches: one at a time
-
-    def _stage_padding(self, m: int) -> None:
-        b = self.buf
-        b.x[:m].view(torch.uint8).zero_()
-        b.x_sf[:m].fill_(1.0)
-        b.topk_idx[:m].fill_(-1)
-        b.topk_weights[:m].zero_()
-
-    def _stage(self, inputs: MoEInputs, m: int) -> None:
-        # One pass over x straight into the buffer's views (megamoe.staging: Triton on CUDA), bit-exact
-        # with per_token_cast_to_fp8; rows T..m-1 become padding routed to -1. check_inputs already
-        # rejected NaN/Inf, so the staging kernel skips its flag (no host sync).
-        from ..staging import stage_into
-
-        b = self.buf
-        stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights, m,
-                   check_finite=False)
 
     allows_zero_tokens = True
 

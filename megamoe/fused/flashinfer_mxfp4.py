@@ -114,15 +114,8 @@ class FlashInferMXFP4(FusedBackend):
 
     # ------------------------------------------------------------------ run
     def _stage(self, inputs: MoEInputs, m: int) -> None:
-        # One pass over x straight into the buffer's views (megamoe.staging: Triton on CUDA, the
-        # reference path elsewhere), bit-exact with per_token_cast_to_fp8; rows T..m-1 become
-        # padding routed to -1. check_inputs already rejected NaN/Inf, so the kernel skips its flag.
-        from ..staging import stage_into
-
-        b = self.buf
-        stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights, m,
-                   check_finite=False)
-        b.commit_staged(m)
+        super()._stage(inputs, m)  # stage_into the buffer's views
+        self.buf.commit_staged(m)
 
     def launch(self, num_tokens: int) -> torch.Tensor:
         fm = _import()
