@@ -20,14 +20,13 @@ from megamoe.fused.staged_deepgemm import (
     DEEPGEMM_STAGED_FP8,
     StagedBuffers,
     StagedDeepGEMM,
-    cast_to_fp8_into,
     device_layout,
     pool_rows_bound,
     stage_into,
     staged_forward,
 )
 from megamoe.geometry import get_geometry
-from megamoe.layouts.staging import per_token_cast_to_fp8
+from megamoe.layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_into
 from megamoe.reference import moe_forward
 from megamoe.reference.dispatch import build_layout, dispatch_slot_values, undispatch
 from megamoe.reference.gemm import promoted_gemm
@@ -242,10 +241,16 @@ def test_cast_to_fp8_into_is_per_token_cast_to_fp8(gen):
     v[6] = -v[6].abs()
     q, sf, inv, ws = (torch.empty(m, c, dtype=torch.float8_e4m3fn), torch.empty(m, c // 128), torch.empty(m, c // 128), torch.empty(m, c))
     before = v.clone()
-    cast_to_fp8_into(v, q, sf, inv, ws, torch.tensor(1.0 / 448, dtype=torch.float32))
+    per_token_cast_to_fp8_into(v, q, sf, inv, ws, torch.tensor(1.0 / 448, dtype=torch.float32))
     q_ref, sf_ref = per_token_cast_to_fp8(v)
     assert torch.equal(v, before)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sf, sf_ref)
+    # per_token_cast_to_fp8 now runs this same body: also against the rule spelled out independently
+    amax = v.view(m, c // 128, 128).abs().amax(2).clamp(min=1e-4)
+    sf_rule = amax * torch.tensor(1.0 / 448, dtype=torch.float32)
+    q_rule = (v.view(m, c // 128, 128) * torch.reciprocal(sf_rule).unsqueeze(2)).clamp(-448, 448)
+    assert torch.equal(sf, sf_rule)
+    assert torch.equal(q.view(torch.uint8), q_rule.to(torch.float8_e4m3fn).view(m, c).view(torch.uint8))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

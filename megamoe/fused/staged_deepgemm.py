@@ -37,9 +37,8 @@ from typing import Callable
 
 import torch
 
-from ..formats import E4M3_MAX
 from ..geometry import Geometry
-from ..layouts.staging import AMAX_FLOOR, per_token_cast_to_fp8
+from ..layouts.staging import _INV_448_FP32, per_token_cast_to_fp8, per_token_cast_to_fp8_into
 from ..recipe import DEEPGEMM_SM90_FP8, Recipe
 from ..testing import MoEInputs
 from ..weights import FP8BlockWeights
@@ -177,7 +176,7 @@ class StagedBuffers:
             l2_inv=torch.ones(pm, i // 128, dtype=f32, device=device), l2_out=z(pm + 1, h, dtype=bf16),
             slots=z(n, h, dtype=bf16), acc=z(capacity, h, dtype=f32), acc_tmp=z(capacity, h, dtype=f32),
             y=z(capacity, h, dtype=bf16),
-            inv448=torch.tensor(1.0 / E4M3_MAX, dtype=f32).to(device),  # fl32(1/448), as staging's
+            inv448=_INV_448_FP32.to(device),  # fl32(1/448), staging's own constant
             g=g, capacity=capacity, align=align, max_pool_rows=pm,
         )
         buf.x_sf[capacity] = 1.0
@@ -248,20 +247,6 @@ def device_layout(buf: StagedBuffers, num_tokens: int) -> int:
     return p
 
 
-def cast_to_fp8_into(v: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, inv: torch.Tensor, ws: torch.Tensor,
-                     inv448: torch.Tensor, gran: int = 128) -> None:
-    """``megamoe.layouts.staging.per_token_cast_to_fp8`` bit for bit, into preallocated tensors and
-    without its input check (a host sync): v fp32 [M, C] -> q e4m3 [M, C], sf fp32 [M, C/gran].
-    ``inv`` [M, C/gran] and ``ws`` [M, C] are workspaces; ``v`` is not changed."""
-    m, c = v.shape
-    torch.abs(v, out=ws)
-    torch.amax(ws.view(m, c // gran, gran), dim=2, out=sf)
-    sf.clamp_(min=AMAX_FLOOR).mul_(inv448)  # sf = max(amax, 1e-4) * fl32(1/448)
-    torch.reciprocal(sf, out=inv)
-    torch.mul(v.view(m, c // gran, gran), inv.unsqueeze(2), out=ws.view(m, c // gran, gran))
-    q.copy_(ws.clamp_(-E4M3_MAX, E4M3_MAX))  # e4m3_satfinite: clamp, then RNE to e4m3
-
-
 def staged_forward(buf: StagedBuffers, num_tokens: int, weights: FP8BlockWeights, gemm: GroupedGemm,
                    recipe: Recipe = DEEPGEMM_STAGED_FP8) -> torch.Tensor:
     """The peer on the first ``num_tokens`` staged tokens -> y [num_tokens, H] bf16, a view of
@@ -287,7 +272,7 @@ def staged_forward(buf: StagedBuffers, num_tokens: int, weights: FP8BlockWeights
     s.exp_().add_(1.0).reciprocal_().mul_(gt)
     gt.copy_(h[:, i:]).clamp_(min=-c, max=c)  # gt now holds up
     s.mul_(gt).mul_(buf.row_weight[:p].unsqueeze(1))
-    cast_to_fp8_into(s, buf.l2_q[:p].view(e4m3), buf.l2_sf[:p], buf.l2_inv[:p], gt, buf.inv448)
+    per_token_cast_to_fp8_into(s, buf.l2_q[:p].view(e4m3), buf.l2_sf[:p], buf.l2_inv[:p], gt, buf.inv448)
     out = buf.l2_out[:p]
     gemm((buf.l2_q[:p].view(e4m3), buf.l2_sf[:p]), (weights.l2, weights.l2_scale), out, m_idx)
     # Combine: megamoe.reference.pipeline.combine on slots [T, K, H] gathered from the pool, i.e.

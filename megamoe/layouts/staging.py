@@ -45,12 +45,26 @@ def per_token_cast_to_fp8(x: torch.Tensor, gran: int = 128) -> tuple[torch.Tenso
     """x [T, H] -> (e4m3 [T, H], fp32 scales [T, H/gran]); bit-exact with DeepGEMM on CUDA."""
     _check_x(x, gran)
     t, h = x.shape
-    xv = x.view(t, h // gran, gran)
-    amax = xv.abs().float().amax(dim=2).clamp(min=AMAX_FLOOR)  # [T, H/gran]
-    sf = amax * _INV_448_FP32.to(x.device)
-    inv = torch.reciprocal(sf)
-    q = e4m3_satfinite(xv.float() * inv.unsqueeze(2)).view(t, h)
+    v = x.float()
+    q = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty(t, h // gran, dtype=torch.float32, device=x.device)
+    per_token_cast_to_fp8_into(v, q, sf, torch.empty_like(sf), torch.empty_like(v), _INV_448_FP32.to(x.device), gran)
     return q, sf
+
+
+def per_token_cast_to_fp8_into(v: torch.Tensor, q: torch.Tensor, sf: torch.Tensor, inv: torch.Tensor,
+                               ws: torch.Tensor, inv448: torch.Tensor, gran: int = 128) -> None:
+    """The arithmetic of ``per_token_cast_to_fp8`` into preallocated tensors, with no input check (a
+    host sync) and no host-to-device copy, so it may run under a CUDA graph: v fp32 [M, C] ->
+    q e4m3 [M, C], sf fp32 [M, C/gran]. ``inv`` [M, C/gran] and ``ws`` [M, C] are workspaces,
+    ``inv448`` is fl32(1/448) on v's device; ``v`` is not changed."""
+    m, c = v.shape
+    torch.abs(v, out=ws)
+    torch.amax(ws.view(m, c // gran, gran), dim=2, out=sf)
+    sf.clamp_(min=AMAX_FLOOR).mul_(inv448)  # sf = max(amax, 1e-4) * fl32(1/448)
+    torch.reciprocal(sf, out=inv)
+    torch.mul(v.view(m, c // gran, gran), inv.unsqueeze(2), out=ws.view(m, c // gran, gran))
+    q.copy_(ws.clamp_(-E4M3_MAX, E4M3_MAX))  # e4m3_satfinite: clamp, then RNE to e4m3
 
 
 def per_token_cast_to_fp8_ue8m0_packed(x: torch.Tensor, gran: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
