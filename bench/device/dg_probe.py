@@ -22,16 +22,13 @@ CACHE = tempfile.mkdtemp(prefix="dgcache-")
 os.environ["DG_JIT_CACHE_DIR"] = CACHE
 os.environ["DG_PRINT_CONFIGS"] = "1"
 
-import ctypes  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
 T0 = time.time()
-LIBC = ctypes.CDLL(None)
 RESULT: dict = {"cases": [], "errors": [], "cache": CACHE}
 
 
@@ -45,22 +42,15 @@ def dump():
 
 
 def captured(fn):
-    """Run fn() with file descriptor 1 redirected; returns (fn's result, text written to fd 1)."""
-    sys.stdout.flush()
-    LIBC.fflush(None)
-    tmp = tempfile.TemporaryFile()
-    saved = os.dup(1)
-    os.dup2(tmp.fileno(), 1)
-    try:
+    """Run fn() and wait for the GPU with file descriptor 1 redirected; returns (result, text on fd 1)."""
+    from megamoe.fused.deepgemm_fp8 import capture_stdout_fd
+
+    def run():
         res = fn()
         torch.cuda.synchronize()
-    finally:
-        LIBC.fflush(None)
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    tmp.seek(0)
-    return res, tmp.read().decode(errors="replace")
+        return res
+
+    return capture_stdout_fd(run)
 
 
 def cache_sources() -> dict[str, str]:
@@ -74,15 +64,10 @@ def cache_sources() -> dict[str, str]:
 
 
 def template_args(src: str) -> str:
-    i = src.find("sm90_fp8_mega_moe_impl<")
-    if i < 0:
-        return ""
-    depth, j = 0, i + len("sm90_fp8_mega_moe_impl")
-    for j in range(j, len(src)):
-        depth += {"<": 1, ">": -1}.get(src[j], 0)
-        if depth == 0:
-            break
-    return " ".join(src[i : j + 1].split())
+    from megamoe.fused.deepgemm_fp8 import template_instantiation
+
+    inst = template_instantiation(src)
+    return " ".join(inst.split()) if inst else ""
 
 
 def locate_scales(raw: torch.Tensor, rows: torch.Tensor, ref_sf: torch.Tensor, n: int = 3000) -> list:

@@ -69,8 +69,8 @@ def parse_config_print(text: str) -> dict:
     return out
 
 
-def parse_template_args(src: str) -> dict | None:
-    """The template arguments of the ``sm90_fp8_mega_moe_impl<...>`` instantiation in a JIT source."""
+def template_instantiation(src: str) -> str | None:
+    """The ``sm90_fp8_mega_moe_impl<...>`` instantiation in a JIT source, as written (None if absent)."""
     i = src.find("sm90_fp8_mega_moe_impl<")
     if i < 0:
         return None
@@ -79,7 +79,15 @@ def parse_template_args(src: str) -> dict | None:
         depth += {"<": 1, ">": -1}.get(src[j], 0)
         if depth == 0:
             break
-    args = [a.strip() for a in src[i + len("sm90_fp8_mega_moe_impl<") : j].split(",")]
+    return src[i : j + 1]
+
+
+def parse_template_args(src: str) -> dict | None:
+    """The template arguments of the ``sm90_fp8_mega_moe_impl<...>`` instantiation in a JIT source."""
+    inst = template_instantiation(src)
+    if inst is None:
+        return None
+    args = [a.strip() for a in inst[len("sm90_fp8_mega_moe_impl<") : -1].split(",")]
     if len(args) < len(TEMPLATE_PARAMS):
         return None
 
