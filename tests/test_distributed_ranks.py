@@ -66,12 +66,16 @@ def test_every_rank_empty():
     assert rep.agreed == 1 and rep.backend_calls[0][0]["num_tokens"] == 1  # the kernels' minimum count
 
 
-def test_failing_rank_reported_on_every_rank():
+def _rank_error(**inject) -> tuple[RankError, float]:
+    """Four ranks with a fault injected; the RankError every launch must end in, and the seconds it took."""
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        check_ranks(4, "tiny", RAGGED, seed=SEED, timeout_s=60, _fail_rank=2)
-    elapsed = time.monotonic() - t0
-    err = info.value
+        check_ranks(4, "tiny", RAGGED, seed=SEED, timeout_s=60, **inject)
+    return info.value, time.monotonic() - t0
+
+
+def test_failing_rank_reported_on_every_rank():
+    err, elapsed = _rank_error(_fail_rank=2)
     print(f"\n{err}\n({elapsed:.1f} s)")
     assert elapsed < 60
     assert err.first_rank == 2 and sorted(err.failures) == [0, 1, 2, 3]
@@ -82,11 +86,7 @@ def test_failing_rank_reported_on_every_rank():
 
 
 def test_geometry_mismatch_reported_on_every_rank():
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as info:
-        check_ranks(4, "tiny", RAGGED, seed=SEED, timeout_s=60, _bad_rank=1)
-    elapsed = time.monotonic() - t0
-    err = info.value
+    err, elapsed = _rank_error(_bad_rank=1)
     print(f"\n{str(err).splitlines()[1]}\n({elapsed:.1f} s)")
     assert elapsed < 60 and sorted(err.failures) == [0, 1, 2, 3]
     for r in range(4):
