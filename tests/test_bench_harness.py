@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -15,7 +16,8 @@ from megamoe.bench.ceilings import Ceilings, measure_ceilings
 from megamoe.bench.cli import add_arguments, config_from_args
 from megamoe.bench.report import to_markdown
 from megamoe.bench.roofline import achieved, bytes_per_weight, distinct_experts, step_floor
-from megamoe.bench.sweep import SweepConfig, pad_inputs, ragged_counts, repeatability, run_sweep, speedups
+from megamoe.bench.sweep import (SweepConfig, pad_inputs, pin_timing_thread, ragged_counts, repeatability,
+                                 restore_affinity, run_sweep, speedups)
 from megamoe.bench.timing import Timing, bare_loop_us, overhead_check, time_fn, time_graph
 from megamoe.geometry import get_geometry
 from megamoe.reference import moe_forward
@@ -357,6 +359,27 @@ def test_cli_arguments_map_to_the_config():
     assert not (cfg.block_m_study or cfg.ragged or cfg.staging or cfg.overhead)
     default = config_from_args(p.parse_args([]))
     assert default.tokens[0] == 1 and default.tokens[-1] == 8192 and default.block_m_study and default.passes == 2
+    assert default.pin_cpu and default.host_min_time_s == 0.5 and default.host_max_repeats == 64
+    host = config_from_args(p.parse_args(["--host-min-time", "2.5", "--host-min-warmup", "1.5",
+                                          "--host-max-repeats", "300", "--no-pin"]))
+    assert (host.host_min_time_s, host.host_min_warmup_s, host.host_max_repeats, host.pin_cpu) == (2.5, 1.5, 300, False)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_pin_timing_thread_pins_this_thread_and_restores_it():
+    before = os.sched_getaffinity(0)
+    pinned = pin_timing_thread()
+    try:
+        assert pinned["cpu"] == max(before) and os.sched_getaffinity(0) == {pinned["cpu"]}
+        assert set(pinned["previous"]) == before
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        assert seen == [{pinned["cpu"]}]  # a thread started after the pin inherits it: why the builds come first
+    finally:
+        restore_affinity(pinned)
+    assert os.sched_getaffinity(0) == before
 
 
 def test_block_m_study_through_the_shared_backend(tiny, fake_registry):

@@ -28,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-diff", type=float, default=1e-3, help="calc_diff above this marks a row FAIL")
     p.add_argument("--reference-max-tokens", type=int, default=8192)
     p.add_argument("--reference-repeats", type=int, default=3)
+    p.add_argument("--host-min-time", type=float, default=0.5,
+                   help="host-bound rows (the eager reference): keep timing until this many seconds of samples")
+    p.add_argument("--host-min-warmup", type=float, default=1.0, help="host-bound rows: warm up at least this long")
+    p.add_argument("--host-max-repeats", type=int, default=64, help="host-bound rows: at most this many timed calls")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin the timing thread to one CPU (CUDA runs pin it once the builds are done)")
     p.add_argument("--no-block-m", action="store_true", help="skip the forced-BLOCK_M study")
     p.add_argument("--block-m-tokens", type=int, nargs="+", default=None)
     p.add_argument("--no-ragged", action="store_true", help="skip the ragged-step study")
@@ -49,6 +55,8 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         preset=a.preset, tokens=sorted(set(a.tokens)), backends=a.backends, repeats=a.repeats, warmup=a.warmup,
         rotate=a.rotate, flush_l2=not a.no_flush, graph=a.graph, passes=a.passes, check=not a.no_check,
         max_diff=a.max_diff, reference_max_tokens=a.reference_max_tokens, reference_repeats=a.reference_repeats,
+        host_min_time_s=a.host_min_time, host_min_warmup_s=a.host_min_warmup, host_max_repeats=a.host_max_repeats,
+        pin_cpu=not a.no_pin,
         block_m_study=studies and not a.no_block_m, block_m_tokens=a.block_m_tokens,
         ragged=studies and not a.no_ragged, ragged_means=a.ragged_means, staging=studies and not a.no_staging,
         overhead=studies and not a.no_overhead, overhead_tokens=a.overhead_tokens, seed=a.seed, device=a.device,

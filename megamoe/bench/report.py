@@ -105,9 +105,17 @@ def repeatability_text(results: dict) -> list[str]:
                 f"{100 * worst['spread']:.2f}% ({worst['backend']} at {worst['tokens']} tokens); {len(flagged)} of "
                 f"{len(rep)} rows at or over {100 * limit:.0f}%."]
         if flagged:
-            out += ["", md_table(["backend", "tokens", "pass medians us", "spread"],
+            # The card's state around each pass of a host-bound row (nvidia-smi: SM MHz, memory MHz, W,
+            # P-state, clock-event reasons), where the sweep recorded it: the first place to look for a cause.
+            state = {(r["backend"], r["tokens"], r["pass"]): f"{r['gpu_before']} -> {r.get('gpu_after', '')}"
+                     for r in results.get("rows", []) if r.get("gpu_before")}
+
+            def card(r):
+                return " / ".join(state.get((r["backend"], r["tokens"], p), "-") for p in range(len(r["medians_us"])))
+
+            out += ["", md_table(["backend", "tokens", "pass medians us", "spread", "card before -> after, per pass"],
                                  [[r["backend"], str(r["tokens"]), ", ".join(_fmt_us(m) for m in r["medians_us"]),
-                                   f"{100 * r['spread']:.2f}%"] for r in flagged])]
+                                   f"{100 * r['spread']:.2f}%", card(r)] for r in flagged])]
     drift = results.get("drift") or []
     if drift:
         out += ["", "Drift over the sweep (each backend's first case timed again at the end):", "",

@@ -37,7 +37,9 @@ still does is counted in the row, ``device_mallocs`` / ``alloc_retries``), and t
 rotations of the input sets. The card's clocks and P-state are read (nvidia-smi) before and after each
 host-bound row (``gpu_before`` / ``gpu_after``). The progress bar never refreshes from a background thread
 (it is redrawn between cases only), and the build thread pool is joined before the sweep starts, so
-nothing the sweep started runs while a case is timed. Measured on the H200 (2026-12-02): no GC collection,
+nothing the sweep started runs while a case is timed. On CUDA the timing thread is pinned to one CPU once
+the builds are done (``pin_cpu``; ``meta['pinned']`` says which), so a host-bound row is not migrated
+between cores mid-pass. Measured on the H200 (2026-12-02): no GC collection,
 no cudaMalloc and no live Python thread besides the main one inside any timed region; still, the eager
 reference's per-call time sits at one of two levels (about 14 and 18 ms at 1 token) and can switch
 within a row, so its rows stay flagged when its passes land on different levels.
@@ -95,6 +97,7 @@ class SweepConfig:
     host_min_time_s: float = 0.5  # host-bound rows: time at least this long (past reference_repeats / repeats)
     host_max_repeats: int = 64  # ... but never more calls than this
     host_min_warmup_s: float = 1.0  # host-bound rows: warm up for at least this long (and one call per set)
+    pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
     repeat_limit: float = 0.03  # rows whose pass-to-pass spread reaches this are flagged
     drift_check: bool = True  # interleaved mode: re-time each backend's first case after the sweep
@@ -332,7 +335,13 @@ class Sweep:
             except Exception as exc:  # noqa: BLE001
                 self.error(name, exc)
             self.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t1, 2)
+            if name == "setup" and cfg.pin_cpu and self.dev.type == "cuda":
+                # The JIT builds (compiler subprocesses inherit the mask) are done; from here on the
+                # host-bound rows' figure is this thread's speed, so it stays on one core.
+                self.meta["pinned"] = self._unpin = pin_timing_thread()
             self.write(final=name in ("sweep", "block_m"))
+        if getattr(self, "_unpin", None):
+            restore_affinity(self._unpin)
         self.results["wall_seconds"] = round(self.elapsed(), 2)
         self.results["out_dir"] = self.out_dir
         self.write(final=True)
@@ -727,6 +736,31 @@ def host_quiet(dev) -> None:
         torch.cuda.empty_cache()
 
 
+def pin_timing_thread() -> dict:
+    """Pin the calling thread (Linux: ``sched_setaffinity(0)`` is per thread) to the last CPU it may run
+    on (CPU 0 usually takes the most interrupts), so a host-bound row is not migrated between cores in
+    the middle of a pass. Threads already running (NCCL, the driver's) keep their masks; threads started
+    later by this one inherit it. Returns {"cpu", "previous"} for ``restore_affinity`` ({} where the
+    platform cannot pin)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return {}
+    try:
+        prev = sorted(os.sched_getaffinity(0))
+        cpu = prev[-1]
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        return {}
+    return {"cpu": cpu, "previous": prev}
+
+
+def restore_affinity(pinned: dict) -> None:
+    if pinned.get("previous"):
+        try:
+            os.sched_setaffinity(0, set(pinned["previous"]))
+        except OSError:
+            pass
+
+
 def gpu_state(dev) -> str:
     """SM / memory clock, power, P-state and throttle reasons from nvidia-smi ('' when unavailable or on
     CPU): recorded around host-bound rows, whose figure moves between discrete levels (14 vs 18 ms for the
@@ -772,6 +806,7 @@ def timing_protocol(cfg: SweepConfig) -> dict:
         "host_bound": {"gc": "disabled during every timing", "before_case": "gc.collect() + torch.cuda.empty_cache()",
                        "warmup": f"at least one call per input set and {cfg.host_min_warmup_s} s",
                        "min_time_s": cfg.host_min_time_s,
+                       "pinned": "the timing thread pinned to one CPU after the builds" if cfg.pin_cpu else "no",
                        "max_repeats": cfg.host_max_repeats, "repeats": "whole rotations of the input sets"},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
