@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import threading
 import time
 
@@ -18,7 +19,8 @@ from megamoe.bench.report import to_markdown
 from megamoe.bench.roofline import achieved, bytes_per_weight, distinct_experts, step_floor
 from megamoe.bench.sweep import (SweepConfig, pad_inputs, pin_timing_thread, ragged_counts, repeatability,
                                  restore_affinity, run_sweep, speedups)
-from megamoe.bench.timing import Timing, bare_loop_us, overhead_check, time_fn, time_graph
+from megamoe.bench.timing import (SPIN_PER_CALL_US, SpinAhead, Timing, bare_loop_us, overhead_check, time_fn,
+                                  time_graph)
 from megamoe.geometry import get_geometry
 from megamoe.reference import moe_forward
 from megamoe.testing import make_inputs
@@ -63,6 +65,19 @@ def test_timing_spread_and_median():
     assert tm.spread == 0.0 and tm.median_us == 10.0
     tm = Timing([float(x) for x in range(1, 12)], "perf_counter")  # 1..11, median 6
     assert tm.median_us == 6.0 and tm.spread == pytest.approx((10 - 2) / 6)
+
+
+def test_spin_ahead_shrinks_only_once_calls_outlast_their_launch():
+    spin = SpinAhead()
+    n = random.randint(2, 12)
+    assert spin.spin_us(n) == SPIN_PER_CALL_US * n  # nothing known yet: the full lead
+    host = random.uniform(20.0, 100.0)
+    spin.observe(n, n * host * 1e-6, [random.uniform(1.0, 1.9) * host for _ in range(n)])
+    assert spin.host_us == pytest.approx(host)
+    assert spin.spin_us(n) == SPIN_PER_CALL_US * n  # calls not clearly longer than their launch: keep it
+    long_call = random.uniform(2.5, 100.0) * host
+    spin.observe(n, n * host * 1e-6, [long_call] * n)
+    assert spin.spin_us(n) == pytest.approx(3 * host + 50.0)  # the queue's lead now grows by itself
 
 
 def test_time_graph_falls_back_on_cpu():

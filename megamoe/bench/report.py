@@ -149,6 +149,9 @@ def to_markdown(results: dict) -> str:
     proto = m.get("timing_protocol")
     if proto:
         out.append("- paths: " + "; ".join(f"{k}: {v}" for k, v in proto.get("paths", {}).items()))
+        db = proto.get("device_bound", {})
+        if db:
+            out.append("- device-bound rows: " + ", ".join(f"{k} {v}" for k, v in db.items()))
         hb = proto.get("host_bound", {})
         if hb:
             out.append("- host-bound rows (eager reference, a peer whose launch syncs the host): "

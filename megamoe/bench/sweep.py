@@ -97,6 +97,8 @@ class SweepConfig:
     host_min_time_s: float = 0.5  # host-bound rows: time at least this long (past reference_repeats / repeats)
     host_max_repeats: int = 64  # ... but never more calls than this
     host_min_warmup_s: float = 1.0  # host-bound rows: warm up for at least this long (and one call per set)
+    device_min_warmup_s: float = 0.5  # CUDA, device-bound rows: warm up at least this long (steady power state)
+    overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
     repeat_limit: float = 0.03  # rows whose pass-to-pass spread reaches this are flagged
@@ -275,6 +277,11 @@ class Sweep:
                 kw = dict(min_time_s=cfg.host_min_time_s, max_repeats=max(reps, cfg.host_max_repeats),
                           min_warmup_s=cfg.host_min_warmup_s)
                 before = gpu_state(self.dev)
+            if not host and self.dev.type == "cuda":
+                # Long enough for the card to reach its steady state under this load: at 4096-8192 tokens
+                # the H200 reaches its power cap after ~50 ms of launches and the kernels slow 5-10%
+                # (seen 2026-12-02, DeepGEMM FP8 at 4096: 2460 -> 2730 us in the middle of a pass).
+                kw = dict(min_warmup_s=cfg.device_min_warmup_s)
             tm = time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw)
             if host:
                 after = gpu_state(self.dev)
@@ -681,8 +688,10 @@ class Sweep:
                     if path == "cuda-graph":
                         gs = GraphSet(fn, args, warmup=self.cfg.warmup)
                         fn, args = gs.replay, list(range(gs.sets))
-                    oc = overhead_check(fn, args=args, device=self.dev,
-                                        settle_s=self.cfg.settle_s if self.dev.type == "cuda" else 0.0)
+                    cuda = self.dev.type == "cuda"
+                    oc = overhead_check(fn, args=args, device=self.dev, rounds=self.cfg.overhead_rounds,
+                                        settle_s=self.cfg.settle_s if cuda else 0.0,
+                                        min_warmup_s=self.cfg.device_min_warmup_s if cuda else 0.0)
                     self.results["overhead"].append({"backend": b.name, "tokens": t, "path": path, **oc})
                 except Exception as exc:  # noqa: BLE001
                     self.error(f"overhead {b.name} T={t}", exc)
@@ -803,6 +812,10 @@ def timing_protocol(cfg: SweepConfig) -> dict:
                                 "captured after build, staging done once before capture (not in the figure)",
                   "cuda-events": "one event pair per call, L2 flushed between calls or inputs rotated",
                   "perf_counter": "no CUDA device: host wall time"},
+        "device_bound": {"min_warmup_s": cfg.device_min_warmup_s,
+                         "spin": "a spin kernel queued before each batch of 10 calls: 200 us per call until a batch "
+                                 "shows device time above twice the host's enqueue time, then 3 enqueue times + 50 us",
+                         "overhead_rounds": cfg.overhead_rounds},
         "host_bound": {"gc": "disabled during every timing", "before_case": "gc.collect() + torch.cuda.empty_cache()",
                        "warmup": f"at least one call per input set and {cfg.host_min_warmup_s} s",
                        "min_time_s": cfg.host_min_time_s,
