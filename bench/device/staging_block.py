@@ -6,8 +6,9 @@
     strided views, padding; NaN / Inf; and against deep_gemm's own per_token_cast_to_fp8 when importable.
 (b) speed at DeepSeek-V4-Flash (H=4096, K=6), T = 1, 2, 4, ..., 8192: eager torch path (as the library
     has it, and without its finiteness sync) vs the Triton kernel (no check / flag check / bits cast),
-    CUDA events, L2 flushed, inputs rotated, median of >= 50; bytes it must move, GB/s, fraction of the
-    device-copy bandwidth measured in the same run; a small launch-shape sweep; the cost of check_finite.
+    timed by the harness's own instruments (megamoe.bench.timing: events queued behind a spin, and CUDA-graph
+    replays), L2 flushed, inputs rotated, median of >= 50; bytes it must move, GB/s, fraction of the
+    device-copy bandwidth measured in the same run; a launch-shape sweep; the cost of check_finite.
 (c) with a fused backend (megamoe.fused): the block end to end (moe_block_fused) vs the reference block
     (same recipe), the kernel launch alone, stage_into into the backend's own buffer (bitwise same y as the
     backend's staging) and the staging share of the routed step.
@@ -29,6 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from megamoe.bench.ceilings import measure_copy_gbps  # noqa: E402
+from megamoe.bench.timing import time_fn, time_graph  # noqa: E402
 from megamoe.geometry import PRESETS  # noqa: E402
 from megamoe.layouts.staging import _INV_448_FP32, per_token_cast_to_fp8  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
@@ -44,11 +47,6 @@ DEV = "cuda"  # --device cpu (with TRITON_INTERPRET=1) is a dry run of the scrip
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
-
-
-def flush_buffer() -> torch.Tensor:
-    """Zeroed before each timed call: 256 MB, five times the H200's L2."""
-    return torch.empty((256 * 2**20 if DEV == "cuda" else 2**20) // 4, dtype=torch.int32, device=DEV)
 
 
 def as_e4m3(t: torch.Tensor) -> torch.Tensor:
@@ -82,29 +80,19 @@ def part(name: str):
 
 
 # ------------------------------------------------------------------------------------ timing
-def events_us(fn, args, *, repeats: int = 50, warmup: int = 5, flush: torch.Tensor | None = None) -> dict:
-    """Per-call device time: an event pair around each call, L2 flushed before it, inputs rotated."""
-    for i in range(warmup):
-        fn(args[i % len(args)])
-    sync()
-    samples = []
-    for i in range(repeats):
-        if DEV != "cuda":
-            t = time.perf_counter()
-            fn(args[i % len(args)])
-            samples.append((time.perf_counter() - t) * 1e6)
-            continue
-        if flush is not None:
-            flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(args[i % len(args)])
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3)
-    s = sorted(samples)
-    return {"median_us": statistics.median(s), "p10_us": s[len(s) // 10], "p90_us": s[(9 * len(s)) // 10],
-            "repeats": repeats}
+# The harness's own instruments (megamoe.bench.timing), so these figures mean what the sweep's mean:
+#   events  time_fn: one event pair per call, L2 flushed before it (outside the pair), input sets
+#           rotated, calls queued behind a spin kernel so the Python launch is not inside the pair
+#   graph   time_graph: the call captured in a CUDA graph (one per input set), each replay timed, L2
+#           flushed between replays: the kernel as a serving loop under graphs runs it
+def events_us(fn, args, *, repeats: int = 50, warmup: int = 5) -> dict:
+    t = time_fn(fn, args=args, warmup=warmup, repeats=repeats, flush_l2=True, device=DEV)
+    return {"median_us": t.median_us, "spread": t.spread, "repeats": len(t.samples_us), "method": t.method}
+
+
+def graph_us(fn, args, *, repeats: int = 50) -> dict:
+    t = time_graph(fn, args=args, warmup=3, repeats=repeats, flush_l2=True, device=DEV)
+    return {"median_us": t.median_us, "spread": t.spread, "repeats": len(t.samples_us), "method": t.method}
 
 
 def host_us(fn, arg, iters: int = 30) -> float:
@@ -170,14 +158,9 @@ def eager_nocheck(x, idx, w, bufs, a):
     bufs.topk_weights[:t].copy_(w)
 
 
-def copy_bandwidth(flush) -> dict:
-    n = 1 << 30 if DEV == "cuda" else 1 << 24  # 1 GiB
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
-    dst = torch.empty_like(src)
-    t = events_us(lambda _: dst.copy_(src), [None], repeats=20, warmup=3)
-    bw = 2 * n / (t["median_us"] * 1e-6)  # bytes read + written
-    del src, dst
-    return {"bytes": 2 * n, "median_us": t["median_us"], "GBps": bw / 1e9}
+def copy_bandwidth() -> dict:
+    gbps, nbytes = measure_copy_gbps(DEV)
+    return {"bytes": 2 * nbytes, "GBps": gbps}
 
 
 def staging_bytes(t: int, h: int, k: int, idx_bytes: int = 8) -> int:
@@ -190,8 +173,7 @@ def staging_bytes(t: int, h: int, k: int, idx_bytes: int = 8) -> int:
 def part_b(tokens, repeats):
     g = PRESETS["dsv4-flash"]
     h, k = g.hidden, g.num_topk
-    flush = flush_buffer()
-    bw = copy_bandwidth(flush)
+    bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw['GBps']:.0f} GB/s (read + written)", flush=True)
     cap = max(tokens)
     bufs = allocate_buffers(cap, g, DEV)
@@ -214,13 +196,17 @@ def part_b(tokens, repeats):
         floor_us = nbytes / (bw["GBps"] * 1e9) * 1e6
         row = {"T": t, "bytes": nbytes, "floor_us": floor_us}
         for name, fn in fns.items():
-            r = events_us(fn, sets, repeats=repeats, flush=flush)
-            row[name + "_us"] = r["median_us"]
-            row[name + "_p90_us"] = r["p90_us"]
+            r = events_us(fn, sets, repeats=repeats)
+            row[name + "_us"], row[name + "_spread"] = r["median_us"], r["spread"]
+        # The kernel alone, replayed from CUDA graphs: no Python launch anywhere near it.
+        for name in ("triton", "eager_nocheck"):
+            r = graph_us(fns[name], sets, repeats=repeats)
+            row[name + "_graph_us"], row[name + "_graph_spread"] = r["median_us"], r["spread"]
         for name in ("eager", "triton", "triton_flag"):
             row[name + "_host_us"] = host_us(fns[name], sets[0])
-        row["GBps"] = nbytes / (row["triton_us"] * 1e-6) / 1e9
-        row["frac_floor"] = floor_us / row["triton_us"]
+        row["GBps"] = nbytes / (row["triton_graph_us"] * 1e-6) / 1e9
+        row["frac_floor"] = floor_us / row["triton_graph_us"]
+        row["frac_floor_events"] = floor_us / row["triton_us"]
         row["speedup_vs_eager"] = row["eager_us"] / row["triton_us"]
         row["speedup_vs_eager_nocheck"] = row["eager_nocheck_us"] / row["triton_us"]
         # The kernel staged the last set: its bytes must still be the reference's.
@@ -229,29 +215,31 @@ def part_b(tokens, repeats):
         check_staged_rows = first_mismatch(bufs.x[:t], per_token_cast_to_fp8(x)[0])
         row["bitwise_ok"] = not check_staged_rows
         rows.append(row)
-        print(f"T={t:5d}: eager {row['eager_us']:8.1f} us (no-sync {row['eager_nocheck_us']:7.1f}) | triton "
-              f"{row['triton_us']:6.1f} us, flag {row['triton_flag_us']:6.1f}, bits {row['triton_bits_us']:6.1f} | "
-              f"{row['GBps']:6.0f} GB/s = {row['frac_floor']:.2f} of floor {floor_us:.1f} us", flush=True)
+        print(f"T={t:5d}: eager {row['eager_us']:8.1f} us (no-sync {row['eager_nocheck_us']:7.1f}, graph "
+              f"{row['eager_nocheck_graph_us']:7.1f}) | triton {row['triton_us']:6.1f} us, graph {row['triton_graph_us']:6.1f}, "
+              f"flag {row['triton_flag_us']:6.1f}, bits {row['triton_bits_us']:6.1f} | {row['GBps']:6.0f} GB/s = "
+              f"{row['frac_floor']:.2f} of floor {floor_us:.1f} us", flush=True)
         del sets
     return {"copy_bandwidth": bw, "rows": rows}
 
 
 @part("b_sweep")
 def part_sweep(repeats):
-    """Launch shapes (BLOCK_T, BLOCK_G, num_warps) at a few T; the default heuristic beside them."""
+    """Launch shapes (BLOCK_T, BLOCK_G, num_warps) at a few T, each replayed from a CUDA graph; the
+    default heuristic beside them."""
     from megamoe.staging.stage import default_blocks
 
     g = PRESETS["dsv4-flash"]
-    flush = flush_buffer()
-    configs = [(1, 8, 4), (2, 8, 4), (4, 8, 4), (8, 8, 8), (1, 4, 2), (1, 32, 8), (4, 32, 8), (16, 8, 8)]
+    configs = [(1, 8, 4), (2, 8, 4), (4, 8, 4), (8, 8, 8), (16, 8, 8), (1, 32, 8), (2, 32, 8), (4, 32, 8),
+               (1, 4, 2), (2, 4, 4), (8, 4, 4), (16, 4, 8)]
     rows = []
-    for t in (1, 64, 1024, 8192) if DEV == "cuda" else (1, 8):
+    for t in (1, 64, 1024, 4096, 8192) if DEV == "cuda" else (1, 8):
         bufs = allocate_buffers(t, g, DEV)
         sets = [(i.x, i.topk_idx, i.topk_weights) for i in (make_inputs(g, t, seed=7 * t + s, device=DEV) for s in range(2))]
         row = {"T": t, "default": list(default_blocks(t, g.hidden // 128))}
         for cfg in configs:
-            r = events_us(lambda a: stage_into(*a, *bufs.views(), backend="triton", check_finite=False, blocks=cfg),
-                          sets, repeats=repeats, flush=flush)
+            r = graph_us(lambda a: stage_into(*a, *bufs.views(), backend="triton", check_finite=False, blocks=cfg),
+                         sets, repeats=repeats)
             row[str(cfg)] = r["median_us"]
         best = min(configs, key=lambda c: row[str(c)])
         row["best"], row["best_us"] = list(best), row[str(best)]
@@ -288,7 +276,6 @@ def part_c(tokens, repeats, deadline, preset="dsv4-flash"):
     out["build_s"] = time.perf_counter() - t_b
     print(f"weights {out['weights_s']:.1f} s, {out['plans_built']} plans built in {out['build_s']:.1f} s", flush=True)
     ref_params = replace(params, experts=getattr(be, "kernel_weights", params.experts))
-    flush = flush_buffer()
     buf = be.buf
     commit = getattr(buf, "commit_staged", None)
     for t in tokens:
@@ -302,6 +289,14 @@ def part_c(tokens, repeats, deadline, preset="dsv4-flash"):
             y_r = moe_block_reference(x, ref_params, g, be.recipe, return_parts=True)  # every T, 8192 included
             row["calc_diff_block"] = calc_diff(y_f.y, y_r.y)
             row["calc_diff_routed"] = calc_diff(y_f.routed, y_r.routed)
+            row["same_routing"] = bool(torch.equal(y_f.topk_idx, y_r.topk_idx))
+            row["max_tokens_per_expert"] = int(torch.bincount(y_f.topk_idx.flatten(), minlength=g.num_experts).max())
+            # Where a calc_diff is not finite, say which side holds NaN / Inf and how much of it.
+            for side, res in (("fused", y_f), ("reference", y_r)):
+                for part_name in ("y", "routed", "shared"):
+                    bad = int((~torch.isfinite(getattr(res, part_name).float())).sum())
+                    if bad:
+                        row[f"nonfinite_{side}_{part_name}"] = bad
             inputs = MoEInputs(x, y_f.topk_idx, y_f.topk_weights)
             y_be = be.run(inputs).clone()
             # stage_into straight into the backend's buffer, then the kernel alone: same y bit for bit?
@@ -318,14 +313,14 @@ def part_c(tokens, repeats, deadline, preset="dsv4-flash"):
                 if commit is not None:
                     commit(t)
 
-            row["stage_us"] = events_us(stage, [None], repeats=repeats, flush=flush)["median_us"]
-            row["launch_us"] = events_us(lambda _: be.launch(t), [None], repeats=repeats, flush=flush)["median_us"]
-            row["backend_stage_us"] = events_us(lambda _: be.stage(inputs, t), [None], repeats=min(repeats, 20),
-                                                flush=flush)["median_us"]
-            row["step_us"] = row["stage_us"] + row["launch_us"]
-            row["stage_share"] = row["stage_us"] / row["step_us"]
+            row["stage_us"] = events_us(stage, [None], repeats=repeats)["median_us"]
+            row["stage_graph_us"] = graph_us(stage, [None], repeats=repeats)["median_us"]
+            row["launch_us"] = events_us(lambda _: be.launch(t), [None], repeats=repeats)["median_us"]
+            row["backend_stage_us"] = events_us(lambda _: be.stage(inputs, t), [None], repeats=min(repeats, 20))["median_us"]
+            row["step_us"] = row["stage_graph_us"] + row["launch_us"]
+            row["stage_share"] = row["stage_graph_us"] / row["step_us"]
             row["block_fused_host_us"] = host_us(lambda _: moe_block_fused(x, params, g, be), None, iters=5)
-            print(f"T={t}: stage {row['stage_us']:.1f} us + launch {row['launch_us']:.1f} us -> share "
+            print(f"T={t}: stage {row['stage_us']:.1f} us (graph {row['stage_graph_us']:.1f}) + launch {row['launch_us']:.1f} us -> share "
                   f"{row['stage_share']:.3f}; backend's own staging {row['backend_stage_us']:.1f} us; "
                   f"calc_diff block {row.get('calc_diff_block', float('nan')):.2e}; "
                   f"same y: {row['y_bitwise_vs_backend_staging']}", flush=True)
@@ -351,14 +346,20 @@ def markdown() -> str:
                      f"{a['deep_gemm'] if isinstance(a.get('deep_gemm'), str) else [(d['case'], d['ok']) for d in a['deep_gemm']]}")
     b = RESULTS.get("b_speed", {})
     if "rows" in b:
-        lines += ["", f"(b) DeepSeek-V4-Flash H=4096 K=6; device copy {b['copy_bandwidth']['GBps']:.0f} GB/s (read + written); "
-                  "median us, L2 flushed, inputs rotated", "",
-                  "| T | bytes | floor us | eager us | eager no-sync us | triton us | +flag check us | bits cast us | isfinite us | GB/s | frac of floor | x eager | host us eager / triton / flag |",
+        lines += ["", f"(b) DeepSeek-V4-Flash H=4096 K=6; device copy {b['copy_bandwidth']['GBps']:.0f} GB/s (read + written), "
+                  "measured in this run. Median us, L2 flushed before every call, input sets rotated. 'events': "
+                  "megamoe.bench.timing.time_fn (one event pair per call, queued behind a spin so the Python launch "
+                  "is outside the pair); 'graph': the same call replayed from a CUDA graph. Floor = bytes / copy "
+                  "bandwidth; 'of floor' uses the graph figure.", "",
+                  "| T | bytes | floor us | eager us | eager no-sync us (graph) | triton us (graph) | of floor | GB/s | "
+                  "+flag check us | bits cast us | isfinite us | eager / triton | host us eager / triton / flag |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in b["rows"]:
-            lines.append(f"| {r['T']} | {r['bytes']} | {r['floor_us']:.1f} | {r['eager_us']:.1f} | {r['eager_nocheck_us']:.1f} | "
-                         f"{r['triton_us']:.1f} | {r['triton_flag_us']:.1f} | {r['triton_bits_us']:.1f} | {r['isfinite_all_us']:.1f} | "
-                         f"{r['GBps']:.0f} | {r['frac_floor']:.2f} | {r['speedup_vs_eager']:.1f} | "
+            lines.append(f"| {r['T']} | {r['bytes']} | {r['floor_us']:.1f} | {r['eager_us']:.1f} | "
+                         f"{r['eager_nocheck_us']:.1f} ({r['eager_nocheck_graph_us']:.1f}) | "
+                         f"{r['triton_us']:.1f} ({r['triton_graph_us']:.1f}) | {100 * r['frac_floor']:.0f}% | {r['GBps']:.0f} | "
+                         f"{r['triton_flag_us']:.1f} | {r['triton_bits_us']:.1f} | {r['isfinite_all_us']:.1f} | "
+                         f"{r['speedup_vs_eager']:.1f} | "
                          f"{r['eager_host_us']:.0f} / {r['triton_host_us']:.0f} / {r['triton_flag_host_us']:.0f} |")
     s = RESULTS.get("b_sweep")
     if isinstance(s, list):
@@ -368,15 +369,22 @@ def markdown() -> str:
                          + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.startswith("(")))
     c = RESULTS.get("c_block", {})
     if "rows" in c:
-        lines += ["", f"(c) block with {c['backend']} (plans built in {c.get('build_s', 0):.0f} s)", "",
-                  "| T | stage us | launch us | share | backend's staging us | calc_diff block | calc_diff routed | same y | block host us |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"(c) block with {c['backend']} (plans built in {c.get('build_s', 0):.0f} s). stage = stage_into "
+                  "(triton) straight into the backend's buffer; launch = the fused kernel alone; share = stage (graph) / "
+                  "(stage (graph) + launch); calc_diff of the fused block and its routed part against the reference block "
+                  "(same recipe, the kernel's weights); same y = the kernel's output after our staging equals it after the "
+                  "backend's own staging, bit for bit.", "",
+                  "| T | stage us (graph) | launch us | share | backend's stage() us | calc_diff block | calc_diff routed | "
+                  "same routing | max tokens/expert | same y | block host us |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in c["rows"]:
             if "stage_us" in r:
-                lines.append(f"| {r['T']} | {r['stage_us']:.1f} | {r['launch_us']:.1f} | {r['stage_share']:.3f} | "
-                             f"{r['backend_stage_us']:.1f} | {r.get('calc_diff_block', float('nan')):.2e} | "
-                             f"{r.get('calc_diff_routed', float('nan')):.2e} | {r['y_bitwise_vs_backend_staging']} | "
-                             f"{r['block_fused_host_us']:.0f} |")
+                bad = {k: v for k, v in r.items() if k.startswith("nonfinite_")}
+                lines.append(f"| {r['T']} | {r['stage_us']:.1f} ({r['stage_graph_us']:.1f}) | {r['launch_us']:.1f} | "
+                             f"{r['stage_share']:.4f} | {r['backend_stage_us']:.1f} | "
+                             f"{r.get('calc_diff_block', float('nan')):.2e} | {r.get('calc_diff_routed', float('nan')):.2e}"
+                             f"{' ' + str(bad) if bad else ''} | {r.get('same_routing')} | {r.get('max_tokens_per_expert')} | "
+                             f"{r['y_bitwise_vs_backend_staging']} | {r['block_fused_host_us']:.0f} |")
             else:
                 lines.append(f"| {r['T']} | {r.get('error') or r.get('skipped')} |")
     elif c:
@@ -388,7 +396,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--deadline", type=float, default=200.0, help="seconds after which part (c) skips the rest")
+    ap.add_argument("--deadline", type=float, default=300.0, help="seconds after which part (c) skips the rest")
     ap.add_argument("--parts", default="a,b,sweep,c")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-log2-tokens", type=int, default=13)
@@ -409,7 +417,7 @@ def main() -> int:
     if "sweep" in parts:
         part_sweep(max(20, args.repeats // 2))
     if "c" in parts:
-        part_c([t for t in (1, 8, 64, 512, 2048, 8192) if t <= tokens[-1]], max(20, args.repeats // 2), args.deadline)
+        part_c(tokens, max(20, args.repeats // 2), args.deadline)
     RESULTS["meta"]["seconds"] = elapsed()
     with open(os.path.join(args.out, "staging_block.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
