@@ -97,7 +97,7 @@ class SweepConfig:
     host_min_time_s: float = 0.5  # host-bound rows: time at least this long (past reference_repeats / repeats)
     host_max_repeats: int = 64  # ... but never more calls than this
     host_min_warmup_s: float = 1.0  # host-bound rows: warm up for at least this long (and one call per set)
-    device_min_warmup_s: float = 0.5  # CUDA, device-bound rows: warm up at least this long (steady power state)
+    device_min_warmup_s: float = 0.1  # CUDA, device-bound rows: warm up at least this much device time
     overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
@@ -278,9 +278,10 @@ class Sweep:
                           min_warmup_s=cfg.host_min_warmup_s)
                 before = gpu_state(self.dev)
             if not host and self.dev.type == "cuda":
-                # Long enough for the card to reach its steady state under this load: at 4096-8192 tokens
-                # the H200 reaches its power cap after ~50 ms of launches and the kernels slow 5-10%
-                # (seen 2026-12-02, DeepGEMM FP8 at 4096: 2460 -> 2730 us in the middle of a pass).
+                # Past the first power step: at 4096 tokens DeepGEMM FP8 slowed 2460 -> 2730 us ~45 ms into
+                # a pass after a 5-call warm-up (H200, 2026-12-02). Not seconds: after 2 s of load the card
+                # sits at its power cap and steps its clock up and down by ~5% every few calls, which made
+                # 1024-2048-token rows 4-6% apart between passes (run 939e95829a).
                 kw = dict(min_warmup_s=cfg.device_min_warmup_s)
             tm = time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw)
             if host:
