@@ -35,7 +35,7 @@ long, then re-populates the cache, so no timed call waits on a cudaMalloc or a c
 still does is counted in the row, ``device_mallocs`` / ``alloc_retries``), and the case keeps timing past
 ``reference_repeats`` until ``host_min_time_s`` of samples (at most ``host_max_repeats``), in whole
 rotations of the input sets. The card's clocks and P-state are read (nvidia-smi) before and after each
-host-bound row (``gpu_before`` / ``gpu_after``). The progress bar never refreshes from a background thread
+CUDA row (``gpu_before`` / ``gpu_after``). The progress bar never refreshes from a background thread
 (it is redrawn between cases only), and the build thread pool is joined before the sweep starts, so
 nothing the sweep started runs while a case is timed. On CUDA the timing thread is pinned to one CPU once
 the builds are done (``pin_cpu``; ``meta['pinned']`` says which), so a host-bound row is not migrated
@@ -98,6 +98,8 @@ class SweepConfig:
     host_max_repeats: int = 64  # ... but never more calls than this
     host_min_warmup_s: float = 1.0  # host-bound rows: warm up for at least this long (and one call per set)
     device_min_warmup_s: float = 0.1  # CUDA, device-bound rows: warm up at least this much device time
+    device_min_time_s: float = 0.05  # ... and time at least this long (past ``repeats``; short kernels)
+    device_max_repeats: int = 500
     overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
@@ -276,18 +278,21 @@ class Sweep:
                 host_quiet(self.dev)
                 kw = dict(min_time_s=cfg.host_min_time_s, max_repeats=max(reps, cfg.host_max_repeats),
                           min_warmup_s=cfg.host_min_warmup_s)
-                before = gpu_state(self.dev)
-            if not host and self.dev.type == "cuda":
-                # Past the first power step: at 4096 tokens DeepGEMM FP8 slowed 2460 -> 2730 us ~45 ms into
-                # a pass after a 5-call warm-up (H200, 2026-12-02). Not seconds: after 2 s of load the card
-                # sits at its power cap and steps its clock up and down by ~5% every few calls, which made
-                # 1024-2048-token rows 4-6% apart between passes (run 939e95829a).
-                kw = dict(min_warmup_s=cfg.device_min_warmup_s)
+            elif self.dev.type == "cuda":
+                # Warm-up: past the first power step (at 4096 tokens DeepGEMM FP8 slowed 2460 -> 2730 us
+                # ~45 ms into a pass after a 5-call warm-up; H200, 2026-12-02), not seconds (after 2 s of
+                # load the card sits at its power cap and steps its clock by ~5% every few calls, which
+                # put 1024-2048-token rows 4-6% apart: run 939e95829a). Time: short calls keep timing for
+                # ``device_min_time_s``, so a 75 us kernel's median is not taken from 1.5 ms of samples.
+                kw = dict(min_warmup_s=cfg.device_min_warmup_s, min_time_s=cfg.device_min_time_s,
+                          max_repeats=max(reps, cfg.device_max_repeats))
+            # The card's clocks, power and P-state around every CUDA row (outside the timing): a row
+            # whose passes disagree shows whether the card changed state between them.
+            before = gpu_state(self.dev)
             tm = time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw)
-            if host:
-                after = gpu_state(self.dev)
-                if before or after:  # the card's clocks around a host-bound row (its figure is host time)
-                    tm.extra["gpu_before"], tm.extra["gpu_after"] = before, after
+            after = gpu_state(self.dev)
+            if before or after:
+                tm.extra["gpu_before"], tm.extra["gpu_after"] = before, after
         tm.extra["path"] = path if graph_error is None else "cuda-events (graph capture failed)"
         tm.extra["host_bound"] = host
         if graph_error is not None:
@@ -813,7 +818,8 @@ def timing_protocol(cfg: SweepConfig) -> dict:
                                 "captured after build, staging done once before capture (not in the figure)",
                   "cuda-events": "one event pair per call, L2 flushed between calls or inputs rotated",
                   "perf_counter": "no CUDA device: host wall time"},
-        "device_bound": {"min_warmup_s": cfg.device_min_warmup_s,
+        "device_bound": {"min_warmup_s": cfg.device_min_warmup_s, "min_time_s": cfg.device_min_time_s,
+                         "max_repeats": cfg.device_max_repeats,
                          "spin": "a spin kernel queued before each batch of 10 calls: 200 us per call until a batch "
                                  "shows device time above twice the host's enqueue time, then 3 enqueue times + 50 us",
                          "overhead_rounds": cfg.overhead_rounds},
