@@ -210,9 +210,10 @@ class SpinAhead:
     that takes ``SPIN_PER_CALL_US`` per call. Once a batch shows device time per call above twice the
     host's enqueue time per call, the queue's lead grows by itself after the first call, and a spin of
     a few launches is enough. That matters for long calls: a 2 ms idle spin before every ten 5 ms
-    launches lowers the card's average power by ~4%, which under the H200's power cap buys clock the
-    kernel does not get when run back to back (measured 2026-12-02: harness 1-3% under a bare loop at
-    8192 tokens)."""
+    launches idles the card ~4% of the time, which under the H200's power cap can buy clock the kernel
+    does not get when run back to back. (The 1-3% by which the harness once sat under a bare loop at
+    8192 tokens came mostly from the bare loop's first launch latency, fixed in ``_bare_once``; with both
+    fixes the six H200 checks read 0.9996-1.0036.)"""
 
     def __init__(self) -> None:
         self.host_us: float | None = None  # enqueue time per call, last batch
