@@ -40,9 +40,10 @@ CUDA row (``gpu_before`` / ``gpu_after``). The progress bar never refreshes from
 nothing the sweep started runs while a case is timed. On CUDA the timing thread is pinned to one CPU once
 the builds are done (``pin_cpu``; ``meta['pinned']`` says which), so a host-bound row is not migrated
 between cores mid-pass. Measured on the H200 (2026-12-02): no GC collection,
-no cudaMalloc and no live Python thread besides the main one inside any timed region; still, the eager
-reference's per-call time sits at one of two levels (about 14 and 18 ms at 1 token) and can switch
-within a row, so its rows stay flagged when its passes land on different levels.
+no cudaMalloc and no live Python thread besides the main one inside any timed region, and the card at
+1980 / 3201 MHz, P0, no clock-event reason, around every reference pass; still, the eager reference's
+per-call time moves between levels 10-20% apart that last seconds (32-128 tokens in run 918a86e8d9,
+pinned), so its rows stay flagged when its passes land on different levels.
 
 Repeatability (``repeat_mode``). "interleaved" (the default): each case is timed ``passes`` times back
 to back (pass A, then pass B of the same case, each with its own warm-up) before the next case. The spread
@@ -778,8 +779,8 @@ def restore_affinity(pinned: dict) -> None:
 
 def gpu_state(dev) -> str:
     """SM / memory clock, power, P-state and throttle reasons from nvidia-smi ('' when unavailable or on
-    CPU): recorded around host-bound rows, whose figure moves between discrete levels (14 vs 18 ms for the
-    reference at 1 token on the H200) for a reason not yet established."""
+    CPU): recorded around every CUDA row, so a row whose passes disagree shows whether the card changed
+    state between them."""
     if torch.device(dev).type != "cuda":
         return ""
     try:
