@@ -232,7 +232,7 @@ class SpinAhead:
 def _timed_batch(call: Callable[[int], Any], idx: Sequence[int], spin: SpinAhead | None,
                  flush: "L2Flusher | None") -> list[float]:
     """One batch on CUDA: a spin queued first, then per call [flush, event, call, event]; one sync at
-    the end. Returns the per-call event times (us). ``spin`` None: no spin (the bare-loop side)."""
+    the end. Returns the per-call event times (us). ``spin`` None: no spin queued."""
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in idx]
     if spin is not None:
         _sleep_ahead(spin.spin_us(len(idx)))
