@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -35,7 +34,7 @@ from megamoe.bench.timing import time_fn, time_graph  # noqa: E402
 from megamoe.geometry import PRESETS  # noqa: E402
 from megamoe.layouts.staging import _INV_448_FP32, per_token_cast_to_fp8  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
-from megamoe.staging.checks import StagingCase, allocate_buffers, check_staged, make_case  # noqa: E402
+from megamoe.staging.checks import StagingCase, allocate_buffers, make_case  # noqa: E402
 from megamoe.staging.selfcheck import check_nonfinite, default_cases, run_cases  # noqa: E402
 from megamoe.testing import MoEInputs, calc_diff, first_mismatch, make_inputs  # noqa: E402
 
