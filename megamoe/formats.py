@@ -189,6 +189,39 @@ def dequantize_mxfp4(packed: torch.Tensor, scale_bytes: torch.Tensor, block: int
     return (vals.reshape(*vals.shape[:-1], -1, block) * scale.unsqueeze(-1)).reshape(vals.shape)
 
 
+
+def mxfp4_decode_table(decode, device="cpu") -> torch.Tensor:
+    """float32 [256 * 16]: entry 16 * b + c is ``decode(dequantize_mxfp4(code c, scale byte b)).float()``.
+
+    What an FP4 decoder makes of one weight (``decode`` is e.g. ``e4m3_flush_saturate``) depends on its
+    (E8M0 byte, e2m1 code) pair alone, so the 4,096 pairs are decoded once, through the readable
+    functions above, and a weight tensor decodes by one lookup per element (``dequantize_mxfp4_lookup``):
+    the same bits as decoding it element by element, a few kernels instead of twenty.
+    """
+    codes = torch.arange(MXFP4_BLOCK, device=device) % 16  # codes 0..15, twice: one MXFP4 block
+    packed = pack_e2m1(codes.to(torch.uint8)).expand(256, -1)  # [256, 16]: the same block under every byte
+    scale_bytes = torch.arange(256, device=device).to(torch.uint8)[:, None]  # [256, 1]
+    vals = dequantize_mxfp4(packed, scale_bytes)[:, :16]  # [256, 16]
+    return decode(vals).float().reshape(-1)
+
+
+def dequantize_mxfp4_lookup(packed: torch.Tensor, scale_bytes: torch.Tensor, table: torch.Tensor,
+                            block: int = MXFP4_BLOCK) -> torch.Tensor:
+    """MXFP4 (packed uint8 [..., K/2], E8M0 bytes [..., K/block]) -> float32 [..., K] through a
+    ``mxfp4_decode_table``: out[..., k] = table[16 * byte(k) + code(k)]."""
+    _check_dtype("scale_bytes", scale_bytes, (torch.uint8,))
+    codes = unpack_e2m1(packed)
+    k = codes.shape[-1]
+    if scale_bytes.shape[-1] * block != k or scale_bytes.shape[:-1] != codes.shape[:-1]:
+        raise ValueError(
+            f"scale_bytes must have shape {(*codes.shape[:-1], k // block)}, got {tuple(scale_bytes.shape)}"
+        )
+    if table.shape != (256 * 16,) or table.dtype != torch.float32:
+        raise ValueError(f"table must be float32 [4096] (mxfp4_decode_table), got {table.dtype} {tuple(table.shape)}")
+    idx = (scale_bytes.to(torch.int32) << 4).unsqueeze(-1) | codes.reshape(*codes.shape[:-1], -1, block)
+    return table[idx].reshape(codes.shape)
+
+
 # ----------------------------------------------------------------------------------------- FP8 block
 def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Float weights [..., N, K] -> (e4m3 [..., N, K], fp32 scales [..., N/block, K/block]).

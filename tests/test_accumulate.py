@@ -106,9 +106,18 @@ def test_expert_batches_count_the_weights():
     g = get_geometry("dsv4-flash")
     gen = torch.Generator().manual_seed(3)
     counts = torch.randint(0, 9, (g.num_experts,), generator=gen).tolist()
-    for dev, budget in (("cuda", 2 << 30), ("cpu", 256 << 20)):
-        batches = _expert_batches(counts, g, FLASHINFER_MXFP4, dev)
+    per_weight = 20  # float32 + float64 + the matmul's float64 operand
+    for budget in (16 << 30, 2 << 30, 256 << 20):
+        batches = _expert_batches(counts, g, FLASHINFER_MXFP4, budget)
         assert sorted(e for b in batches for e in b) == [e for e, c in enumerate(counts) if c]
         for b in batches:
-            weight_bytes = len(b) * 12 * 3 * g.intermediate * g.hidden
+            weight_bytes = len(b) * per_weight * 3 * g.intermediate * g.hidden
             assert len(b) == 1 or weight_bytes <= budget
+        if budget == 16 << 30:
+            assert max(len(b) for b in batches) > 10  # the budget is used, not one expert a batch
+
+
+def test_batch_budget():
+    from megamoe.reference.pipeline import _batch_budget
+
+    assert _batch_budget("cpu") == 256 << 20

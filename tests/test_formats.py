@@ -285,6 +285,46 @@ def test_mxfp4_rejects():
         F.dequantize_mxfp4(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8))
 
 
+
+@pytest.mark.parametrize("rule", ["e4m3_flush_saturate", "e4m3_satfinite"])
+def test_mxfp4_decode_table_vs_oracle(rule):
+    """Every (E8M0 byte, e2m1 code) pair against the Python oracles: 2**(b-127) * e2m1, then the rule."""
+    table = F.mxfp4_decode_table(getattr(F, rule))
+    want = []
+    for b in range(256):
+        for c in range(16):
+            v = E2M1_TABLE[c & 7] * (-1.0 if c & 8 else 1.0) * math.ldexp(1.0, b - 127)
+            if b == 255:
+                want.append(math.nan)
+            elif rule == "e4m3_flush_saturate" and abs(v) < 2.0**-6:
+                want.append(0.0)
+            else:
+                want.append(e4m3_rn_satfinite_oracle(v))
+    want = torch.tensor(want, dtype=torch.float32)
+    assert torch.equal(table.isnan(), want.isnan()) and int(want.isnan().sum()) == 16  # byte 255 only
+    ok = ~want.isnan()
+    assert first_mismatch(table[ok] + 0.0, want[ok] + 0.0) == "", first_mismatch(table[ok] + 0.0, want[ok] + 0.0)
+
+
+@pytest.mark.parametrize("rule", ["e4m3_flush_saturate", "e4m3_satfinite"])
+def test_dequantize_mxfp4_lookup_matches_elementwise(rule, gen):
+    """The lookup gives the bits of dequantize + decode, element by element, over leading dims."""
+    decode = getattr(F, rule)
+    packed = torch.randint(0, 256, (3, 5, 48), generator=gen, dtype=torch.uint8)
+    sb = torch.randint(0, 256, (3, 5, 3), generator=gen, dtype=torch.uint8)
+    sb[0, 0] = torch.tensor([0, 254, 255], dtype=torch.uint8)  # the extremes and the NaN byte
+    got = F.dequantize_mxfp4_lookup(packed, sb, F.mxfp4_decode_table(decode))
+    assert_bitwise_equal(got, decode(F.dequantize_mxfp4(packed, sb)).float(), rule)
+
+
+def test_dequantize_mxfp4_lookup_rejects():
+    table = F.mxfp4_decode_table(F.e4m3_satfinite)
+    with pytest.raises(ValueError, match="scale_bytes must have shape"):
+        F.dequantize_mxfp4_lookup(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), table)
+    with pytest.raises(ValueError, match="table must be float32"):
+        F.dequantize_mxfp4_lookup(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), table[:16])
+
+
 # ------------------------------------------------------------------------------------- FP8 block
 def test_quantize_fp8_block_vs_loop(gen):
     w = torch.randn(256, 384, generator=gen) * torch.exp2(torch.randint(-8, 8, (256, 1), generator=gen).float())

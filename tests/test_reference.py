@@ -514,13 +514,13 @@ def _dropped_slot(mp):
 
 
 def _scale_off_by_one(mp):
-    orig = weights_mod.dequantize_mxfp4
-
-    def off(packed, scale_bytes, *a):
-        sb = scale_bytes.clone()
-        sb.view(-1)[0] += 1  # one E8M0 byte of each tensor, one binade up
-        return orig(packed, sb, *a)
-    mp.setattr(weights_mod, "dequantize_mxfp4", off)
+    # Both decoders: the exact one (weights.dequantize_expert) and the FP4 decoders' table lookup.
+    for mod, name in ((weights_mod, "dequantize_mxfp4"), (pipeline_mod, "dequantize_mxfp4_lookup")):
+        def off(packed, scale_bytes, *a, orig=getattr(mod, name)):
+            sb = scale_bytes.clone()
+            sb.view(-1)[0] += 1  # one E8M0 byte of each tensor, one binade up
+            return orig(packed, sb, *a)
+        mp.setattr(mod, name, off)
 
 
 def _staging_true_division(mp):

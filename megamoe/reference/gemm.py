@@ -69,8 +69,10 @@ def promoted_gemm(
     if accumulate != "promote":
         return _rescaled_gemm(a, a_sf, b, b_sf, promote_k, ga, mma, accumulate)
     # [..., KB, M, pk] @ [..., KB, pk, N] -> [..., KB, M, N], exact in float64, then one rounding to FP32.
-    a3 = a.double().reshape(*lead, m, nkb, promote_k).movedim(-2, -3)
-    b3 = b.double().reshape(*lead, n, nkb, promote_k).movedim(-2, -3).transpose(-1, -2)
+    # One float64 copy each, written straight in the layout the batched matmul reads (no second copy).
+    as_f64 = dict(dtype=torch.float64, memory_format=torch.contiguous_format)
+    a3 = a.reshape(*lead, m, nkb, promote_k).movedim(-2, -3).to(**as_f64)
+    b3 = b.reshape(*lead, n, nkb, promote_k).movedim(-2, -3).transpose(-1, -2).to(**as_f64)
     if mma == "exact-block":
         partial = torch.matmul(a3, b3).float()
         del a3, b3
@@ -81,19 +83,24 @@ def promoted_gemm(
         a4, b4 = a3.reshape(-1, nkb, m, promote_k), b3.reshape(-1, nkb, promote_k, n)
         partial = torch.stack([tc_dot(a4[:, kb], b4[:, kb].transpose(-1, -2), model) for kb in range(nkb)], dim=1)
         partial = partial.reshape(*lead, nkb, m, n)
-    acc = torch.zeros(*lead, m, n, dtype=torch.float32, device=a.device)
+    # s_kb for every block at once, FP32 products held in float64 (exact) so that each step is one FMA.
+    scale = _block_scales(a_sf, b_sf, nkb, promote_k, ga, n).double()  # [..., KB, M, N or 1]
+    acc = torch.zeros(*lead, m, n, dtype=torch.float64, device=a.device)
     for kb in range(nkb):
-        scale = _block_scale(a_sf, b_sf, kb, promote_k, ga, n)
-        acc = (scale.double() * partial[..., kb, :, :].double() + acc.double()).float()
-    return acc
+        # fma(s, block, acc) in FP32: s * block is exact in float64, so one float64 add then one
+        # rounding to FP32 is the FP32 FMA's single rounding.
+        acc = torch.addcmul(acc, scale[..., kb, :, :], partial[..., kb, :, :].double()).float().double()
+    return acc.float()
 
 
-def _block_scale(a_sf, b_sf, kb: int, promote_k: int, ga: int, n: int) -> torch.Tensor:
-    """s_kb = a_sf * b_sf, FP32 [..., M, N] (or [..., M, 1] without weight scales)."""
-    scale = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1)  # [..., M, 1]
+def _block_scales(a_sf, b_sf, nkb: int, promote_k: int, ga: int, n: int) -> torch.Tensor:
+    """s_kb = a_sf * b_sf for kb < nkb, FP32 [..., KB, M, N] (or [..., KB, M, 1] without weight scales)."""
+    kb = torch.arange(nkb, device=a_sf.device)
+    scale = a_sf[..., (kb * promote_k) // ga].transpose(-1, -2).unsqueeze(-1)  # [..., KB, M, 1]
     if b_sf is not None:
         rows = torch.arange(n, device=a_sf.device) // 128
-        scale = scale * b_sf[..., rows, (kb * promote_k) // 128].unsqueeze(-2)  # FP32 product [..., M, N]
+        b_cols = b_sf[..., (kb * promote_k) // 128][..., rows, :]  # [..., N, KB]
+        scale = scale * b_cols.transpose(-1, -2).unsqueeze(-2)  # FP32 product [..., KB, M, N]
     return scale
 
 
@@ -110,8 +117,9 @@ def _rescaled_gemm(a, a_sf, b, b_sf, promote_k: int, ga: int, mma: str, accumula
     sb = None if b_sf is None else b_sf.reshape(-1, *b_sf.shape[-2:])
     acc = torch.zeros(a2.shape[0], m, n, dtype=torch.float32, device=a.device)
     prev = None
+    scales = _block_scales(sa, sb, nkb, promote_k, ga, n)
     for kb in range(nkb):
-        s = _block_scale(sa, sb, kb, promote_k, ga, n).expand(a2.shape[0], m, n)
+        s = scales[:, kb].expand(a2.shape[0], m, n)
         if kb == 0:
             c = acc  # the kernel skips the first prescale: the accumulator is still zero
         elif accumulate == "rescale":

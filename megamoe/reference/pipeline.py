@@ -13,11 +13,15 @@ because every row's arithmetic is independent of which other rows share its pool
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, unpack_ue8m0_x4
+from ..formats import (
+    dequantize_mxfp4_lookup, e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, mxfp4_decode_table,
+    unpack_ue8m0_x4,
+)
 from ..geometry import Geometry
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
@@ -67,13 +71,29 @@ def decode_expert(weights, e: int, recipe: Recipe):
     w*_sf are FP32 [N/128, K/128] block scales (FP8 block weights) or None (scale folded into the
     e4m3 values, as the FP4 decoders do). gs* are per-expert FP32 scalars applied to accumulators.
     """
+    return tuple(None if t is None else t[0] for t in decode_experts(weights, [e], recipe))
+
+
+_E4M3_DECODERS = {"e4m3_flush_saturate": e4m3_flush_saturate, "e4m3_rn": e4m3_satfinite}
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_table(weight_decode: str, device: torch.device) -> torch.Tensor:
+    return mxfp4_decode_table(_E4M3_DECODERS[weight_decode], device)
+
+
+def decode_experts(weights, experts: list[int], recipe: Recipe):
+    """``decode_expert`` for B experts at once: (w1 [B, 2I, H], w1_sf [B, 2I/128, H/128] or None,
+    w2 [B, H, I], w2_sf or None, gs1 [B] or None, gs2 [B] or None). Every element is decoded on its
+    own, so decoding experts together gives the bits of decoding them one by one."""
     if isinstance(weights, FP8BlockWeights):
         if recipe.weight_format != "fp8_block" and recipe.name != "exact":
             raise ValueError(f"recipe {recipe.name!r} reads MXFP4 weights, got FP8 block weights")
         if recipe.name == "exact":
-            w1, w2 = weights.dequantize_expert(e)
-            return w1, None, w2, None, None, None
-        return weights.l1[e].float(), weights.l1_scale[e], weights.l2[e].float(), weights.l2_scale[e], None, None
+            w1, w2 = zip(*(weights.dequantize_expert(e) for e in experts))
+            return torch.stack(w1), None, torch.stack(w2), None, None, None
+        idx = torch.tensor(experts, device=weights.device)
+        return weights.l1[idx].float(), weights.l1_scale[idx], weights.l2[idx].float(), weights.l2_scale[idx], None, None
     if not isinstance(weights, MXFP4Weights):
         raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
     if recipe.weight_format == "fp8_block":
@@ -81,17 +101,20 @@ def decode_expert(weights, e: int, recipe: Recipe):
             f"recipe {recipe.name!r} reads FP8 block weights; convert with megamoe.layouts (to_fp8_block)"
         )
     if recipe.weight_decode == "exact":
-        w1, w2 = weights.dequantize_expert(e)  # global scales folded in exactly
-        return w1, None, w2, None, None, None
+        w1, w2 = zip(*(weights.dequantize_expert(e) for e in experts))  # global scales folded in exactly
+        return torch.stack(w1), None, torch.stack(w2), None, None, None
     has_gs = weights.l1_global_scale is not None or weights.l2_global_scale is not None
     if has_gs and not recipe.global_scales:
         raise ValueError(f"recipe {recipe.name!r} has no per-expert global scales but the weights carry them")
-    raw = MXFP4Weights(weights.l1[e : e + 1], weights.l1_scale[e : e + 1], weights.l2[e : e + 1], weights.l2_scale[e : e + 1])
-    w1, w2 = raw.dequantize_expert(0)
-    decode = e4m3_flush_saturate if recipe.weight_decode == "e4m3_flush_saturate" else e4m3_satfinite
-    gs1 = None if weights.l1_global_scale is None else weights.l1_global_scale[e]
-    gs2 = None if weights.l2_global_scale is None else weights.l2_global_scale[e]
-    return decode(w1).float(), None, decode(w2).float(), None, gs1, gs2
+    # The FP4 decoders: e2m1 * 2**(byte - 127) rounded to e4m3 by the recipe's rule, the global scales
+    # left out (the kernel applies them to the accumulators).
+    idx = torch.tensor(experts, device=weights.device)
+    table = _decode_table(recipe.weight_decode, weights.device)
+    w1 = dequantize_mxfp4_lookup(weights.l1[idx], weights.l1_scale[idx], table)
+    w2 = dequantize_mxfp4_lookup(weights.l2[idx], weights.l2_scale[idx], table)
+    gs1 = None if weights.l1_global_scale is None else weights.l1_global_scale[idx]
+    gs2 = None if weights.l2_global_scale is None else weights.l2_global_scale[idx]
+    return w1, None, w2, None, gs1, gs2
 
 
 def experts_forward(
@@ -103,13 +126,9 @@ def experts_forward(
 
     Rows are independent: a row's result does not depend on B, M or the other rows (rows that pad
     an expert's batch are computed and thrown away)."""
-    dec = [decode_expert(weights, e, recipe) for e in experts]
-    w1, w2 = torch.stack([d[0] for d in dec]), torch.stack([d[2] for d in dec])
-    w1_sf = None if dec[0][1] is None else torch.stack([d[1] for d in dec])
-    w2_sf = None if dec[0][3] is None else torch.stack([d[3] for d in dec])
-    gs1 = None if dec[0][4] is None else torch.stack([d[4] for d in dec]).view(-1, 1, 1)
-    gs2 = None if dec[0][5] is None else torch.stack([d[5] for d in dec]).view(-1, 1, 1)
-    del dec
+    w1, w1_sf, w2, w2_sf, gs1, gs2 = decode_experts(weights, experts, recipe)
+    gs1 = None if gs1 is None else gs1.view(-1, 1, 1)
+    gs2 = None if gs2 is None else gs2.view(-1, 1, 1)
     if x_sf is None:
         h = exact_gemm(xa, w1, recipe.accum)
     else:
@@ -143,23 +162,30 @@ def expert_forward(
     return tuple(None if t is None else t[0] for t in res)
 
 
-def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> list[list[int]]:
-    """Group the non-empty local experts into batches that stay within a memory budget (2 GiB on a GPU,
-    256 MiB elsewhere), counting each expert's decoded weights and its [KB, M, N] partial sums (the
-    emulated tensor cores need ~33x more per row). The ``exact`` recipe runs one expert at a time: its
-    float64 GEMMs are not exact sums, so batching could change its last bits."""
+def _batch_budget(device) -> int:
+    """Bytes one batch of experts may take: 256 MiB on a CPU; on a GPU an eighth of its memory, at most
+    16 GiB (the GPU holds the kernels' own buffers too). Fewer, larger batches launch fewer kernels; the
+    bits do not depend on the batching (``experts_forward``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 256 << 20
+    return min(16 << 30, torch.cuda.get_device_properties(device).total_memory // 8)
+
+
+def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, budget: int) -> list[list[int]]:
+    """Group the non-empty local experts into batches that stay within ``budget`` bytes, counting each
+    expert's decoded weights and its [KB, M, N] partial sums (the emulated tensor cores need ~33x
+    more per row). The ``exact`` recipe runs one expert at a time: its float64 GEMMs are not exact
+    sums, so batching could change its last bits."""
     experts = [e for e, c in enumerate(counts) if c]
     if not recipe.stage_x:
         return [[e] for e in experts]
-    budget = (2 << 30) if torch.device(device).type == "cuda" else (256 << 20)
     n_max = max(2 * g.intermediate, g.hidden)
     emulated = recipe.mma != "exact-block"
     batches, cur, cur_m = [], [], 0
     for e in sorted(experts, key=lambda e: counts[e]):
         m = max(cur_m, counts[e])
-        # The expert's decoded weights, float32 and their float64 copy (L1 [2I, H] + L2 [H, I]): on
-        # DeepSeek-V4-Flash 200 MB an expert, which a budget of activations alone let grow to 28 GiB.
-        per_expert = 12 * 3 * g.intermediate * g.hidden
+        per_expert = _weight_bytes_per_expert(g)
         # float64 matmul output + its float32 copy, for L1 ([KB, M, 2I]) and L2 ([KB, M, H]).
         per_expert += 12 * (g.hidden // 128) * m * n_max
         if emulated:  # tensorcore.tc_step: float64 [M, N, chunk + 1] terms and ~3 temporaries of that size
@@ -172,6 +198,13 @@ def _expert_batches(counts: list[int], g: Geometry, recipe: Recipe, device) -> l
     if cur:
         batches.append(cur)
     return batches
+
+
+def _weight_bytes_per_expert(g: Geometry) -> int:
+    """An expert's decoded weights (L1 [2I, H] + L2 [H, I]) at their peak in ``promoted_gemm``: the float32
+    values, their float64 copy and the matmul's contiguous float64 operand, 20 bytes a weight (600 MB
+    an expert on DeepSeek-V4-Flash, where a budget of activations alone once let a batch grow to 28 GiB)."""
+    return 20 * 3 * g.intermediate * g.hidden
 
 
 def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe) -> torch.Tensor:
@@ -252,7 +285,7 @@ def moe_forward_ep(
             l2_in = torch.full((lay.num_pool_rows, i), float("nan"), device=weights.device).to(l2_in_dtype)
             l2_sf = None if recipe.l2_group is None else torch.full((lay.num_pool_rows, i // recipe.l2_group), float("nan"), device=weights.device)
         counts = lay.counts.tolist()
-        for batch in _expert_batches(counts, g, recipe, weights.device):
+        for batch in _expert_batches(counts, g, recipe, _batch_budget(weights.device)):
             m = max(counts[e] for e in batch)
             # [B, M] pool row of each (expert, slot); rows past an expert's count repeat its first row.
             starts = lay.padded_offsets[torch.tensor(batch, device=lay.counts.device)]
