@@ -2,8 +2,8 @@
 # The H200 benchmark in ONE device call (<= 9 min wall, JIT builds included): ceilings, the
 # DeepSeek-V4-Flash token sweep (1..8192) over every available backend run twice (repeatability),
 # the forced-BLOCK_M study, the ragged-step study, the staging cost and the bare-loop overhead check.
-# The eager reference is warmed up for HOST_MIN_WARMUP (2) s and timed for at least HOST_MIN_TIME (2) s
-# per pass: with 1 s each, its 32-token row's passes landed 3.5% apart (run 4272e3d00b, whose python
+# The eager reference is warmed up for HOST_MIN_WARMUP (1) s and timed for at least HOST_MIN_TIME (1) s
+# per pass; 2 s each (run ff478e511e) spread its passes further, not less (levels lasting ~1 s; run 4272e3d00b
 # took 281 s). The staging/block script fits after it in the same call:
 #   source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH; MEGAMOE_COMMIT=<sha> PY_TIMEOUT=420 DEADLINE=380 \
 #     bash bench/device/run_sweep.sh > /tmp/sweep.out 2>&1; python3 bench/device/staging_block.py --out $OUT --deadline 175
@@ -33,8 +33,8 @@ DEADLINE=${DEADLINE:-380}       # optional studies are skipped once this much wa
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true
 } > "$OUT/nvidia-smi.txt"
 timeout -k 10 "$PY_TIMEOUT" python3 -m megamoe.bench.cli --preset "$PRESET" --tokens $TOKENS --device "$DEVICE" \
-  --passes 2 --repeats 20 --warmup 5 --reference-repeats 3 --host-min-time "${HOST_MIN_TIME:-2}" \
-  --host-min-warmup "${HOST_MIN_WARMUP:-2}" --host-max-repeats 256 --deadline "$DEADLINE" --out "$OUT" ${EXTRA_ARGS:-} \
+  --passes 2 --repeats 20 --warmup 5 --reference-repeats 3 --host-min-time "${HOST_MIN_TIME:-1}" \
+  --host-min-warmup "${HOST_MIN_WARMUP:-1}" --host-max-repeats 256 --deadline "$DEADLINE" --out "$OUT" ${EXTRA_ARGS:-} \
   2>&1 | tee "$OUT/log.txt"
 rc=${PIPESTATUS[0]}
 { echo "--- after"; nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv 2>&1 || true; } >> "$OUT/nvidia-smi.txt"
