@@ -378,6 +378,11 @@ def test_cli_arguments_map_to_the_config():
     host = config_from_args(p.parse_args(["--host-min-time", "2.5", "--host-min-warmup", "1.5",
                                           "--host-max-repeats", "300", "--no-pin"]))
     assert (host.host_min_time_s, host.host_min_warmup_s, host.host_max_repeats, host.pin_cpu) == (2.5, 1.5, 300, False)
+    dev = config_from_args(p.parse_args(["--device-min-warmup", "0.7", "--device-min-time", "0.3", "--device-max-repeats",
+                                         "900", "--repeat-mode", "sweeps", "--settle", "0"]))
+    assert (dev.device_min_warmup_s, dev.device_min_time_s, dev.device_max_repeats, dev.repeat_mode, dev.settle_s) == \
+        (0.7, 0.3, 900, "sweeps", 0.0)
+    assert (default.device_min_warmup_s, default.device_min_time_s, default.repeat_mode) == (0.1, 0.05, "interleaved")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")

@@ -32,6 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host-bound rows (the eager reference): keep timing until this many seconds of samples")
     p.add_argument("--host-min-warmup", type=float, default=1.0, help="host-bound rows: warm up at least this long")
     p.add_argument("--host-max-repeats", type=int, default=64, help="host-bound rows: at most this many timed calls")
+    p.add_argument("--device-min-warmup", type=float, default=SweepConfig.device_min_warmup_s,
+                   help="device-bound rows (CUDA): warm up at least this many seconds of device time")
+    p.add_argument("--device-min-time", type=float, default=SweepConfig.device_min_time_s,
+                   help="device-bound rows (CUDA): keep timing until this many seconds of samples")
+    p.add_argument("--device-max-repeats", type=int, default=SweepConfig.device_max_repeats, help="device-bound rows: at most this many timed calls")
+    p.add_argument("--repeat-mode", choices=("interleaved", "sweeps"), default=SweepConfig.repeat_mode,
+                   help="interleaved: a case's passes back to back; sweeps: whole sweeps back to back")
+    p.add_argument("--settle", type=float, default=SweepConfig.settle_s, help="CUDA: idle seconds before each timed phase")
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin the timing thread to one CPU (CUDA runs pin it once the builds are done)")
     p.add_argument("--no-block-m", action="store_true", help="skip the forced-BLOCK_M study")
@@ -56,7 +64,8 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         rotate=a.rotate, flush_l2=not a.no_flush, graph=a.graph, passes=a.passes, check=not a.no_check,
         max_diff=a.max_diff, reference_max_tokens=a.reference_max_tokens, reference_repeats=a.reference_repeats,
         host_min_time_s=a.host_min_time, host_min_warmup_s=a.host_min_warmup, host_max_repeats=a.host_max_repeats,
-        pin_cpu=not a.no_pin,
+        device_min_warmup_s=a.device_min_warmup, device_min_time_s=a.device_min_time,
+        device_max_repeats=a.device_max_repeats, repeat_mode=a.repeat_mode, settle_s=a.settle, pin_cpu=not a.no_pin,
         block_m_study=studies and not a.no_block_m, block_m_tokens=a.block_m_tokens,
         ragged=studies and not a.no_ragged, ragged_means=a.ragged_means, staging=studies and not a.no_staging,
         overhead=studies and not a.no_overhead, overhead_tokens=a.overhead_tokens, seed=a.seed, device=a.device,
