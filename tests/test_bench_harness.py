@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import random
+import statistics
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ from megamoe.bench.ceilings import Ceilings, measure_ceilings
 from megamoe.bench.cli import add_arguments, config_from_args
 from megamoe.bench.report import to_markdown
 from megamoe.bench.roofline import achieved, bytes_per_weight, distinct_experts, step_floor
-from megamoe.bench.sweep import (SweepConfig, pad_inputs, pin_timing_thread, ragged_counts, repeatability,
+from megamoe.bench.sweep import (Sweep, SweepConfig, pad_inputs, pin_timing_thread, ragged_counts, repeatability,
                                  restore_affinity, run_sweep, speedups)
 from megamoe.bench.timing import (SPIN_PER_CALL_US, SpinAhead, Timing, bare_loop_us, overhead_check, time_fn,
                                   time_graph)
@@ -382,7 +384,7 @@ def test_cli_arguments_map_to_the_config():
                                          "900", "--repeat-mode", "sweeps", "--settle", "0"]))
     assert (dev.device_min_warmup_s, dev.device_min_time_s, dev.device_max_repeats, dev.repeat_mode, dev.settle_s) == \
         (0.7, 0.3, 900, "sweeps", 0.0)
-    assert (default.device_min_warmup_s, default.device_min_time_s, default.repeat_mode) == (0.1, 0.05, "interleaved")
+    assert (default.device_min_warmup_s, default.device_min_time_s, default.repeat_mode) == (0.1, 1.0, "interleaved")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
@@ -432,3 +434,86 @@ def test_adapter_reference_uses_the_recipe_on_the_kernels_weights(tiny):
     a.prepare(w)
     inp = make_inputs(g, 3, seed=2)
     assert torch.equal(a.reference(inp, w), moe_forward(inp, w2, "flashinfer-mxfp4", g))
+
+
+def test_time_fn_records_the_host_probe_beside_the_samples():
+    seen = []
+
+    def probe():
+        seen.append(1)
+        return 100.0 + len(seen)  # distinct values: the median is computed, not a constant
+
+    tm = time_fn(lambda: sum(range(100)), repeats=20, warmup=1, batch=5, device="cpu", probe=probe, probes_per_batch=3)
+    assert len(tm.extra["host_probe_us"]) == len(seen) == 4 * 3  # 20 calls in batches of 5, 3 probes each
+    assert tm.extra["host_probe_median_us"] == pytest.approx(statistics.median(100.0 + k for k in range(1, 13)))
+    assert "host_probe_us" not in time_fn(lambda: None, repeats=3, warmup=1, device="cpu").extra
+
+
+def test_host_probe_tracks_the_cores_speed():
+    from megamoe.bench.timing import host_speed_probe_us
+
+    fast = statistics.median(host_speed_probe_us() for _ in range(5))
+    assert fast > 0
+    # a competing thread on the same interpreter halves the probe's share of the CPU: it must read slower
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    th = threading.Thread(target=spin)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch the GIL often, so every probe shares the core with the spinner
+    th.start()
+    try:
+        slow = statistics.median(host_speed_probe_us() for _ in range(5))
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(old)
+    assert slow > 1.2 * fast
+
+
+def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3):
+    """A host-bound callable timed with a fake probe that reads 1.5x slow for its first ``slow_probe_calls``
+    calls after calibration (an episode of the VM's host), 1.0x after."""
+    g, w = tiny
+    x = torch.randn(32, 32)
+    state = {"calls": 0, "calibrated": False}
+
+    def probe():
+        state["calls"] += 1
+        if not state["calibrated"]:
+            return 100.0
+        return 150.0 if state["calls"] <= slow_probe_calls else 100.0 + random.random()
+
+    cb = bk.CallableBackend("host-bound", lambda inp: x @ x, host_bound=True)
+    cfg = SweepConfig(preset="tiny", tokens=[2], backends=[], repeats=10, reference_repeats=10, warmup=1, passes=2,
+                      block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
+                      progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=0.0,
+                      host_calibrate_s=0.0, host_probe=probe, host_retakes=retakes, drift_check=False)
+    sw = Sweep(cfg, log=lambda s: None)
+    orig = sw.calibrate_host
+
+    def calibrate():
+        orig()
+        state.update(calibrated=True, calls=0)
+
+    sw.calibrate_host = calibrate
+    return sw.run()
+
+
+def test_sweep_retakes_a_host_bound_pass_taken_while_the_host_was_slow(tiny):
+    res = _slow_host_sweep(tiny, slow_probe_calls=8)  # a pass: 12 calls (3 x 4 sets), 2 batches, 4 probes
+    a, b = sorted(res["rows"], key=lambda r: r["pass"])
+    assert res["meta"]["host_probe_calibration_us"] == 100.0
+    assert len(a["host_retaken"]) == 2 and all(r["host_probe_median_us"] == 150.0 for r in a["host_retaken"])
+    assert a["host_slow"] is False and a["host_probe_median_us"] < 101.0
+    assert b["host_retaken"] == [] and b["host_slow"] is False
+
+
+def test_sweep_keeps_and_flags_a_pass_still_slow_after_the_last_retake(tiny):
+    res = _slow_host_sweep(tiny, slow_probe_calls=10**9, retakes=1)
+    for r in res["rows"]:
+        assert r["host_slow"] is True and len(r["host_retaken"]) == 1 and r["host_probe_median_us"] == 150.0
+    assert "host_slow" in to_markdown(res)

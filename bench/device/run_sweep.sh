@@ -3,10 +3,9 @@
 # DeepSeek-V4-Flash token sweep (1..8192) over every available backend run twice (repeatability),
 # the forced-BLOCK_M study, the ragged-step study, the staging cost and the bare-loop overhead check.
 # The eager reference is warmed up for HOST_MIN_WARMUP (1) s and timed for at least HOST_MIN_TIME (1) s
-# per pass; 2 s each (run ff478e511e) spread its passes further, not less (levels lasting ~1 s; run 4272e3d00b
-# took 281 s). The staging/block script fits after it in the same call:
-#   source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH; MEGAMOE_COMMIT=<sha> PY_TIMEOUT=420 DEADLINE=380 \
-#     bash bench/device/run_sweep.sh > /tmp/sweep.out 2>&1; python3 bench/device/staging_block.py --out $OUT --deadline 175
+# per pass (2 s each, run ff478e511e, spread its passes further, not less), with the host's speed probed
+# and slow passes retaken; device-bound rows time 1 s of samples per pass (the default of megamoe bench).
+# Expected wall time ~430 s (run 4272e3d00b, with 50 ms device passes and no retakes, took 281 s):
 #
 #   run(command="MEGAMOE_COMMIT=<sha> bash bench/device/run_sweep.sh",
 #       carry=[".whl"], timeout_s=600)
@@ -26,8 +25,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PRESET=${PRESET:-dsv4-flash}
 TOKENS=${TOKENS:-1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192}
 DEVICE=${DEVICE:-cuda}
-PY_TIMEOUT=${PY_TIMEOUT:-500}   # seconds for the whole python run; the rest of the 9 minutes is setup
-DEADLINE=${DEADLINE:-380}       # optional studies are skipped once this much wall time has passed
+PY_TIMEOUT=${PY_TIMEOUT:-550}   # seconds for the whole python run; the rest of the 9 minutes is setup
+DEADLINE=${DEADLINE:-460}       # optional studies are skipped once this much wall time has passed
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true

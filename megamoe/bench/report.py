@@ -116,12 +116,35 @@ def repeatability_text(results: dict) -> list[str]:
             out += ["", md_table(["backend", "tokens", "pass medians us", "spread", "card before -> after, per pass"],
                                  [[r["backend"], str(r["tokens"]), ", ".join(_fmt_us(m) for m in r["medians_us"]),
                                    f"{100 * r['spread']:.2f}%", card(r)] for r in flagged])]
+    out += host_speed_text(results)
     drift = results.get("drift") or []
     if drift:
         out += ["", "Drift over the sweep (each backend's first case timed again at the end):", "",
                 md_table(["backend", "tokens", "start us", "end us", "change", "flag"],
                          [[d["backend"], str(d["tokens"]), _fmt_us(d["start_us"]), _fmt_us(d["end_us"]),
                            f"{100 * d['change']:+.2f}%", "OVER" if d.get("flag") else ""] for d in drift])]
+    return out
+
+
+def host_speed_text(results: dict) -> list[str]:
+    """The host's speed around the host-bound rows: the CPU probe's calibration, and every pass that was
+    retaken because the probe read the host slow, or kept slow after the last retake (``host_slow``)."""
+    probed = [r for r in results.get("rows", []) if r.get("host_probe_median_us") is not None]
+    if not probed:
+        return []
+    cal = results.get("meta", {}).get("host_probe_calibration_us")
+    hit = [r for r in probed if r.get("host_retaken") or r.get("host_slow")]
+    n = sum(len(r.get("host_retaken") or []) for r in probed)
+    out = ["", f"Host speed (host-bound rows; a fixed CPU probe between timed batches, calibration "
+               f"{_fmt_us(cal) if cal else '-'} us): {n} of {n + len(probed)} passes retaken while the probe read "
+               f"the host slow; {sum(bool(r.get('host_slow')) for r in probed)} kept slow (host_slow)."]
+    if hit:
+        out += ["", md_table(["backend", "tokens", "pass", "kept us (probe us)", "retaken us (probe us)", "host_slow"],
+                             [[r["backend"], str(r["tokens"]), str(r["pass"]),
+                               f"{_fmt_us(r['median_us'])} ({_fmt_us(r['host_probe_median_us'])})",
+                               ", ".join(f"{_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])})"
+                                         for x in r.get("host_retaken") or []) or "-",
+                               "host_slow" if r.get("host_slow") else ""] for r in hit])]
     return out
 
 

@@ -229,6 +229,21 @@ class SpinAhead:
         self.device_us = float(statistics.median(samples_us)) if samples_us else None
 
 
+def host_speed_probe_us() -> float:
+    """A fixed piece of pure-Python work, timed (us): the speed of the CPU this thread runs on.
+
+    On the H200's VM (2026-12-03, bench/results/2026-12-03_nvidia-h200_levels/) this took ~925 us on the
+    pinned core most of the time and 1,300-1,700 us in episodes of 1-10 s, with no steal time reported;
+    the eager reference's per-call time followed it (correlation 0.93-1.00 over 0.5-4 s windows). A
+    host-bound row timed during such an episode measures the episode, so the sweep reads this probe
+    between the timed batches of host-bound rows (``time_fn(probe=...)``)."""
+    t0 = time.perf_counter_ns()
+    acc = 0
+    for i in range(20_000):
+        acc += i * i
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
 def _timed_batch(call: Callable[[int], Any], idx: Sequence[int], spin: SpinAhead | None,
                  flush: "L2Flusher | None") -> list[float]:
     """One batch on CUDA: a spin queued first, then per call [flush, event, call, event]; one sync at
@@ -280,6 +295,8 @@ def time_fn(
     min_time_s: float = 0.0,
     max_repeats: int | None = None,
     gc_off: bool = True,
+    probe: Callable[[], float] | None = None,
+    probes_per_batch: int = 2,
 ) -> Timing:
     """Median-of-``repeats`` device time of one call of ``fn`` (see the module docstring).
 
@@ -291,6 +308,10 @@ def time_fn(
     ``min_time_s`` (host-bound calls): keep timing past ``repeats`` until the timed calls have taken that
     long, up to ``max_repeats``. With several input sets the count is rounded up to whole rotations, so
     every set contributes the same number of samples.
+
+    ``probe`` (host-bound calls): called ``probes_per_batch`` times after each batch, outside every timed
+    call (e.g. ``host_speed_probe_us``); its values go to ``extra['host_probe_us']`` and their median to
+    ``extra['host_probe_median_us']``, so the host's speed during the samples is on record.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -312,6 +333,7 @@ def time_fn(
         ceiling = max(target, (cap // sets) * sets)  # max_repeats, in whole rotations, never below repeats
         step = round_to_sets(batch, sets)
         spin = SpinAhead()
+        probed: list[float] = []
         while r < target:
             n = min(batch, target - r)
             if cuda:
@@ -323,10 +345,15 @@ def time_fn(
                     samples.append((time.perf_counter() - t0) * 1e6)
             idx += [(i + r + j) % sets for j in range(n)]
             r += n
+            if probe is not None:
+                probed += [float(probe()) for _ in range(probes_per_batch)]
             if r >= target and target < ceiling and time.perf_counter() - t_start < min_time_s:
                 target = min(target + step, ceiling)
         a1 = _alloc_counters(cuda)
     extra = {"gc_disabled": gci["gc_disabled"], "gc_collections": gci["collections"], **_alloc_delta(a0, a1)}
+    if probed:
+        extra["host_probe_us"] = [round(x, 1) for x in probed]
+        extra["host_probe_median_us"] = float(statistics.median(probed))
     return Timing(samples, "cuda-events" if cuda else "perf_counter", warmup=i, flushed=flush is not None,
                   rotated=sets, extra=extra, set_index=idx)
 
