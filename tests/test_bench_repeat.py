@@ -324,7 +324,8 @@ class OrderBackend(bk.CallableBackend):
 def _order_cfg(w, **kw):
     base = dict(preset="tiny", tokens=[1, 3], backends=[], repeats=3, warmup=1, rotate=1, passes=2,
                 reference_repeats=2, block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu",
-                ceilings=CPU_CEIL, progress=False, weights=w, seed=random.randrange(1 << 20), host_min_time_s=0.0)
+                ceilings=CPU_CEIL, progress=False, weights=w, seed=random.randrange(1 << 20), host_min_time_s=0.0,
+                host_speed_check=False)  # the host probe is tested in test_bench_harness (it reads the real clock)
     base.update(kw)
     return SweepConfig(**base)
 

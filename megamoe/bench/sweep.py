@@ -928,18 +928,25 @@ def speedups(rows: list[dict]) -> list[dict]:
 
 
 def best_block_m(study: list[dict], rows: list[dict]) -> list[dict]:
-    """Per (backend, tokens): the fastest forced BLOCK_M, against the plan's own choice."""
+    """Per (backend, tokens): the fastest forced BLOCK_M, against the plan's own choice. A token count
+    where some BLOCK_M the backend was forced to elsewhere was not timed (a deadline, an error) has no
+    best: ``missing`` lists those BLOCK_Ms, and ``best_block_m`` / ``plan_over_best`` are None (the best
+    of an incomplete set would be a false comparison)."""
     plan = {(r["backend"], r["tokens"]): r for r in rows if r["pass"] == 0}
     by: dict = {}
+    forced: dict = {}
     for s in study:
         by.setdefault((s["backend"], s["tokens"]), []).append(s)
+        forced.setdefault(s["backend"], set()).add(s["forced_block_m"])
     out = []
     for (b, t), ss in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        best = min(ss, key=lambda s: s["median_us"])
+        missing = sorted(forced[b] - {s["forced_block_m"] for s in ss})
+        best = None if missing else min(ss, key=lambda s: s["median_us"])
         p = plan.get((b, t))
-        out.append({"backend": b, "tokens": t, "best_block_m": best["forced_block_m"], "best_us": best["median_us"],
+        out.append({"backend": b, "tokens": t, "best_block_m": best and best["forced_block_m"],
+                    "best_us": best and best["median_us"], "missing": missing,
                     "plan_block_m": p and p.get("block_m"), "plan_us": p and p["median_us"],
-                    "plan_over_best": (p["median_us"] / best["median_us"]) if p else None,
+                    "plan_over_best": (p["median_us"] / best["median_us"]) if (p and best) else None,
                     "times_us": {s["forced_block_m"]: s["median_us"] for s in ss}})
     return out
 
