@@ -478,7 +478,7 @@ def test_host_probe_tracks_the_cores_speed():
     assert slow > 1.2 * fast
 
 
-def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3):
+def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: float = 5.0, min_warmup_s: float = 0.0):
     """A host-bound callable timed with a fake probe that reads 1.5x slow for its first ``slow_probe_calls``
     calls after calibration (an episode of the VM's host), 1.0x after."""
     g, w = tiny
@@ -494,8 +494,9 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3):
     cb = bk.CallableBackend("host-bound", lambda inp: x @ x, host_bound=True)
     cfg = SweepConfig(preset="tiny", tokens=[2], backends=[], repeats=10, reference_repeats=10, warmup=1, passes=2,
                       block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
-                      progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=0.0,
-                      host_calibrate_s=0.0, host_probe=probe, host_retakes=retakes, drift_check=False)
+                      progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=min_warmup_s,
+                      host_calibrate_s=0.0, host_probe=probe, host_retakes=retakes, host_recover_s=recover_s,
+                      drift_check=False)
     sw = Sweep(cfg, log=lambda s: None)
     orig = sw.calibrate_host
 
@@ -504,22 +505,31 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3):
         state.update(calibrated=True, calls=0)
 
     sw.calibrate_host = calibrate
-    return sw.run()
+    res = sw.run()
+    res["probe_calls_after_calibration"] = state["calls"]
+    return res
 
 
 def test_sweep_retakes_a_host_bound_pass_taken_while_the_host_was_slow(tiny):
-    res = _slow_host_sweep(tiny, slow_probe_calls=8)  # a pass: 12 calls (3 x 4 sets), 2 batches, 4 probes
+    # a pass: 12 calls (3 x 4 sets), 2 batches, 4 probes, all slow; the wait before the retake then reads
+    # probes 5-8 (slow) and 9 (usual speed), so the one retake runs on a host back at its usual speed
+    res = _slow_host_sweep(tiny, slow_probe_calls=8, min_warmup_s=0.3)
     a, b = sorted(res["rows"], key=lambda r: r["pass"])
     assert res["meta"]["host_probe_calibration_us"] == 100.0
-    assert len(a["host_retaken"]) == 2 and all(r["host_probe_median_us"] == 150.0 for r in a["host_retaken"])
+    (r,) = a["host_retaken"]
+    assert r["host_probe_median_us"] == 150.0 and 0.0 <= r["then_waited_s"] < 5.0
     assert a["host_slow"] is False and a["host_probe_median_us"] < 101.0
     assert b["host_retaken"] == [] and b["host_slow"] is False
+    assert res["probe_calls_after_calibration"] == 4 + 5 + 4 + 4  # pass A, the wait, the retake, pass B
+    # the retake re-warms with one call per input set; a first pass warms for host_min_warmup_s
+    assert a["warmup"] == 4 and b["warmup"] > 4
 
 
 def test_sweep_keeps_and_flags_a_pass_still_slow_after_the_last_retake(tiny):
-    res = _slow_host_sweep(tiny, slow_probe_calls=10**9, retakes=1)
+    res = _slow_host_sweep(tiny, slow_probe_calls=10**9, retakes=1, recover_s=0.2)
     for r in res["rows"]:
         assert r["host_slow"] is True and len(r["host_retaken"]) == 1 and r["host_probe_median_us"] == 150.0
+        assert r["host_retaken"][0]["then_waited_s"] >= 0.2  # waited the whole recovery time, in vain
     assert "host_slow" in to_markdown(res)
 
 

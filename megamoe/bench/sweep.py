@@ -119,6 +119,7 @@ class SweepConfig:
     host_slow_limit: float = 0.08  # a pass whose probe median is this much over the run's fastest is retaken
     host_retakes: int = 3  # ... at most this many times (then kept, flagged host_slow)
     host_calibrate_s: float = 0.5  # probe the host this long once before the sweep (the first baseline)
+    host_recover_s: float = 5.0  # before a retake, wait at most this long for a probe at the usual speed
     overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
@@ -287,17 +288,35 @@ class Sweep:
         self._host_best = statistics.median(vals)
         self.meta["host_probe_calibration_us"] = round(self._host_best, 1)
 
-    def _time_host(self, run: Callable[[], Timing]) -> Timing:
+    def wait_for_host(self) -> float:
+        """Before a retake: probe the host until one probe reads within ``host_slow_limit`` of the run's
+        fastest, for at most ``host_recover_s`` (a slow episode lasts 1-10 s; a retake started inside it
+        measures it again). Returns the seconds waited."""
+        best = getattr(self, "_host_best", None)
+        if best is None or self.cfg.host_recover_s <= 0:
+            return 0.0
+        probe = self._host_probe()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.cfg.host_recover_s:
+            if probe() <= best * (1 + self.cfg.host_slow_limit):
+                break
+        return time.perf_counter() - t0
+
+    def _time_host(self, run: Callable[[bool], Timing]) -> Timing:
         """A host-bound pass, with the host's speed on record: ``run()`` is retaken (at most
         ``host_retakes`` times) while its probe median is over the fastest probe median seen in this run by
         ``host_slow_limit`` or more. Every retaken pass stays in the row (``host_retaken``); a pass still
         slow after the last retake is kept and flagged ``host_slow``. The figure is the host-bound row's
         time at the host's usual speed, not during one of the VM's slow episodes (bench/results/
-        2026-12-03_nvidia-h200_levels/: the pinned core ran 1.4-1.8x slower for 1-10 s at a time)."""
+        2026-12-03_nvidia-h200_levels/: the pinned core ran 1.4-1.8x slower for 1-10 s at a time).
+        Before each retake the host is given up to ``host_recover_s`` to come back (``wait_for_host``);
+        ``run(retake)`` is told whether it is a retake (it may then skip the long warm-up: the case
+        was just warmed)."""
         cfg = self.cfg
         retaken: list[dict] = []
+        waited = 0.0
         while True:
-            tm = run()
+            tm = run(bool(retaken))
             pm = tm.extra.get("host_probe_median_us")
             if pm is None:
                 return tm
@@ -307,8 +326,9 @@ class Sweep:
             slow = pm > best * (1 + cfg.host_slow_limit)
             if not slow or len(retaken) >= cfg.host_retakes:
                 break
+            waited = self.wait_for_host()
             retaken.append({"median_us": tm.median_us, "host_probe_median_us": round(pm, 1),
-                            "samples": len(tm.samples_us)})
+                            "samples": len(tm.samples_us), "then_waited_s": round(waited, 2)})
         tm.extra.update(host_retaken=retaken, host_slow=bool(slow), host_probe_best_us=round(best, 1))
         return tm
 
@@ -353,9 +373,11 @@ class Sweep:
             # whose passes disagree shows whether the card changed state between them.
             before = gpu_state(self.dev)
             if host:
-                def one_pass() -> Timing:
+                def one_pass(retake: bool) -> Timing:
                     host_quiet(self.dev)
-                    return time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw)
+                    # a retake follows a full pass of the same case: one call per input set re-warms it
+                    kw_pass = {**kw, "min_warmup_s": 0.0} if retake else kw
+                    return time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw_pass)
 
                 tm = self._time_host(one_pass)
             else:
@@ -900,7 +922,8 @@ def timing_protocol(cfg: SweepConfig) -> dict:
                        "max_repeats": cfg.host_max_repeats, "repeats": "whole rotations of the input sets",
                        "host_speed": (f"timing.host_speed_probe_us twice after every timed batch; a pass whose probe median "
                                       f"is {100 * cfg.host_slow_limit:.0f}% or more over the run's fastest is retaken, "
-                                      f"at most {cfg.host_retakes} times (retaken passes kept in the row, host_retaken; "
+                                      f"at most {cfg.host_retakes} times, each after waiting up to {cfg.host_recover_s} s for a probe at the "
+                                      f"usual speed, with one warm-up call per input set (retaken passes kept in the row, host_retaken; "
                                       f"still slow: host_slow)" if cfg.host_speed_check else "not checked")},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
