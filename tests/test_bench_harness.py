@@ -478,7 +478,8 @@ def test_host_probe_tracks_the_cores_speed():
     assert slow > 1.2 * fast
 
 
-def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: float = 5.0, min_warmup_s: float = 0.0):
+def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: float = 5.0, min_warmup_s: float = 0.0,
+                     recover_window_s: float = 0.0):
     """A host-bound callable timed with a fake probe that reads 1.5x slow for its first ``slow_probe_calls``
     calls after calibration (an episode of the VM's host), 1.0x after."""
     g, w = tiny
@@ -496,7 +497,7 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: f
                       block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
                       progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=min_warmup_s,
                       host_calibrate_s=0.0, host_probe=probe, host_retakes=retakes, host_recover_s=recover_s,
-                      drift_check=False)
+                      host_recover_window_s=recover_window_s, drift_check=False)
     sw = Sweep(cfg, log=lambda s: None)
     orig = sw.calibrate_host
 
@@ -512,7 +513,8 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: f
 
 def test_sweep_retakes_a_host_bound_pass_taken_while_the_host_was_slow(tiny):
     # a pass: 12 calls (3 x 4 sets), 2 batches, 4 probes, all slow; the wait before the retake then reads
-    # probes 5-8 (slow) and 9 (usual speed), so the one retake runs on a host back at its usual speed
+    # probes 5-8 (slow) and 9 (usual speed; a window of 0 s: one fast probe is enough here), so the one
+    # retake runs on a host back at its usual speed
     res = _slow_host_sweep(tiny, slow_probe_calls=8, min_warmup_s=0.3)
     a, b = sorted(res["rows"], key=lambda r: r["pass"])
     assert res["meta"]["host_probe_calibration_us"] == 100.0
@@ -548,3 +550,25 @@ def test_best_block_m_has_no_best_where_a_forced_block_m_was_not_timed():
            "block_m_best": [full, part]}
     md = to_markdown(res)
     assert "- (BM 64 not timed)" in md
+
+
+def test_wait_for_host_needs_a_whole_window_of_fast_probes(tiny):
+    g, w = tiny
+    reads = iter([150.0, 100.0, 150.0, 100.0] + [100.0] * 1000)  # a host flipping, then back for good
+    seen = []
+
+    def probe():
+        time.sleep(0.01)
+        seen.append(1)
+        return next(reads)
+
+    cfg = SweepConfig(preset="tiny", device="cpu", weights=w, host_probe=probe, host_recover_s=5.0,
+                      host_recover_window_s=0.1, progress=False)
+    sw = Sweep(cfg, log=lambda s: None)
+    sw._host_best = 100.0
+    waited = sw.wait_for_host()
+    assert 0.1 <= waited < 1.0 and len(seen) >= 3 + 10  # not done at the first fast probe (the 2nd read)
+    cfg.host_recover_s = 0.15
+    reads = iter([150.0] * 1000)  # never recovers: the wait ends at host_recover_s
+    t0 = time.perf_counter()
+    assert 0.15 <= sw.wait_for_host() < 0.5 and time.perf_counter() - t0 < 0.5

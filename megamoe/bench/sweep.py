@@ -119,7 +119,8 @@ class SweepConfig:
     host_slow_limit: float = 0.08  # a pass whose probe median is this much over the run's fastest is retaken
     host_retakes: int = 3  # ... at most this many times (then kept, flagged host_slow)
     host_calibrate_s: float = 0.5  # probe the host this long once before the sweep (the first baseline)
-    host_recover_s: float = 5.0  # before a retake, wait at most this long for a probe at the usual speed
+    host_recover_s: float = 10.0  # before a retake, wait at most this long for the host's usual speed ...
+    host_recover_window_s: float = 0.5  # ... held by every probe for this long
     overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
@@ -289,16 +290,29 @@ class Sweep:
         self.meta["host_probe_calibration_us"] = round(self._host_best, 1)
 
     def wait_for_host(self) -> float:
-        """Before a retake: probe the host until one probe reads within ``host_slow_limit`` of the run's
-        fastest, for at most ``host_recover_s`` (a slow episode lasts 1-10 s; a retake started inside it
-        measures it again). Returns the seconds waited."""
+        """Before a retake: probe the host until every probe of the last ``host_recover_window_s`` read
+        within ``host_slow_limit`` of the run's fastest, for at most ``host_recover_s``. A slow episode
+        lasts 1-10 s, and at its edges the host flips between speeds from one probe to the next (seen on
+        the H200, run cb8a2c1d34: a wait that ended on the first fast probe started retakes that read
+        slow again), so one fast probe is not a recovery. Returns the seconds waited."""
+        cfg = self.cfg
         best = getattr(self, "_host_best", None)
-        if best is None or self.cfg.host_recover_s <= 0:
+        if best is None or cfg.host_recover_s <= 0:
             return 0.0
         probe = self._host_probe()
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < self.cfg.host_recover_s:
-            if probe() <= best * (1 + self.cfg.host_slow_limit):
+        fast_since = None
+        while True:
+            now = time.perf_counter()
+            if now - t0 >= cfg.host_recover_s:
+                break
+            fast = probe() <= best * (1 + cfg.host_slow_limit)
+            now = time.perf_counter()
+            if not fast:
+                fast_since = None
+            elif fast_since is None:
+                fast_since = now
+            if fast_since is not None and now - fast_since >= cfg.host_recover_window_s:
                 break
         return time.perf_counter() - t0
 
@@ -922,8 +936,8 @@ def timing_protocol(cfg: SweepConfig) -> dict:
                        "max_repeats": cfg.host_max_repeats, "repeats": "whole rotations of the input sets",
                        "host_speed": (f"timing.host_speed_probe_us twice after every timed batch; a pass whose probe median "
                                       f"is {100 * cfg.host_slow_limit:.0f}% or more over the run's fastest is retaken, "
-                                      f"at most {cfg.host_retakes} times, each after waiting up to {cfg.host_recover_s} s for a probe at the "
-                                      f"usual speed, with one warm-up call per input set (retaken passes kept in the row, host_retaken; "
+                                      f"at most {cfg.host_retakes} times, each after waiting up to {cfg.host_recover_s} s for "
+                                      f"{cfg.host_recover_window_s} s of probes at the usual speed, with one warm-up call per input set (retaken passes kept in the row, host_retaken; "
                                       f"still slow: host_slow)" if cfg.host_speed_check else "not checked")},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
