@@ -47,7 +47,8 @@ piece of pure-Python work on the pinned core (``timing.host_speed_probe_us``) to
 time and 1,300-1,700 us in episodes of 1-10 s, with no steal time reported, and the reference followed it
 (correlation 0.93-1.00; bench/results/2026-12-03_nvidia-h200_levels/). So host-bound rows read that probe
 between their timed batches (``host_speed_check``): a pass whose probe median is ``host_slow_limit`` (8%)
-or more over the fastest seen in the run is retaken, at most ``host_retakes`` times; every retaken pass
+or more over the fastest seen in the run is retaken, at most ``host_retakes`` times, each retake after
+``wait_for_host`` (up to ``host_recover_s`` for ``host_recover_window_s`` of probes at the usual speed); every retaken pass
 is kept in the row (``host_retaken``) and a pass still slow after the last retake is flagged
 ``host_slow``. The host-bound figure is thus the row's time at the host's usual speed, and says so.
 
