@@ -23,15 +23,7 @@ import torch
 
 from megamoe.bench.sweep import Sweep, SweepConfig, pin_timing_thread
 from megamoe.bench.timing import L2Flusher, SpinAhead, _timed_batch, gc_paused
-
-
-def cpu_probe_us() -> float:
-    """Fixed pure-Python work (~0.3 ms on a 3 GHz core); its time tracks the core's speed."""
-    t0 = time.perf_counter_ns()
-    s = 0
-    for i in range(20_000):
-        s += i * i
-    return (time.perf_counter_ns() - t0) / 1e3
+from megamoe.bench.timing import host_speed_probe_us as cpu_probe_us  # the same work the sweep probes
 
 
 def cpu_stat(cpu: int) -> dict:
