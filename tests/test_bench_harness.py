@@ -496,7 +496,8 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: f
     cfg = SweepConfig(preset="tiny", tokens=[2], backends=[], repeats=10, reference_repeats=10, warmup=1, passes=2,
                       block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
                       progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=min_warmup_s,
-                      host_calibrate_s=0.0, host_probe=probe, host_retakes=retakes, host_recover_s=recover_s,
+                      host_calibrate_s=0.0, host_probe=probe, host_speed_check=True, host_retakes=retakes,
+                      host_recover_s=recover_s,
                       host_recover_window_s=recover_window_s, drift_check=False)
     sw = Sweep(cfg, log=lambda s: None)
     orig = sw.calibrate_host
@@ -562,8 +563,8 @@ def test_wait_for_host_needs_a_whole_window_of_fast_probes(tiny):
         seen.append(1)
         return next(reads)
 
-    cfg = SweepConfig(preset="tiny", device="cpu", weights=w, host_probe=probe, host_recover_s=5.0,
-                      host_recover_window_s=0.1, progress=False)
+    cfg = SweepConfig(preset="tiny", device="cpu", weights=w, host_probe=probe, host_speed_check=True,
+                      host_recover_s=5.0, host_recover_window_s=0.1, progress=False)
     sw = Sweep(cfg, log=lambda s: None)
     sw._host_best = 100.0
     waited = sw.wait_for_host()
@@ -572,3 +573,12 @@ def test_wait_for_host_needs_a_whole_window_of_fast_probes(tiny):
     reads = iter([150.0] * 1000)  # never recovers: the wait ends at host_recover_s
     t0 = time.perf_counter()
     assert 0.15 <= sw.wait_for_host() < 0.5 and time.perf_counter() - t0 < 0.5
+
+
+def test_host_speed_check_is_on_for_cuda_runs_only_unless_asked(tiny):
+    g, w = tiny
+    assert Sweep(SweepConfig(preset="tiny", device="cpu", weights=w), log=lambda s: None).host_speed_check is False
+    assert Sweep(SweepConfig(preset="tiny", device="cpu", weights=w, host_speed_check=True),
+                 log=lambda s: None).host_speed_check is True
+    if torch.cuda.is_available():
+        assert Sweep(SweepConfig(preset="tiny", device="cuda", weights=w), log=lambda s: None).host_speed_check is True

@@ -148,6 +148,12 @@ def host_speed_text(results: dict) -> list[str]:
     return out
 
 
+def _best_bm(r: dict) -> str:
+    if r["best_block_m"] is not None:
+        return str(r["best_block_m"])
+    return "- (BM " + ", ".join(map(str, r.get("missing") or [])) + " not timed)"
+
+
 def md_table(head, body) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -192,8 +198,7 @@ def to_markdown(results: dict) -> str:
         head = ["backend", "tokens", "plan BM", "plan us"] + [f"BM {b} us" for b in bms] + ["best BM", "plan / best"]
         body = [[r["backend"], str(r["tokens"]), str(r["plan_block_m"]), _fmt_us(r["plan_us"])]
                 + [_fmt_us(r["times_us"].get(b)) for b in bms]
-                + [str(r["best_block_m"]) if r["best_block_m"] is not None else "- (BM " + ", ".join(map(str, r.get("missing") or [])) + " not timed)",
-                   f"{r['plan_over_best']:.3f}" if r["plan_over_best"] else "-"]
+                + [_best_bm(r), f"{r['plan_over_best']:.3f}" if r["plan_over_best"] else "-"]
                 for r in results["block_m_best"]]
         out += ["", "## BLOCK_M study (every forced BLOCK_M)", "", md_table(head, body)]
     if results.get("ragged"):

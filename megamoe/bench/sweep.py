@@ -45,15 +45,15 @@ no cudaMalloc and no live Python thread besides the main one inside any timed re
 per-call time moved between levels 10-20% apart that last seconds. The cause is the VM's host: a fixed
 piece of pure-Python work on the pinned core (``timing.host_speed_probe_us``) took ~925 us most of the
 time and 1,300-1,700 us in episodes of 1-10 s, with no steal time reported, and the reference followed it
-(correlation 0.93-1.00; bench/results/2026-12-03_nvidia-h200_levels/). So host-bound rows read that probe
-between their timed batches (``host_speed_check``): a pass whose probe median is ``host_slow_limit`` (8%)
+(correlation 0.93-1.00; bench/results/2026-12-03_nvidia-h200_levels/). So on CUDA, host-bound rows read
+that probe between their timed batches (``host_speed_check``): a pass whose probe median is ``host_slow_limit`` (8%)
 or more over the fastest seen in the run is retaken, at most ``host_retakes`` times, each retake after
-``wait_for_host`` (up to ``host_recover_s`` for ``host_recover_window_s`` of probes at the usual speed); every retaken pass
-is kept in the row (``host_retaken``) and a pass still slow after the last retake is flagged
+``wait_for_host`` (up to ``host_recover_s`` for ``host_recover_window_s`` of probes at the usual speed);
+every retaken pass is kept in the row (``host_retaken``) and a pass still slow after the last retake is flagged
 ``host_slow``. The host-bound figure is thus the row's time at the host's usual speed, and says so.
 
 Device-bound rows time at least ``device_min_time_s`` (1 s) of samples after their warm-up. On the H200
-under load the card sits at its power cap (~700 W) and the kernels at 1024 tokens slow by 5-10% for
+under load the card sits at its power cap (~700 W) and the kernels at 1024 tokens slow by 5-15% for
 ~0.25 s once a second (the power controller's cycle); a pass of 50 ms caught that cycle or missed it,
 and two such passes were up to 14-24% apart, while 1 s windows of the same traces were within 1.7%
 (same folder). The BLOCK_M and ragged studies time ``study_min_time_s`` (0.5 s) per case.
@@ -116,7 +116,11 @@ class SweepConfig:
     device_min_time_s: float = 1.0  # ... and time at least this long (past ``repeats``): one power-management cycle
     device_max_repeats: int = 2000
     study_min_time_s: float = 0.5  # device-bound cases of the BLOCK_M and ragged studies: time at least this long
-    host_speed_check: bool = True  # host-bound rows: read host_speed_probe_us beside the samples, retake slow passes
+    # host-bound rows: read host_speed_probe_us beside the samples and retake slow passes. None: on CUDA only.
+    # On a CPU run the timed work itself loads the cores the probe runs on (torch's OpenMP threads spin on
+    # after each op), so the probe reads the work, not the host: on a 2-core machine it read slow after
+    # most CPU reference calls and the retakes' waits took a sweep test from 2 s to 100 s.
+    host_speed_check: bool | None = None
     host_slow_limit: float = 0.08  # a pass whose probe median is this much over the run's fastest is retaken
     host_retakes: int = 3  # ... at most this many times (then kept, flagged host_slow)
     host_calibrate_s: float = 0.5  # probe the host this long once before the sweep (the first baseline)
@@ -243,7 +247,7 @@ class Sweep:
         self.meta.update(geometry=asdict(self.g), config={f.name: getattr(cfg, f.name) for f in fields(cfg)
                                                            if f.name not in ("weights", "extra_backends", "ceilings",
                                                                              "host_probe")})
-        self.meta["timing_protocol"] = timing_protocol(cfg)
+        self.meta["timing_protocol"] = timing_protocol(cfg, self.host_speed_check)
         self.results: dict = {"meta": self.meta, "ceilings": None, "rows": [], "speedup": [], "repeatability": [],
                               "drift": [], "block_m": [], "ragged": [], "staging": [], "overhead": [], "errors": [],
                               "skipped": {}}
@@ -278,10 +282,15 @@ class Sweep:
     def _host_probe(self) -> Callable[[], float]:
         return self.cfg.host_probe or host_speed_probe_us
 
+    @property
+    def host_speed_check(self) -> bool:
+        c = self.cfg.host_speed_check
+        return self.dev.type == "cuda" if c is None else bool(c)
+
     def calibrate_host(self) -> None:
         """The host's speed before anything is timed: the median of ``host_calibrate_s`` of probes is the
         first baseline; every host-bound pass then lowers it when it saw a faster host."""
-        if not self.cfg.host_speed_check:
+        if not self.host_speed_check:
             return
         probe, vals = self._host_probe(), []
         t_end = time.perf_counter() + self.cfg.host_calibrate_s
@@ -303,10 +312,7 @@ class Sweep:
         probe = self._host_probe()
         t0 = time.perf_counter()
         fast_since = None
-        while True:
-            now = time.perf_counter()
-            if now - t0 >= cfg.host_recover_s:
-                break
+        while time.perf_counter() - t0 < cfg.host_recover_s:
             fast = probe() <= best * (1 + cfg.host_slow_limit)
             now = time.perf_counter()
             if not fast:
@@ -329,7 +335,6 @@ class Sweep:
         was just warmed)."""
         cfg = self.cfg
         retaken: list[dict] = []
-        waited = 0.0
         while True:
             tm = run(bool(retaken))
             pm = tm.extra.get("host_probe_median_us")
@@ -374,7 +379,7 @@ class Sweep:
             if host:
                 kw = dict(min_time_s=cfg.host_min_time_s, max_repeats=max(reps, cfg.host_max_repeats),
                           min_warmup_s=cfg.host_min_warmup_s,
-                          probe=self._host_probe() if cfg.host_speed_check else None)
+                          probe=self._host_probe() if self.host_speed_check else None)
             elif self.dev.type == "cuda":
                 # Warm-up: past the first power step (at 4096 tokens DeepGEMM FP8 slowed 2460 -> 2730 us
                 # ~45 ms into a pass after a 5-call warm-up; H200, 2026-12-02), not seconds (after 2 s of
@@ -910,7 +915,7 @@ def thread_report() -> dict:
     return d
 
 
-def timing_protocol(cfg: SweepConfig) -> dict:
+def timing_protocol(cfg: SweepConfig, host_speed_check: bool | None = None) -> dict:
     """The protocol of this run, for the results' metadata (see the module docstring)."""
     return {
         "repeat_mode": cfg.repeat_mode,
@@ -938,8 +943,10 @@ def timing_protocol(cfg: SweepConfig) -> dict:
                        "host_speed": (f"timing.host_speed_probe_us twice after every timed batch; a pass whose probe median "
                                       f"is {100 * cfg.host_slow_limit:.0f}% or more over the run's fastest is retaken, "
                                       f"at most {cfg.host_retakes} times, each after waiting up to {cfg.host_recover_s} s for "
-                                      f"{cfg.host_recover_window_s} s of probes at the usual speed, with one warm-up call per input set (retaken passes kept in the row, host_retaken; "
-                                      f"still slow: host_slow)" if cfg.host_speed_check else "not checked")},
+                                      f"{cfg.host_recover_window_s} s of probes at the usual speed, with one warm-up call "
+                                      f"per input set (retaken passes kept in the row, host_retaken; still slow: host_slow)"
+                                      if (cfg.host_speed_check if host_speed_check is None else host_speed_check)
+                                      else "not checked")},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
                     "order), ABBA rounds; rotation-induced variation reported as per_set_median_us",
