@@ -5,10 +5,15 @@
 # The eager reference is warmed up for HOST_MIN_WARMUP (1) s and timed for at least HOST_MIN_TIME (1) s
 # per pass (2 s each, run ff478e511e, spread its passes further, not less), with the host's speed probed
 # and slow passes retaken; device-bound rows time 1 s of samples per pass (the default of megamoe bench).
-# Expected wall time ~430 s (run 4272e3d00b, with 50 ms device passes and no retakes, took 281 s):
+# Run a831744d81 took 461 s: setup 72 s, the sweep 358 s (39 reference passes retaken), the BLOCK_M study
+# 27 s, and the deadline then cut the ragged, staging and overhead sections. Those ran in a second call
+# (231 s, results folder a831744d81-studies):
 #
 #   run(command="MEGAMOE_COMMIT=<sha> bash bench/device/run_sweep.sh",
 #       carry=[".whl"], timeout_s=600)
+#   run(command="source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH MEGAMOE_COMMIT=<sha> &&
+#       python3 -m megamoe.bench.cli --backends flashinfer-mxfp4 deepgemm-sm90-fp8 deepgemm-staged-fp8
+#       --passes 1 --no-block-m --deadline 380 --out $OUT --no-progress", carry=[".whl"], timeout_s=500)
 #
 # (prepare .whl once here with `bash ../shared/device/wheelhouse.sh`). Writes under $OUT, at most 6 files:
 #   $OUT/log.txt  $OUT/nvidia-smi.txt  $OUT/<date>_<card>_<commit>/{results.json,results.md,sweep.png,block_m.png}
