@@ -9,10 +9,10 @@ Sections (each one in try/except, results written after each, so a failure leave
                   (repeatability); the device-bound backends first, the eager reference's rows last
     drift         the first case of every backend timed again after the sweep (interleaved mode)
     speedup       fused / unfused time per token count
+    overhead      the harness figure vs a bare timed loop of the same calls (within 2%)
     block_m       every forced BLOCK_M at every token count (backends that can force it)
     ragged        a ragged data-parallel step: each rank at its own count vs padded to the agreed count
     staging       per_token_cast_to_fp8 + copy into the buffer, as a fraction of the kernel
-    overhead      the harness figure vs a bare timed loop of the same calls (within 2%)
 
 How a case is timed (``select_timing``, recorded per row as ``path``; ``method`` is the clock that
 actually produced the numbers):
@@ -446,9 +446,11 @@ class Sweep:
             self.out_dir = os.path.join(cfg.out_dir, results_dir_name(self.meta))
             os.makedirs(self.out_dir, exist_ok=True)
         self.log(f"[bench] {self.meta['card']} commit {self.meta['commit']} geometry {self.g.name}; tokens {cfg.tokens}")
+        # The overhead check right after the sweep: it is what the sweep's figures rest on, so a deadline
+        # cuts the studies first (at a831744d81 the 460 s deadline cut ragged, staging and overhead).
         for name, fn in (("ceilings", self.section_ceilings), ("setup", self.section_setup), ("sweep", self.section_sweep),
-                         ("block_m", self.section_block_m), ("ragged", self.section_ragged),
-                         ("staging", self.section_staging), ("overhead", self.section_overhead)):
+                         ("overhead", self.section_overhead), ("block_m", self.section_block_m),
+                         ("ragged", self.section_ragged), ("staging", self.section_staging)):
             if name in ("block_m", "ragged", "staging", "overhead") and not getattr(cfg, {"block_m": "block_m_study"}.get(name, name)):
                 continue
             if name not in ("ceilings", "setup", "sweep") and not self.time_left():
