@@ -6,8 +6,8 @@
 # per pass (2 s each, run ff478e511e, spread its passes further, not less), with the host's speed probed
 # and slow passes retaken; device-bound rows time 1 s of samples per pass (the default of megamoe bench).
 # Run a831744d81 took 461 s: setup 72 s, the sweep 358 s (39 reference passes retaken), the BLOCK_M study
-# 27 s, and the deadline then cut the ragged, staging and overhead sections. Those ran in a second call
-# (231 s, results folder a831744d81-studies):
+# 27 s, and the deadline then cut the ragged, staging and overhead sections (the overhead check now runs
+# right after the sweep, before the studies). Those ran in a second call (231 s, folder a831744d81-studies):
 #
 #   run(command="MEGAMOE_COMMIT=<sha> bash bench/device/run_sweep.sh",
 #       carry=[".whl"], timeout_s=600)
