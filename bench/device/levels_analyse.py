@@ -33,13 +33,13 @@ def pair_spreads(meds: list[float]) -> list[float]:
 
 
 def corr(x: list[float], y: list[float]) -> float:
+    """Pearson correlation (statistics.correlation); nan for fewer than 3 points or a constant series."""
     if len(x) < 3:
         return float("nan")
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sx = sum((a - mx) ** 2 for a in x) ** 0.5
-    sy = sum((b - my) ** 2 for b in y) ** 0.5
-    return sxy / (sx * sy) if sx > 0 and sy > 0 else float("nan")
+    try:
+        return statistics.correlation(x, y)
+    except statistics.StatisticsError:
+        return float("nan")
 
 
 def main() -> None:
@@ -60,9 +60,12 @@ def main() -> None:
         vals, t_s = tr[key], tr["t_s"]
         name = f"{tr['what']}" + (f" T={tr['tokens']}" if "tokens" in tr else "")
         host = "probe_us" in tr and "samples_us" in tr
-        ws = [0.05, 0.1, 0.25, 0.5, 1.0] if not host else [0.5, 1.0, 2.0, 4.0]
-        if key == "probe_us":
+        if key == "probe_us":  # the CPU probe alone
             ws = [0.1, 0.5, 1.0]
+        elif host:  # the reference, ~10-100 ms a call
+            ws = [0.5, 1.0, 2.0, 4.0]
+        else:  # a kernel
+            ws = [0.05, 0.1, 0.25, 0.5, 1.0]
         for w in ws:
             win = windows(t_s, vals, w)
             meds = [statistics.median(x) for x in win]

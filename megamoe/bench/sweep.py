@@ -917,7 +917,7 @@ def thread_report() -> dict:
     return d
 
 
-def timing_protocol(cfg: SweepConfig, host_speed_check: bool | None = None) -> dict:
+def timing_protocol(cfg: SweepConfig, host_speed_check: bool) -> dict:
     """The protocol of this run, for the results' metadata (see the module docstring)."""
     return {
         "repeat_mode": cfg.repeat_mode,
@@ -947,8 +947,7 @@ def timing_protocol(cfg: SweepConfig, host_speed_check: bool | None = None) -> d
                                       f"at most {cfg.host_retakes} times, each after waiting up to {cfg.host_recover_s} s for "
                                       f"{cfg.host_recover_window_s} s of probes at the usual speed, with one warm-up call "
                                       f"per input set (retaken passes kept in the row, host_retaken; still slow: host_slow)"
-                                      if (cfg.host_speed_check if host_speed_check is None else host_speed_check)
-                                      else "not checked")},
+                                      if host_speed_check else "not checked")},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
                     "order), ABBA rounds; rotation-induced variation reported as per_set_median_us",
