@@ -584,3 +584,23 @@ def test_host_speed_check_is_on_for_cuda_runs_only_unless_asked(tiny):
                  log=lambda s: None).host_speed_check is True
     if torch.cuda.is_available():
         assert Sweep(SweepConfig(preset="tiny", device="cuda", weights=w), log=lambda s: None).host_speed_check is True
+
+
+def test_card_identity_reads_nvidia_smi_and_lands_in_the_report(tmp_path, monkeypatch):
+    from megamoe.bench.sweep import card_identity
+
+    serial, watts = str(random.randrange(10**12, 10**13)), f"{random.uniform(500, 700):.2f} W"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   "case \"$*\" in *'-i 3'*) ;; *) echo wrong index >&2; exit 2;; esac\n"
+                   f"echo '{serial}, 00000000:19:00.0, {watts}, 1980 MHz, 96.00.99.00.01'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    ident = card_identity(torch.device("cuda", 3), uuid="GPU-abc")
+    assert ident == {"uuid": "GPU-abc", "serial": serial, "pci.bus_id": "00000000:19:00.0",
+                     "power.limit": watts, "clocks.max.sm": "1980 MHz", "vbios_version": "96.00.99.00.01"}
+    res = {"meta": {"card": "test", "date": "2026-12-03T00:00:00Z", "commit": "x", "versions": {}, "gpu": ident},
+           "rows": []}
+    assert f"- card: uuid GPU-abc, serial {serial}, pci.bus_id 00000000:19:00.0, power.limit {watts}" in to_markdown(res)
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no nvidia-smi at all: the UUID alone
+    assert card_identity(torch.device("cuda", 0), uuid="GPU-x") == {"uuid": "GPU-x"}

@@ -34,7 +34,7 @@ PY_TIMEOUT=${PY_TIMEOUT:-550}   # seconds for the whole python run; the rest of 
 DEADLINE=${DEADLINE:-460}       # optional studies are skipped once this much wall time has passed
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true
+  nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true
 } > "$OUT/nvidia-smi.txt"
 timeout -k 10 "$PY_TIMEOUT" python3 -m megamoe.bench.cli --preset "$PRESET" --tokens $TOKENS --device "$DEVICE" \
   --passes 2 --repeats 20 --warmup 5 --reference-repeats 3 --host-min-time "${HOST_MIN_TIME:-1}" \

@@ -167,6 +167,8 @@ def to_markdown(results: dict) -> str:
            f"- date {m['date']}, commit `{m['commit']}`{' (dirty tree)' if m.get('dirty') else ''}",
            "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
            ]
+    if m.get("gpu"):
+        out.append("- card: " + ", ".join(f"{k} {val}" for k, val in m["gpu"].items() if val))
     if c:
         out.append(f"- ceilings measured in this run: copy {c['copy_gbps']:.0f} GB/s (read + written), "
                    f"FP8 matmul {c['fp8_tflops']:.0f} TFLOP/s, bf16 {c['bf16_tflops']:.0f} TFLOP/s")

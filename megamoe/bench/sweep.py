@@ -188,7 +188,25 @@ def run_metadata(device) -> dict:
         meta["sm_count"] = p.multi_processor_count
         meta["memory_gib"] = round(p.total_memory / 2**30, 1)
         meta["capability"] = f"{p.major}.{p.minor}"
+        meta["gpu"] = card_identity(dev, getattr(p, "uuid", None))
     return meta
+
+
+def card_identity(dev: torch.device, uuid=None) -> dict:
+    """Which physical card ran: its UUID (torch), and serial, PCI bus, power limit and VBIOS where
+    nvidia-smi answers. Each device call may land on a different H200, and two cards' figures differ by
+    more than one card's two passes (810b815d80: up to 7.9% between calls, 1.68% within one), so a
+    comparison across runs needs to know whether the card was the same."""
+    ident = {"uuid": None if uuid is None else str(uuid)}
+    fields_ = ("serial", "pci.bus_id", "power.limit", "clocks.max.sm", "vbios_version")
+    try:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields_)}", "--format=csv,noheader",
+                              "-i", str(idx)], capture_output=True, text=True, timeout=20, check=True).stdout
+        ident.update(zip(fields_, (x.strip() for x in out.strip().split(","))))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass  # no nvidia-smi: the UUID alone
+    return ident
 
 
 def results_dir_name(meta: dict) -> str:
