@@ -194,8 +194,8 @@ def run_metadata(device) -> dict:
 
 def card_identity(dev: torch.device, uuid=None) -> dict:
     """Which physical card ran: its UUID (torch), and serial, PCI bus, power limit and VBIOS where
-    nvidia-smi answers. Each device call may land on a different H200, and two cards' figures differ by
-    more than one card's two passes (810b815d80: up to 7.9% between calls, 1.68% within one), so a
+    nvidia-smi answers. Figures from two device calls can differ by more than one call's two passes
+    (810b815d80: up to 7.9% between calls, 1.68% within one), and a call may land on another H200, so a
     comparison across runs needs to know whether the card was the same."""
     ident = {"uuid": None if uuid is None else str(uuid)}
     fields_ = ("serial", "pci.bus_id", "power.limit", "clocks.max.sm", "vbios_version")
