@@ -5,15 +5,16 @@
 # The eager reference is warmed up for HOST_MIN_WARMUP (1) s and timed for at least HOST_MIN_TIME (1) s
 # per pass (2 s each, run ff478e511e, spread its passes further, not less), with the host's speed probed
 # and slow passes retaken; device-bound rows time 1 s of samples per pass (the default of megamoe bench).
-# Run a831744d81 took 461 s: setup 72 s, the sweep 358 s (39 reference passes retaken), the BLOCK_M study
-# 27 s, and the deadline then cut the ragged, staging and overhead sections (the overhead check now runs
-# right after the sweep, before the studies). Those ran in a second call (231 s, folder a831744d81-studies):
+# Run 810b815d80 took 502 s: setup 58 s, the sweep 338 s (7 reference passes retaken), overhead 23 s,
+# BLOCK_M 28 s, ragged 52 s; the deadline then cut the staging section, which ran in a second call
+# (167 s, folder 810b815d80-staging):
 #
 #   run(command="MEGAMOE_COMMIT=<sha> bash bench/device/run_sweep.sh",
 #       carry=[".whl"], timeout_s=600)
 #   run(command="source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH MEGAMOE_COMMIT=<sha> &&
 #       python3 -m megamoe.bench.cli --backends flashinfer-mxfp4 deepgemm-sm90-fp8 deepgemm-staged-fp8
-#       --passes 1 --no-block-m --deadline 380 --out $OUT --no-progress", carry=[".whl"], timeout_s=500)
+#       --passes 1 --no-block-m --no-ragged --no-overhead --deadline 400 --out $OUT --no-progress",
+#       carry=[".whl"], timeout_s=500)
 #
 # (prepare .whl once here with `bash ../shared/device/wheelhouse.sh`). Writes under $OUT, at most 6 files:
 #   $OUT/log.txt  $OUT/nvidia-smi.txt  $OUT/<date>_<card>_<commit>/{results.json,results.md,sweep.png,block_m.png}
@@ -31,7 +32,8 @@ PRESET=${PRESET:-dsv4-flash}
 TOKENS=${TOKENS:-1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192}
 DEVICE=${DEVICE:-cuda}
 PY_TIMEOUT=${PY_TIMEOUT:-550}   # seconds for the whole python run; the rest of the 9 minutes is setup
-DEADLINE=${DEADLINE:-460}       # optional studies are skipped once this much wall time has passed
+DEADLINE=${DEADLINE:-500}       # optional studies are skipped once this much wall time has passed (the
+                                # last, staging, takes ~30 s: at 810b815d80 it would have started at 499 s)
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true
