@@ -382,6 +382,8 @@ def test_cli_arguments_map_to_the_config():
     host = config_from_args(p.parse_args(["--host-min-time", "2.5", "--host-min-warmup", "1.5",
                                           "--host-max-repeats", "300", "--no-pin"]))
     assert (host.host_min_time_s, host.host_min_warmup_s, host.host_max_repeats, host.pin_cpu) == (2.5, 1.5, 300, False)
+    filt = config_from_args(p.parse_args(["--no-host-filter", "--host-max-time", "7.5"]))
+    assert (filt.host_batch_filter, filt.host_max_time_s, default.host_batch_filter) == (False, 7.5, True)
     dev = config_from_args(p.parse_args(["--device-min-warmup", "0.7", "--device-min-time", "0.3", "--device-max-repeats",
                                          "900", "--repeat-mode", "sweeps", "--settle", "0"]))
     assert (dev.device_min_warmup_s, dev.device_min_time_s, dev.device_max_repeats, dev.repeat_mode, dev.settle_s) == \
@@ -481,9 +483,10 @@ def test_host_probe_tracks_the_cores_speed():
 
 
 def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: float = 5.0, min_warmup_s: float = 0.0,
-                     recover_window_s: float = 0.0):
+                     recover_window_s: float = 0.0, batch_filter: bool = False, max_time_s: float = 5.0):
     """A host-bound callable timed with a fake probe that reads 1.5x slow for its first ``slow_probe_calls``
-    calls after calibration (an episode of the VM's host), 1.0x after."""
+    calls after calibration (an episode of the VM's host), 1.0x after. ``batch_filter``: the in-pass
+    batch filter on (off here by default, so the retake tests see whole passes)."""
     g, w = tiny
     x = torch.randn(32, 32)
     state = {"calls": 0, "calibrated": False}
@@ -499,8 +502,8 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: f
                       block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
                       progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=min_warmup_s,
                       host_calibrate_s=0.0, host_probe=probe, host_speed_check=True, host_retakes=retakes,
-                      host_recover_s=recover_s,
-                      host_recover_window_s=recover_window_s, drift_check=False)
+                      host_recover_s=recover_s, host_max_time_s=max_time_s,
+                      host_recover_window_s=recover_window_s, drift_check=False, host_batch_filter=batch_filter)
     sw = Sweep(cfg, log=lambda s: None)
     orig = sw.calibrate_host
 
@@ -536,6 +539,24 @@ def test_sweep_keeps_and_flags_a_pass_still_slow_after_the_last_retake(tiny):
         assert r["host_slow"] is True and len(r["host_retaken"]) == 1 and r["host_probe_median_us"] == 150.0
         assert r["host_retaken"][0]["then_waited_s"] >= 0.2  # waited the whole recovery time, in vain
     assert "host_slow" in to_markdown(res)
+
+
+def test_sweep_sets_aside_a_slow_spell_within_the_pass_instead_of_retaking_it(tiny):
+    # the first probes after calibration read slow: with the in-pass filter, pass A sets aside the batches
+    # beside them and times on, so no pass is retaken and every pass is clean
+    slow = random.randint(3, 8)
+    res = _slow_host_sweep(tiny, slow_probe_calls=slow, batch_filter=True)
+    a, b = sorted(res["rows"], key=lambda r: r["pass"])
+    assert a["host_retaken"] == [] and b["host_retaken"] == [] and not a["host_slow"] and not b["host_slow"]
+    assert a["host_clean"] is True and a["host_batches_aside"] >= 1 and b["host_batches_aside"] == 0
+    assert a["host_probe_median_us"] < 101.0
+    md = to_markdown(res)
+    assert f"{a['host_batches_aside']} batches ({a['host_calls_aside']} calls) of 1 passes were set aside" in md
+    # a host that never comes back within host_max_time_s: the pass keeps every sample, says so, is retaken
+    res = _slow_host_sweep(tiny, slow_probe_calls=10**9, retakes=1, recover_s=0.1, batch_filter=True, max_time_s=0.2)
+    for r in res["rows"]:
+        assert r["host_clean"] is False and r["host_slow"] is True and r["host_retaken"][0]["host_clean"] is False
+    assert "(not clean)" in to_markdown(res)
 
 
 def test_best_block_m_has_no_best_where_a_forced_block_m_was_not_timed():

@@ -431,3 +431,57 @@ def test_build_all_serializes_a_jit_group(tiny):
     assert s.results["build_groups"] == {"deep_gemm": 4} and s.results["plans_built"] == len(keys)
     a = bk.FusedAdapter("deepgemm-staged-fp8", FakeCapturable, g, 8)
     assert a.jit_group == "deep_gemm" and bk.FusedAdapter("flashinfer-mxfp4", FakeLaunch, g, 8).jit_group is None
+
+
+# ------------------------------------------------------------------------------------ host batch filter
+def _host_with_spells(clock, fast_us: float, slow_us: float, slow_probes: set[int]):
+    """A host whose speed changes at probe calls: probe call k (1-based) reads slow iff k is in
+    ``slow_probes``, and every call timed after it costs ``slow_us`` until a probe reads fast again."""
+    state = {"n": 0, "slow": False}
+
+    def probe() -> float:
+        state["n"] += 1
+        state["slow"] = state["n"] in slow_probes
+        return 1500.0 + random.random() if state["slow"] else 1000.0 + random.random()
+
+    def fn(k=None):
+        clock.advance_us(slow_us if state["slow"] else fast_us)
+
+    return probe, fn, state
+
+
+def test_time_fn_sets_aside_the_batches_a_slow_probe_stands_beside(clock):
+    sets = random.randint(2, 4)
+    fast, slow = random.uniform(5_000.0, 9_000.0), random.uniform(12_000.0, 20_000.0)
+    start = random.randint(2, 6)
+    spell = set(range(start, start + random.randint(2, 9)))  # one slow episode, a few probes long
+    probe, fn, state = _host_with_spells(clock, fast, slow, spell)
+    tm = time_fn(fn, args=list(range(sets)), warmup=1, repeats=20, device="cpu", min_time_s=0.3, max_repeats=1000,
+                 probe=probe, probe_slow_above=1080.0, max_time_s=30.0)
+    step = round_to_sets(10, sets)
+    assert tm.extra["host_clean"] is True and tm.extra["host_batches_aside"] >= 1
+    assert tm.extra["host_calls_aside"] == tm.extra["host_batches_aside"] * step  # whole rotations set aside
+    assert all(s == pytest.approx(fast) for s in tm.samples_us)  # no slow call in the figure
+    assert len(tm.samples_us) * fast * 1e-6 >= 0.3  # min_time_s counts the kept calls only
+    per_set = [tm.set_index.count(k) for k in range(sets)]
+    assert len(set(per_set)) == 1  # every input set equally represented
+    assert tm.extra["host_probe_median_us"] < 1080.0
+    # the same host without the filter: the slow calls are in the samples
+    probe2, fn2, _ = _host_with_spells(clock, fast, slow, spell)
+    plain = time_fn(fn2, args=list(range(sets)), warmup=1, repeats=20, device="cpu", min_time_s=0.3, max_repeats=1000,
+                    probe=probe2)
+    assert any(s == pytest.approx(slow) for s in plain.samples_us) and "host_clean" not in plain.extra
+
+
+def test_time_fn_keeps_every_sample_when_the_host_never_comes_back(clock):
+    fast, slow = random.uniform(5_000.0, 9_000.0), random.uniform(12_000.0, 20_000.0)
+    max_time = random.uniform(0.5, 1.5)
+    probe, fn, _ = _host_with_spells(clock, fast, slow, set(range(1, 10**6)))
+    t0 = clock.perf_counter()
+    tm = time_fn(fn, warmup=1, repeats=20, device="cpu", probe=probe, probe_slow_above=1080.0, max_time_s=max_time)
+    assert tm.extra["host_clean"] is False and len(tm.samples_us) == tm.extra["host_calls_aside"] > 0
+    assert all(s == pytest.approx(slow) for s in tm.samples_us)
+    assert tm.extra["host_probe_median_us"] > 1400.0  # a retaking caller sees a slow pass
+    assert max_time <= clock.perf_counter() - t0 <= max_time + 10 * slow * 1e-6 + 1.0  # stopped after max_time_s
+    with pytest.raises(ValueError, match="max_time_s"):
+        time_fn(fn, warmup=1, repeats=2, device="cpu", probe=probe, probe_slow_above=1080.0, max_time_s=0)

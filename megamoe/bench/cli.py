@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host-bound rows (the eager reference): keep timing until this many seconds of samples")
     p.add_argument("--host-min-warmup", type=float, default=1.0, help="host-bound rows: warm up at least this long")
     p.add_argument("--host-max-repeats", type=int, default=64, help="host-bound rows: at most this many timed calls")
+    p.add_argument("--no-host-filter", action="store_true",
+                   help="host-bound rows: keep the batches a slow host probe stands beside (slow passes are still retaken)")
+    p.add_argument("--host-max-time", type=float, default=SweepConfig.host_max_time_s,
+                   help="host-bound rows: time a pass at most this long to collect batches at the host's usual speed")
     p.add_argument("--device-min-warmup", type=float, default=SweepConfig.device_min_warmup_s,
                    help="device-bound rows (CUDA): warm up at least this many seconds of device time")
     p.add_argument("--device-min-time", type=float, default=SweepConfig.device_min_time_s,
@@ -64,6 +68,7 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         rotate=a.rotate, flush_l2=not a.no_flush, graph=a.graph, passes=a.passes, check=not a.no_check,
         max_diff=a.max_diff, reference_max_tokens=a.reference_max_tokens, reference_repeats=a.reference_repeats,
         host_min_time_s=a.host_min_time, host_min_warmup_s=a.host_min_warmup, host_max_repeats=a.host_max_repeats,
+        host_batch_filter=not a.no_host_filter, host_max_time_s=a.host_max_time,
         device_min_warmup_s=a.device_min_warmup, device_min_time_s=a.device_min_time,
         device_max_repeats=a.device_max_repeats, repeat_mode=a.repeat_mode, settle_s=a.settle, pin_cpu=not a.no_pin,
         block_m_study=studies and not a.no_block_m, block_m_tokens=a.block_m_tokens,

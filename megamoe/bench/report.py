@@ -133,17 +133,26 @@ def host_speed_text(results: dict) -> list[str]:
     if not probed:
         return []
     cal = results.get("meta", {}).get("host_probe_calibration_us")
-    hit = [r for r in probed if r.get("host_retaken") or r.get("host_slow")]
+    hit = [r for r in probed if r.get("host_retaken") or r.get("host_slow") or r.get("host_clean") is False]
     n = sum(len(r.get("host_retaken") or []) for r in probed)
     out = ["", f"Host speed (host-bound rows; a fixed CPU probe between timed batches, calibration "
                f"{_fmt_us(cal) if cal else '-'} us): {n} of {n + len(probed)} passes retaken while the probe read "
                f"the host slow; {sum(bool(r.get('host_slow')) for r in probed)} kept slow (host_slow)."]
+    filtered = [r for r in probed if "host_batches_aside" in r]
+    if filtered:
+        aside = [r for r in filtered if r["host_batches_aside"]]
+        out[-1] += (f" Within the kept passes, {sum(r['host_batches_aside'] for r in aside)} batches "
+                    f"({sum(r['host_calls_aside'] for r in aside)} calls) of {len(aside)} passes were set aside for a "
+                    f"slow probe beside them; {sum(r.get('host_clean') is False for r in filtered)} passes found too "
+                    f"few clean batches and kept every sample (host_clean false).")
     if hit:
-        out += ["", md_table(["backend", "tokens", "pass", "kept us (probe us)", "retaken us (probe us)", "host_slow"],
+        out += ["", md_table(["backend", "tokens", "pass", "kept us (probe us)", "retaken us (probe us)",
+                              "batches set aside", "host_slow"],
                              [[r["backend"], str(r["tokens"]), str(r["pass"]),
                                f"{_fmt_us(r['median_us'])} ({_fmt_us(r['host_probe_median_us'])})",
                                ", ".join(f"{_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])})"
                                          for x in r.get("host_retaken") or []) or "-",
+                               str(r.get("host_batches_aside", "-")) + (" (not clean)" if r.get("host_clean") is False else ""),
                                "host_slow" if r.get("host_slow") else ""] for r in hit])]
     return out
 

@@ -50,7 +50,10 @@ that probe between their timed batches (``host_speed_check``): a pass whose prob
 or more over the fastest seen in the run is retaken, at most ``host_retakes`` times, each retake after
 ``wait_for_host`` (up to ``host_recover_s`` for ``host_recover_window_s`` of probes at the usual speed);
 every retaken pass is kept in the row (``host_retaken``) and a pass still slow after the last retake is flagged
-``host_slow``. The host-bound figure is thus the row's time at the host's usual speed, and says so.
+``host_slow``. Within a pass (``host_batch_filter``), a batch with a probe on either side of it over
+that limit is set aside and the pass times on (at most ``host_max_time_s``) until the batches kept hold
+its repeats: a slow episode can cover part of a pass and leave the pass's probe median at the usual
+speed (run 18db317). The host-bound figure is thus the row's time at the host's usual speed, and says so.
 
 Device-bound rows time at least ``device_min_time_s`` (1 s) of samples after their warm-up. On the H200
 under load the card sits at its power cap (~700 W) and the kernels at 1024 tokens slow by 5-15% for
@@ -126,6 +129,10 @@ class SweepConfig:
     host_calibrate_s: float = 0.5  # probe the host this long once before the sweep (the first baseline)
     host_recover_s: float = 10.0  # before a retake, wait at most this long for the host's usual speed ...
     host_recover_window_s: float = 0.5  # ... held by every probe for this long
+    # Within a pass: set aside every batch with a probe on either side of it over the slow limit
+    # (time_fn's probe_slow_above), timing for at most host_max_time_s to collect the pass's samples.
+    host_batch_filter: bool = True
+    host_max_time_s: float = 5.0
     overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
@@ -317,6 +324,14 @@ class Sweep:
         self._host_best = statistics.median(vals)
         self.meta["host_probe_calibration_us"] = round(self._host_best, 1)
 
+    def host_slow_above(self) -> float | None:
+        """The probe reading over which the host counts as slow: the run's fastest probe median so far,
+        plus ``host_slow_limit``. None before calibration or without the host speed check."""
+        best = getattr(self, "_host_best", None)
+        if best is None or not self.host_speed_check:
+            return None
+        return best * (1 + self.cfg.host_slow_limit)
+
     def wait_for_host(self) -> float:
         """Before a retake: probe the host until every probe of the last ``host_recover_window_s`` read
         within ``host_slow_limit`` of the run's fastest, for at most ``host_recover_s``. A slow episode
@@ -324,14 +339,14 @@ class Sweep:
         the H200, run cb8a2c1d34: a wait that ended on the first fast probe started retakes that read
         slow again), so one fast probe is not a recovery. Returns the seconds waited."""
         cfg = self.cfg
-        best = getattr(self, "_host_best", None)
-        if best is None or cfg.host_recover_s <= 0:
+        limit = self.host_slow_above()
+        if limit is None or cfg.host_recover_s <= 0:
             return 0.0
         probe = self._host_probe()
         t0 = time.perf_counter()
         fast_since = None
         while time.perf_counter() - t0 < cfg.host_recover_s:
-            fast = probe() <= best * (1 + cfg.host_slow_limit)
+            fast = probe() <= limit
             now = time.perf_counter()
             if not fast:
                 fast_since = None
@@ -366,7 +381,8 @@ class Sweep:
                 break
             waited = self.wait_for_host()
             retaken.append({"median_us": tm.median_us, "host_probe_median_us": round(pm, 1),
-                            "samples": len(tm.samples_us), "then_waited_s": round(waited, 2)})
+                            "samples": len(tm.samples_us), "host_clean": tm.extra.get("host_clean"),
+                            "then_waited_s": round(waited, 2)})
         tm.extra.update(host_retaken=retaken, host_slow=bool(slow), host_probe_best_us=round(best, 1))
         return tm
 
@@ -414,7 +430,10 @@ class Sweep:
                 def one_pass(retake: bool) -> Timing:
                     host_quiet(self.dev)
                     # a retake follows a full pass of the same case: one call per input set re-warms it
-                    kw_pass = {**kw, "min_warmup_s": 0.0} if retake else kw
+                    kw_pass = {**kw, "min_warmup_s": 0.0} if retake else dict(kw)
+                    limit = self.host_slow_above()
+                    if limit is not None and cfg.host_batch_filter:
+                        kw_pass.update(probe_slow_above=limit, max_time_s=cfg.host_max_time_s)
                     return time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw_pass)
 
                 tm = self._time_host(one_pass)
@@ -965,6 +984,10 @@ def timing_protocol(cfg: SweepConfig, host_speed_check: bool) -> dict:
                                       f"at most {cfg.host_retakes} times, each after waiting up to {cfg.host_recover_s} s for "
                                       f"{cfg.host_recover_window_s} s of probes at the usual speed, with one warm-up call "
                                       f"per input set (retaken passes kept in the row, host_retaken; still slow: host_slow)"
+                                      + (f"; within a pass, every batch (whole rotations) with a probe on either side over "
+                                         f"that limit is set aside and the pass times on, for at most {cfg.host_max_time_s} s, "
+                                         f"until its kept batches hold the repeats and min_time_s (too few: every sample, "
+                                         f"host_clean false)" if cfg.host_batch_filter else "")
                                       if host_speed_check else "not checked")},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "

@@ -297,6 +297,8 @@ def time_fn(
     gc_off: bool = True,
     probe: Callable[[], float] | None = None,
     probes_per_batch: int = 2,
+    probe_slow_above: float | None = None,
+    max_time_s: float = 10.0,
 ) -> Timing:
     """Median-of-``repeats`` device time of one call of ``fn`` (see the module docstring).
 
@@ -312,9 +314,23 @@ def time_fn(
     ``probe`` (host-bound calls): called ``probes_per_batch`` times after each batch, outside every timed
     call (e.g. ``host_speed_probe_us``); its values go to ``extra['host_probe_us']`` and their median to
     ``extra['host_probe_median_us']``, so the host's speed during the samples is on record.
+
+    ``probe_slow_above`` (with ``probe``; host-bound calls on a host whose speed comes and goes): the host
+    is also probed before the first batch, batches are whole rotations of the input sets, and a batch
+    with a probe on either side of it over this value is set aside: its samples are not in the figure,
+    and ``repeats`` / ``min_time_s`` count only the batches kept (the wall time of their calls). On the
+    H200's VM a slow episode can cover part of a pass and leave the pass's probe median at the usual speed
+    (run 18db317, 16 tokens: probes up to 1.9x the usual in both passes, medians within 6%, passes 3.45%
+    apart). Timing stops after ``max_time_s``; if the batches kept by then hold fewer than ``repeats``
+    calls, every sample is used instead (``extra['host_clean']`` False) and ``host_probe_median_us`` is
+    over every probe, so a caller that retakes slow passes sees it. Set-aside counts go to
+    ``extra['host_batches_aside']`` / ``['host_calls_aside']``; with a clean figure,
+    ``host_probe_median_us`` is over the probes after the kept batches.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if probe_slow_above is not None and not max_time_s > 0:
+        raise ValueError(f"max_time_s must be > 0 when probe_slow_above is set, got {max_time_s}")
     call = _caller(fn, args)
     sets = _nsets(args)
     cap = max_repeats if max_repeats is not None else max(repeats, 10_000)
@@ -325,35 +341,67 @@ def time_fn(
             torch.cuda.synchronize()
         flush = L2Flusher(resolve_device(device)) if (cuda and flush_l2) else None
         a0 = _alloc_counters(cuda)
-        samples: list[float] = []
+        samples: list[float] = []  # the kept batches' samples (every batch when not filtering)
         idx: list[int] = []
+        every: list[float] = []  # every batch's samples, set-aside ones included
+        every_idx: list[int] = []
         t_start = time.perf_counter()
-        r = 0
+        r = 0  # calls kept
+        done = 0  # calls timed, set-aside ones included (the next call's index)
+        kept_wall = 0.0  # wall time of the kept batches' calls
         target = round_to_sets(repeats, sets)
         ceiling = max(target, (cap // sets) * sets)  # max_repeats, in whole rotations, never below repeats
         step = round_to_sets(batch, sets)
+        filtering = probe is not None and probe_slow_above is not None
+        size = step if filtering else batch  # a set-aside batch takes whole rotations with it
         spin = SpinAhead()
         probed: list[float] = []
+        kept_probes: list[float] = []
+        aside = [0, 0]  # batches, calls
+        before = [float(probe()) for _ in range(probes_per_batch)] if filtering else []
         while r < target:
-            n = min(batch, target - r)
+            if filtering and time.perf_counter() - t_start >= max_time_s:
+                break
+            n = min(size, target - r)
+            tb = time.perf_counter()
             if cuda:
-                samples += _timed_batch(call, range(i + r, i + r + n), spin, flush)
+                got = _timed_batch(call, range(i + done, i + done + n), spin, flush)
             else:
+                got = []
                 for j in range(n):
                     t0 = time.perf_counter()
-                    call(i + r + j)
-                    samples.append((time.perf_counter() - t0) * 1e6)
-            idx += [(i + r + j) % sets for j in range(n)]
-            r += n
-            if probe is not None:
-                probed += [float(probe()) for _ in range(probes_per_batch)]
-            if r >= target and target < ceiling and time.perf_counter() - t_start < min_time_s:
+                    call(i + done + j)
+                    got.append((time.perf_counter() - t0) * 1e6)
+            wall = time.perf_counter() - tb
+            got_idx = [(i + done + j) % sets for j in range(n)]
+            done += n
+            after = [float(probe()) for _ in range(probes_per_batch)] if probe is not None else []
+            probed += after
+            every += got
+            every_idx += got_idx
+            if filtering and max(before + after) > probe_slow_above:
+                aside[0] += 1
+                aside[1] += n
+            else:
+                samples += got
+                idx += got_idx
+                kept_probes += after
+                r += n
+                kept_wall += wall
+            before = after
+            progress = kept_wall if filtering else time.perf_counter() - t_start
+            if r >= target and target < ceiling and progress < min_time_s:
                 target = min(target + step, ceiling)
         a1 = _alloc_counters(cuda)
     extra = {"gc_disabled": gci["gc_disabled"], "gc_collections": gci["collections"], **_alloc_delta(a0, a1)}
+    if filtering:
+        clean = r >= round_to_sets(repeats, sets)
+        if not clean:  # the host never stayed fast for long enough: every sample, and say so
+            samples, idx, kept_probes = every, every_idx, probed
+        extra.update(host_clean=clean, host_batches_aside=aside[0], host_calls_aside=aside[1])
     if probed:
         extra["host_probe_us"] = [round(x, 1) for x in probed]
-        extra["host_probe_median_us"] = float(statistics.median(probed))
+        extra["host_probe_median_us"] = float(statistics.median(kept_probes or probed))
     return Timing(samples, "cuda-events" if cuda else "perf_counter", warmup=i, flushed=flush is not None,
                   rotated=sets, extra=extra, set_index=idx)
 
