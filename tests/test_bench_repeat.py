@@ -460,7 +460,8 @@ def test_time_fn_sets_aside_the_batches_a_slow_probe_stands_beside(clock):
                  probe=probe, probe_slow_above=1080.0, max_time_s=30.0)
     step = round_to_sets(10, sets)
     assert tm.extra["host_clean"] is True and tm.extra["host_batches_aside"] >= 1
-    assert tm.extra["host_calls_aside"] == tm.extra["host_batches_aside"] * step  # whole rotations set aside
+    assert tm.extra["host_calls_aside"] % sets == 0  # whole rotations set aside ...
+    assert sets <= tm.extra["host_calls_aside"] <= tm.extra["host_batches_aside"] * step  # ... at most a batch each
     assert all(s == pytest.approx(fast) for s in tm.samples_us)  # no slow call in the figure
     assert len(tm.samples_us) * fast * 1e-6 >= 0.3  # min_time_s counts the kept calls only
     per_set = [tm.set_index.count(k) for k in range(sets)]

@@ -343,7 +343,7 @@ def time_fn(
         a0 = _alloc_counters(cuda)
         samples: list[float] = []  # the kept batches' samples (every batch when not filtering)
         idx: list[int] = []
-        every: list[float] = []  # every batch's samples, set-aside ones included
+        every: list[float] = []  # filtering: every batch's samples, set-aside ones included
         every_idx: list[int] = []
         t_start = time.perf_counter()
         r = 0  # calls kept
@@ -377,8 +377,9 @@ def time_fn(
             done += n
             after = [float(probe()) for _ in range(probes_per_batch)] if probe is not None else []
             probed += after
-            every += got
-            every_idx += got_idx
+            if filtering:
+                every += got
+                every_idx += got_idx
             if filtering and max(before + after) > probe_slow_above:
                 aside[0] += 1
                 aside[1] += n
