@@ -32,8 +32,8 @@ PRESET=${PRESET:-dsv4-flash}
 TOKENS=${TOKENS:-1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192}
 DEVICE=${DEVICE:-cuda}
 PY_TIMEOUT=${PY_TIMEOUT:-550}   # seconds for the whole python run; the rest of the 9 minutes is setup
-DEADLINE=${DEADLINE:-500}       # optional studies are skipped once this much wall time has passed (the
-                                # last, staging, takes ~30 s: at 810b815d80 it would have started at 499 s)
+DEADLINE=${DEADLINE:-510}       # optional studies are skipped once this much wall time has passed (the
+                                # last, staging, takes ~30 s: at 810b815d80 it would have started at ~501 s)
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true
