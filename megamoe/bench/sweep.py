@@ -376,7 +376,7 @@ class Sweep:
             best = getattr(self, "_host_best", None)
             best = pm if best is None else min(best, pm)
             self._host_best = best
-            slow = pm > best * (1 + cfg.host_slow_limit)
+            slow = pm > self.host_slow_above()
             if not slow or len(retaken) >= cfg.host_retakes:
                 break
             waited = self.wait_for_host()
