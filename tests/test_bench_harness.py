@@ -382,8 +382,9 @@ def test_cli_arguments_map_to_the_config():
     host = config_from_args(p.parse_args(["--host-min-time", "2.5", "--host-min-warmup", "1.5",
                                           "--host-max-repeats", "300", "--no-pin"]))
     assert (host.host_min_time_s, host.host_min_warmup_s, host.host_max_repeats, host.pin_cpu) == (2.5, 1.5, 300, False)
-    filt = config_from_args(p.parse_args(["--no-host-filter", "--host-max-time", "7.5"]))
+    filt = config_from_args(p.parse_args(["--no-host-filter", "--host-max-time", "7.5", "--host-extra-budget", "12"]))
     assert (filt.host_batch_filter, filt.host_max_time_s, default.host_batch_filter) == (False, 7.5, True)
+    assert (filt.host_extra_budget_s, default.host_extra_budget_s) == (12.0, SweepConfig.host_extra_budget_s)
     dev = config_from_args(p.parse_args(["--device-min-warmup", "0.7", "--device-min-time", "0.3", "--device-max-repeats",
                                          "900", "--repeat-mode", "sweeps", "--settle", "0"]))
     assert (dev.device_min_warmup_s, dev.device_min_time_s, dev.device_max_repeats, dev.repeat_mode, dev.settle_s) == \
@@ -483,7 +484,8 @@ def test_host_probe_tracks_the_cores_speed():
 
 
 def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: float = 5.0, min_warmup_s: float = 0.0,
-                     recover_window_s: float = 0.0, batch_filter: bool = False, max_time_s: float = 5.0):
+                     recover_window_s: float = 0.0, batch_filter: bool = False, max_time_s: float = 5.0,
+                     tokens=(2,), extra_budget_s: float = 60.0, log=None):
     """A host-bound callable timed with a fake probe that reads 1.5x slow for its first ``slow_probe_calls``
     calls after calibration (an episode of the VM's host), 1.0x after. ``batch_filter``: the in-pass
     batch filter on (off here by default, so the retake tests see whole passes)."""
@@ -498,13 +500,14 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: f
         return 150.0 if state["calls"] <= slow_probe_calls else 100.0 + random.random()
 
     cb = bk.CallableBackend("host-bound", lambda inp: x @ x, host_bound=True)
-    cfg = SweepConfig(preset="tiny", tokens=[2], backends=[], repeats=10, reference_repeats=10, warmup=1, passes=2,
+    cfg = SweepConfig(preset="tiny", tokens=list(tokens), backends=[], repeats=10, reference_repeats=10, warmup=1, passes=2,
                       block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
                       progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=min_warmup_s,
                       host_calibrate_s=0.0, host_probe=probe, host_speed_check=True, host_retakes=retakes,
                       host_recover_s=recover_s, host_max_time_s=max_time_s,
-                      host_recover_window_s=recover_window_s, drift_check=False, host_batch_filter=batch_filter)
-    sw = Sweep(cfg, log=lambda s: None)
+                      host_recover_window_s=recover_window_s, drift_check=False, host_batch_filter=batch_filter,
+                      host_extra_budget_s=extra_budget_s)
+    sw = Sweep(cfg, log=log or (lambda s: None))
     orig = sw.calibrate_host
 
     def calibrate():
@@ -557,6 +560,59 @@ def test_sweep_sets_aside_a_slow_spell_within_the_pass_instead_of_retaking_it(ti
     for r in res["rows"]:
         assert r["host_clean"] is False and r["host_slow"] is True and r["host_retaken"][0]["host_clean"] is False
     assert "(not clean)" in to_markdown(res)
+
+
+def test_the_host_check_stops_retaking_once_its_budget_is_spent(tiny):
+    # a host slow for good: every pass would be retaken (waiting recover_s before each retake); the
+    # budget lets the first case spend it, and later passes are kept as first timed, flagged host_slow
+    budget = random.uniform(0.25, 0.35)
+    logged: list[str] = []
+    t0 = time.perf_counter()
+    res = _slow_host_sweep(tiny, slow_probe_calls=10**9, retakes=3, recover_s=0.2, batch_filter=True, max_time_s=0.1,
+                           tokens=(1, 2, 4), extra_budget_s=budget, log=logged.append)
+    rows = sorted(res["rows"], key=lambda r: (r["tokens"], r["pass"]))
+    assert len(rows) == 6 and all(r["host_slow"] for r in rows)
+    assert rows[0]["host_retaken"]  # the budget was there to spend
+    spent = [r for r in rows if r.get("host_budget_spent")]
+    assert spent and rows[-1].get("host_budget_spent") and all(r["host_retaken"] == [] for r in spent[1:])
+    # once spent, passes are not filtered either (no max_time_s extension): no set-aside count on them
+    assert "host_batches_aside" not in rows[-1]
+    assert budget <= res["meta"]["host_extra_s"] < budget + 3 * (0.2 + 0.1) + 1.0  # overshoot: at most one retake
+    assert any("budget is spent" in line for line in logged)
+    assert f"of its {budget:g} s budget" in to_markdown(res)
+    # every row left a log line with its median and the host's speed
+    assert sum("host probe" in line and "pass " in line for line in logged) == 6
+    assert time.perf_counter() - t0 < 30
+
+
+def test_sweep_cases_not_begun_by_the_deadline_are_skipped_but_begun_cases_finish(tiny, tmp_path):
+    g, w = tiny
+    x = torch.randn(16, 16)
+    seen_on_disk: list[int] = []
+    sw_box: list = []
+
+    def call(inp):
+        if inp.num_tokens == 2 and sw_box[0].out_dir:  # what is on disk while T=2 runs
+            with open(os.path.join(sw_box[0].out_dir, "results.json")) as f:
+                seen_on_disk.append(len(json.load(f)["rows"]))
+        return x @ x
+
+    cb = bk.CallableBackend("host-bound", call, host_bound=True)
+    cfg = SweepConfig(preset="tiny", tokens=[1, 2, 4], backends=[], repeats=3, reference_repeats=3, warmup=1,
+                      passes=2, block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu",
+                      ceilings=CPU_CEIL, progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0,
+                      host_min_warmup_s=0.0, drift_check=False, out_dir=str(tmp_path), deadline_s=1e9)
+    sw = Sweep(cfg, log=lambda s: None)
+    sw_box.append(sw)
+    n_cases = random.choice([1, 2])
+    sw.time_left = lambda: len(sw.results["rows"]) < 2 * n_cases  # the deadline falls after n_cases cases
+    res = sw.run()
+    assert sorted((r["tokens"], r["pass"]) for r in res["rows"]) == [(t, p) for t in (1, 2)[:n_cases] for p in (0, 1)]
+    cut = {k: why for k, why in res["skipped"].items() if not k.startswith("backend ")}  # not: kernels absent on a CPU
+    assert set(cut) == {f"host-bound T={t}" for t in (1, 2, 4)[n_cases:]}
+    assert all("deadline" in why for why in cut.values())
+    if n_cases == 2:
+        assert {2, 3} <= set(seen_on_disk)  # timing T=2: each earlier host-bound row already on disk
 
 
 def test_best_block_m_has_no_best_where_a_forced_block_m_was_not_timed():

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-max-repeats", type=int, default=64, help="host-bound rows: at most this many timed calls")
     p.add_argument("--no-host-filter", action="store_true",
                    help="host-bound rows: keep the batches a slow host probe stands beside (slow passes are still retaken)")
+    p.add_argument("--host-extra-budget", type=float, default=SweepConfig.host_extra_budget_s,
+                   help="host-bound rows: seconds the whole run may spend on retakes, their waits and set-aside calls")
     p.add_argument("--host-max-time", type=float, default=SweepConfig.host_max_time_s,
                    help="host-bound rows: time a pass at most this long to collect batches at the host's usual speed")
     p.add_argument("--device-min-warmup", type=float, default=SweepConfig.device_min_warmup_s,
@@ -69,6 +71,7 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         max_diff=a.max_diff, reference_max_tokens=a.reference_max_tokens, reference_repeats=a.reference_repeats,
         host_min_time_s=a.host_min_time, host_min_warmup_s=a.host_min_warmup, host_max_repeats=a.host_max_repeats,
         host_batch_filter=not a.no_host_filter, host_max_time_s=a.host_max_time,
+        host_extra_budget_s=a.host_extra_budget,
         device_min_warmup_s=a.device_min_warmup, device_min_time_s=a.device_min_time,
         device_max_repeats=a.device_max_repeats, repeat_mode=a.repeat_mode, settle_s=a.settle, pin_cpu=not a.no_pin,
         block_m_study=studies and not a.no_block_m, block_m_tokens=a.block_m_tokens,

@@ -145,6 +145,12 @@ def host_speed_text(results: dict) -> list[str]:
                     f"({sum(r['host_calls_aside'] for r in aside)} calls) of {len(aside)} passes were set aside for a "
                     f"slow probe beside them; {sum(r.get('host_clean') is False for r in filtered)} passes found too "
                     f"few clean batches and kept every sample (host_clean false).")
+    spent = results.get("meta", {}).get("host_extra_s")
+    if spent is not None:
+        budget = results.get("meta", {}).get("config", {}).get("host_extra_budget_s")
+        out[-1] += (f" The check spent {spent:.1f} s" + (f" of its {budget:g} s budget" if budget is not None else "")
+                    + f"; {sum(bool(r.get('host_budget_spent')) for r in probed)} slow passes were kept unretaken "
+                    f"once it was spent.")
     if hit:
         out += ["", md_table(["backend", "tokens", "pass", "kept us (probe us)", "retaken us (probe us)",
                               "batches set aside", "host_slow"],

@@ -133,6 +133,11 @@ class SweepConfig:
     # (time_fn's probe_slow_above), timing for at most host_max_time_s to collect the pass's samples.
     host_batch_filter: bool = True
     host_max_time_s: float = 5.0
+    # Everything the host speed check adds, over the whole run: retaken passes, the waits before them and
+    # the calls a pass's filter set aside. Once spent, passes are kept as first timed (a slow one flagged
+    # host_slow). Without it a host that stays slow for minutes cost up to ~50 s per pass (a 5 s filtered
+    # pass, then 3 x (10 s wait + 5 s retake)): run cf038b4ac2 timed out in its reference rows.
+    host_extra_budget_s: float = 60.0
     overhead_rounds: int = 16  # ABBA rounds of the overhead check
     pin_cpu: bool = True  # CUDA: pin the timing thread to one CPU once the builds are done (pin_timing_thread)
     repeat_mode: str = "interleaved"  # "interleaved": passes of one case back to back; "sweeps": whole sweeps
@@ -150,7 +155,8 @@ class SweepConfig:
     seed: int = 0
     device: str | None = None
     out_dir: str | None = None  # results folder (named by date, card, commit under it); None: no files
-    deadline_s: float | None = None  # optional studies are skipped once this much wall time has passed
+    # optional studies, and sweep cases not yet begun, are skipped once this much wall time has passed
+    deadline_s: float | None = None
     build_threads: int = 8
     progress: bool = True
     weights: object | None = None  # pre-made weights (tests); None: random MXFP4 at the geometry
@@ -332,6 +338,17 @@ class Sweep:
             return None
         return best * (1 + self.cfg.host_slow_limit)
 
+    def host_budget_left(self) -> float:
+        """Seconds left of ``host_extra_budget_s`` (retakes, their waits, calls set aside by the filter)."""
+        return self.cfg.host_extra_budget_s - self.meta.get("host_extra_s", 0.0)
+
+    def _spend_host(self, seconds: float) -> None:
+        before = self.host_budget_left()
+        self.meta["host_extra_s"] = round(self.meta.get("host_extra_s", 0.0) + max(seconds, 0.0), 3)
+        if before > 0 >= self.host_budget_left():
+            self.log(f"[bench] host speed check: its {self.cfg.host_extra_budget_s:g} s budget is spent at "
+                     f"{self.elapsed():.0f} s; later host-bound passes are kept as first timed (slow ones flagged)")
+
     def wait_for_host(self) -> float:
         """Before a retake: probe the host until every probe of the last ``host_recover_window_s`` read
         within ``host_slow_limit`` of the run's fastest, for at most ``host_recover_s``. A slow episode
@@ -369,7 +386,13 @@ class Sweep:
         cfg = self.cfg
         retaken: list[dict] = []
         while True:
+            t_run = time.perf_counter()
             tm = run(bool(retaken))
+            run_s = time.perf_counter() - t_run
+            if retaken:
+                self._spend_host(run_s)  # the whole retake is extra
+            elif tm.extra.get("host_calls_aside"):
+                self._spend_host(tm.extra["host_calls_aside"] * tm.median_us * 1e-6)
             pm = tm.extra.get("host_probe_median_us")
             if pm is None:
                 return tm
@@ -379,7 +402,11 @@ class Sweep:
             slow = pm > self.host_slow_above()
             if not slow or len(retaken) >= cfg.host_retakes:
                 break
+            if self.host_budget_left() <= 0:
+                tm.extra["host_budget_spent"] = True
+                break
             waited = self.wait_for_host()
+            self._spend_host(waited)
             retaken.append({"median_us": tm.median_us, "host_probe_median_us": round(pm, 1),
                             "samples": len(tm.samples_us), "host_clean": tm.extra.get("host_clean"),
                             "then_waited_s": round(waited, 2)})
@@ -432,7 +459,7 @@ class Sweep:
                     # a retake follows a full pass of the same case: one call per input set re-warms it
                     kw_pass = {**kw, "min_warmup_s": 0.0} if retake else dict(kw)
                     limit = self.host_slow_above()
-                    if limit is not None and cfg.host_batch_filter:
+                    if limit is not None and cfg.host_batch_filter and self.host_budget_left() > 0:
                         kw_pass.update(probe_slow_above=limit, max_time_s=cfg.host_max_time_s)
                     return time_fn(fn, args=args, warmup=warm, repeats=reps, flush_l2=flush, device=self.dev, **kw_pass)
 
@@ -659,6 +686,7 @@ class Sweep:
             else:
                 order = [(b, t, p) for p in range(cfg.passes) for b, t in cases]
             phase = None
+            cut: set = set()  # cases the deadline skipped
             for b, t, p in order:
                 ph = (p if cfg.repeat_mode == "sweeps" else 0, b.name.startswith("reference"))
                 if ph != phase:
@@ -667,10 +695,21 @@ class Sweep:
                     self._settle()
                     phase = ph
                 prog.step(f"pass {p + 1}/{cfg.passes} {b.name} T={t}")
+                # A case begins only before the deadline; once begun, its later passes run too (a case
+                # without them has no repeatability figure). The python timeout then cuts nothing.
+                if (b.name, t) in cut or (p == 0 and not self.time_left()):
+                    cut.add((b.name, t))
+                    self.results["skipped"][f"{b.name} T={t}"] = (f"deadline {cfg.deadline_s} s reached "
+                                                                  f"before the case began")
+                    continue
                 try:
                     chk, plan = first.get((b.name, t), ({}, {})) if p == 0 else ({}, {})
                     tm = self._time(b, t, self._sets(b, t))
-                    self.results["rows"].append(self._row(b, t, tm, p, chk, plan))
+                    row = self._row(b, t, tm, p, chk, plan)
+                    self.results["rows"].append(row)
+                    self.log(row_log_line(row, p, cfg.passes, self.elapsed()))
+                    if b.host_bound:
+                        self.write()  # a host-bound row takes seconds: keep it should the run be cut
                 except Exception as exc:  # noqa: BLE001
                     self.error(f"sweep {b.name} T={t} pass {p}", exc)
                 if cfg.repeat_mode == "sweeps" and p == 0 and (b, t) == cases[-1]:
@@ -865,6 +904,20 @@ class Sweep:
 
 
 # ------------------------------------------------------------------------------------ derived tables
+def row_log_line(row: dict, pass_idx: int, passes: int, elapsed_s: float) -> str:
+    """One log line per timed row: what was timed, its median and, for host-bound rows, the host's
+    speed (probe median, batches set aside, retakes), so a cut or slow run's log says where time went."""
+    line = (f"[bench] {elapsed_s:6.1f} s  pass {pass_idx + 1}/{passes} {row['backend']} T={row['tokens']}: "
+            f"{row['median_us']:,.1f} us ({row['repeats']} calls, {row.get('path', row.get('method'))})")
+    if row.get("host_probe_median_us") is not None:
+        line += (f"; host probe {row['host_probe_median_us']:,.0f} us (best {row.get('host_probe_best_us', '-')}), "
+                 f"{row.get('host_batches_aside', 0)} batches aside, {len(row.get('host_retaken') or [])} retakes"
+                 + (", host_slow" if row.get("host_slow") else "")
+                 + (", not clean" if row.get("host_clean") is False else "")
+                 + (", budget spent" if row.get("host_budget_spent") else ""))
+    return line
+
+
 def repeatability(rows: list[dict], limit: float = 0.03) -> list[dict]:
     """Per (backend, tokens): the medians of each pass (in pass order), their spread (max - min) / min,
     and ``flag`` when the spread reaches ``limit``."""
@@ -988,6 +1041,9 @@ def timing_protocol(cfg: SweepConfig, host_speed_check: bool) -> dict:
                                          f"that limit is set aside and the pass times on, for at most {cfg.host_max_time_s} s, "
                                          f"until its kept batches hold the repeats and min_time_s (too few: every sample, "
                                          f"host_clean false)" if cfg.host_batch_filter else "")
+                                      + (f"; all of this (retakes, waits, calls set aside) spends at most "
+                                         f"{cfg.host_extra_budget_s:g} s of the run (host_extra_budget_s), then passes are "
+                                         f"kept as first timed" if host_speed_check else "")
                                       if host_speed_check else "not checked")},
         "progress": "redrawn between cases only (no refresh thread)",
         "overhead": "harness mean vs bare-loop mean over one fixed call sequence (the row's input sets, in "
