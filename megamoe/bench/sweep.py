@@ -46,7 +46,7 @@ per-call time moved between levels 10-20% apart that last seconds. The cause is 
 piece of pure-Python work on the pinned core (``timing.host_speed_probe_us``) took ~925 us most of the
 time and 1,300-1,700 us in episodes of 1-10 s, with no steal time reported, and the reference followed it
 (correlation 0.93-1.00; bench/results/2026-12-03_nvidia-h200_levels/). So on CUDA, host-bound rows read
-that probe between their timed batches (``host_speed_check``): a pass whose probe median is ``host_slow_limit`` (8%)
+that probe between their timed batches (``host_speed_check``): a pass whose probe median is ``host_slow_limit`` (25%)
 or more over the fastest seen in the run is retaken, at most ``host_retakes`` times, each retake after
 ``wait_for_host`` (up to ``host_recover_s`` for ``host_recover_window_s`` of probes at the usual speed);
 every retaken pass is kept in the row (``host_retaken``) and a pass still slow after the last retake is flagged
@@ -124,7 +124,10 @@ class SweepConfig:
     # after each op), so the probe reads the work, not the host: on a 2-core machine it read slow after
     # most CPU reference calls and the retakes' waits took a sweep test from 2 s to 100 s.
     host_speed_check: bool | None = None
-    host_slow_limit: float = 0.08  # a pass whose probe median is this much over the run's fastest is retaken
+    # A pass whose probe median is this much over the run's fastest is retaken. Slow episodes read 1.4-1.8x
+    # (levels study); the usual speed itself wanders up to ~1.16x of the run's fastest probe median (run
+    # 3ec44fd: 941-1,120 us), and an 8% limit spent the whole retake budget on passes at the usual speed.
+    host_slow_limit: float = 0.25
     host_retakes: int = 3  # ... at most this many times (then kept, flagged host_slow)
     host_calibrate_s: float = 0.5  # probe the host this long once before the sweep (the first baseline)
     host_recover_s: float = 10.0  # before a retake, wait at most this long for the host's usual speed ...
