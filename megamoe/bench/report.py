@@ -133,7 +133,8 @@ def host_speed_text(results: dict) -> list[str]:
     if not probed:
         return []
     cal = results.get("meta", {}).get("host_probe_calibration_us")
-    hit = [r for r in probed if r.get("host_retaken") or r.get("host_slow") or r.get("host_clean") is False]
+    hit = [r for r in probed if r.get("host_retaken") or r.get("host_slow") or r.get("host_clean") is False
+           or r.get("host_rejudged")]
     n = sum(len(r.get("host_retaken") or []) for r in probed)
     out = ["", f"Host speed (host-bound rows; a fixed CPU probe between timed batches, calibration "
                f"{_fmt_us(cal) if cal else '-'} us): {n} of {n + len(probed)} passes retaken while the probe read "
@@ -145,6 +146,10 @@ def host_speed_text(results: dict) -> list[str]:
                     f"({sum(r['host_calls_aside'] for r in aside)} calls) of {len(aside)} passes were set aside for a "
                     f"slow probe beside them; {sum(r.get('host_clean') is False for r in filtered)} passes found too "
                     f"few clean batches and kept every sample (host_clean false).")
+    rejudged = [r["host_rejudged"] for r in probed if r.get("host_rejudged")]
+    if rejudged:
+        out[-1] += (f" {len(rejudged)} passes kept at first were over the limit once the run's fastest probe fell; "
+                    f"{sum(x['re_timed'] for x in rejudged)} of them were re-timed.")
     spent = results.get("meta", {}).get("host_extra_s")
     if spent is not None:
         budget = results.get("meta", {}).get("config", {}).get("host_extra_budget_s")
@@ -156,8 +161,11 @@ def host_speed_text(results: dict) -> list[str]:
                               "batches set aside", "host_slow"],
                              [[r["backend"], str(r["tokens"]), str(r["pass"]),
                                f"{_fmt_us(r['median_us'])} ({_fmt_us(r['host_probe_median_us'])})",
-                               ", ".join(f"{_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])})"
-                                         for x in r.get("host_retaken") or []) or "-",
+                               ", ".join([f"{_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])})"
+                                          for x in r.get("host_retaken") or []]
+                                         + [f"first take {_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])}), "
+                                            + ("re-timed later" if x["re_timed"] else "not re-timed: no budget or time")
+                                            for x in ([r["host_rejudged"]] if r.get("host_rejudged") else [])]) or "-",
                                str(r.get("host_batches_aside", "-")) + (" (not clean)" if r.get("host_clean") is False else ""),
                                "host_slow" if r.get("host_slow") else ""] for r in hit])]
     return out
