@@ -12,6 +12,8 @@
 # then the host speed check spends at most --host-extra-budget (60) s, reference cases not begun by the
 # deadline are skipped, every row is logged and each host-bound row is written as it finishes.
 #
+# <sha> is `git rev-parse --short=10 HEAD` taken on THIS machine: on the device, git rev-parse returned a
+# stale HEAD at 3ec44fd (its results say cf038b4ac2).
 #   run(command="MEGAMOE_COMMIT=<sha> bash bench/device/run_sweep.sh",
 #       carry=[".whl"], timeout_s=600)
 #   run(command="source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH MEGAMOE_COMMIT=<sha> &&
