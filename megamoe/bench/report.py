@@ -161,14 +161,21 @@ def host_speed_text(results: dict) -> list[str]:
                               "batches set aside", "host_slow"],
                              [[r["backend"], str(r["tokens"]), str(r["pass"]),
                                f"{_fmt_us(r['median_us'])} ({_fmt_us(r['host_probe_median_us'])})",
-                               ", ".join([f"{_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])})"
-                                          for x in r.get("host_retaken") or []]
-                                         + [f"first take {_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])}), "
-                                            + ("re-timed later" if x["re_timed"] else "not re-timed: no budget or time")
-                                            for x in ([r["host_rejudged"]] if r.get("host_rejudged") else [])]) or "-",
+                               _earlier_takes(r),
                                str(r.get("host_batches_aside", "-")) + (" (not clean)" if r.get("host_clean") is False else ""),
                                "host_slow" if r.get("host_slow") else ""] for r in hit])]
     return out
+
+
+def _earlier_takes(r: dict) -> str:
+    """A host-bound row's takes before the kept one: its retakes, and a first take re-timed once the run's
+    baseline fell (``host_rejudged``), each as "us (probe us)"."""
+    takes = [f"{_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])})" for x in r.get("host_retaken") or []]
+    x = r.get("host_rejudged")
+    if x:
+        takes.append(f"first take {_fmt_us(x['median_us'])} ({_fmt_us(x['host_probe_median_us'])}), "
+                     + ("re-timed later" if x["re_timed"] else "not re-timed: no budget or time"))
+    return ", ".join(takes) or "-"
 
 
 def _best_bm(r: dict) -> str:

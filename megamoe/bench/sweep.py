@@ -710,7 +710,7 @@ class Sweep:
                     tm = self._time(b, t, self._sets(b, t))
                     row = self._row(b, t, tm, p, chk, plan)
                     self.results["rows"].append(row)
-                    self.log(row_log_line(row, p, cfg.passes, self.elapsed()))
+                    self.log(row_log_line(row, cfg.passes, self.elapsed()))
                     if b.host_bound:
                         self._rejudge_host_rows(first)
                         self.write()  # a host-bound row takes seconds: keep it should the run be cut
@@ -754,7 +754,7 @@ class Sweep:
             chk, plan = first.get((b.name, t), ({}, {})) if p == 0 else ({}, {})
             rows[i] = self._row(b, t, tm, p, chk, plan)
             rows[i]["host_rejudged"] = {**old, "re_timed": True}
-            self.log(row_log_line(rows[i], p, self.cfg.passes, self.elapsed())
+            self.log(row_log_line(rows[i], self.cfg.passes, self.elapsed())
                      + f"; re-timed: first taken at probe {pm:,.0f} us, over the run's later limit {limit:,.0f} us")
 
     def _settle(self) -> None:
@@ -938,10 +938,10 @@ class Sweep:
 
 
 # ------------------------------------------------------------------------------------ derived tables
-def row_log_line(row: dict, pass_idx: int, passes: int, elapsed_s: float) -> str:
+def row_log_line(row: dict, passes: int, elapsed_s: float) -> str:
     """One log line per timed row: what was timed, its median and, for host-bound rows, the host's
     speed (probe median, batches set aside, retakes), so a cut or slow run's log says where time went."""
-    line = (f"[bench] {elapsed_s:6.1f} s  pass {pass_idx + 1}/{passes} {row['backend']} T={row['tokens']}: "
+    line = (f"[bench] {elapsed_s:6.1f} s  pass {row['pass'] + 1}/{passes} {row['backend']} T={row['tokens']}: "
             f"{row['median_us']:,.1f} us ({row['repeats']} calls, {row.get('path', row.get('method'))})")
     if row.get("host_probe_median_us") is not None:
         line += (f"; host probe {row['host_probe_median_us']:,.0f} us (best {row.get('host_probe_best_us', '-')}), "
