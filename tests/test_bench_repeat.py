@@ -290,6 +290,30 @@ def test_min_time_extends_repeats_in_whole_rotations(clock):
     assert len(plain.samples_us) == round_to_sets(3, n)
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+def test_min_time_of_a_host_bound_pass_stops_within_a_rotation(clock, filtered):
+    """With a probe (host-bound), the pass grows by the rotations the remaining time needs, not by whole
+    batches: a 200 ms call must not time 3x min_time_s (run 0f79c20d8f timed 16 calls for a 1 s minimum)."""
+    n = random.randint(2, 4)
+    c = random.uniform(120_000.0, 300_000.0)
+    min_time = random.uniform(0.8, 2.0)
+    fn = lambda k: clock.advance_us(c)  # noqa: E731
+    probe = lambda: 1000.0 + random.random()  # noqa: E731 - a host at its usual speed throughout
+    kw = dict(probe_slow_above=2000.0, max_time_s=60.0) if filtered else {}
+    tm = time_fn(fn, args=list(range(n)), warmup=1, repeats=3, device="cpu", min_time_s=min_time,
+                 max_repeats=1000, probe=probe, **kw)
+    r = len(tm.samples_us)
+    assert r % n == 0 and r * c * 1e-6 >= min_time  # the minimum is met, in whole rotations ...
+    assert (r - n) * c * 1e-6 < min_time  # ... and one rotation fewer would not have met it
+    assert len(tm.extra["host_probe_us"]) >= 2
+    # a cheap call still grows by at most one batch at a time and meets the minimum the same way
+    fast = random.uniform(2_000.0, 9_000.0)
+    tm2 = time_fn(lambda k: clock.advance_us(fast), args=list(range(n)), warmup=1, repeats=3, device="cpu",
+                  min_time_s=min_time, max_repeats=100_000, probe=probe, **kw)
+    r2 = len(tm2.samples_us)
+    assert r2 % n == 0 and r2 * fast * 1e-6 >= min_time and (r2 - n) * fast * 1e-6 < min_time
+
+
 def test_per_set_medians_and_rotation_spread():
     tm = Timing([1.0, 10.0, 2.0, 12.0, 3.0, 11.0], "perf_counter", rotated=2, set_index=[0, 1, 0, 1, 0, 1])
     assert tm.per_set_median_us == [2.0, 11.0] and tm.rotation_spread == pytest.approx(4.5)

@@ -9,7 +9,7 @@
 # BLOCK_M 28 s, ragged 52 s; the deadline then cut the staging section, which ran in a second call
 # (167 s, folder 810b815d80-staging). Run cf038b4ac2 (another card, host probe calibrated at 1656 us
 # against 899-988 us before) timed out in its reference rows after 420 s of them and kept none: since
-# then the host speed check spends at most --host-extra-budget (60) s, reference cases not begun by the
+# then the host speed check spends at most --host-extra-budget (90) s, reference cases not begun by the
 # deadline are skipped, every row is logged and each host-bound row is written as it finishes.
 #
 # <sha> is `git rev-parse --short=10 HEAD` taken on THIS machine: on the device, git rev-parse returned a
