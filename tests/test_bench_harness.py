@@ -495,7 +495,8 @@ def test_host_probe_tracks_the_cores_speed():
 
 def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: float = 5.0, min_warmup_s: float = 0.0,
                      recover_window_s: float = 0.0, batch_filter: bool = False, max_time_s: float = 5.0,
-                     tokens=(2,), extra_budget_s: float = 60.0, log=None, calibration_us: float = 100.0):
+                     tokens=(2,), extra_budget_s: float = 60.0, log=None, calibration_us: float = 100.0,
+                     min_time_s: float = 0.0, call_s: float = 0.0):
     """A host-bound callable timed with a fake probe that reads 1.5x slow for its first ``slow_probe_calls``
     calls after calibration (an episode of the VM's host), 1.0x after. ``batch_filter``: the in-pass
     batch filter on (off here by default, so the retake tests see whole passes)."""
@@ -509,11 +510,16 @@ def _slow_host_sweep(tiny, slow_probe_calls: int, retakes: int = 3, recover_s: f
             return calibration_us
         return 150.0 if state["calls"] <= slow_probe_calls else 100.0 + random.random()
 
-    cb = bk.CallableBackend("host-bound", lambda inp: x @ x, host_bound=True)
+    def call(inp):
+        if call_s:
+            time.sleep(call_s)  # a host-bound step that takes time (the pass's min_time_s counts it)
+        return x @ x
+
+    cb = bk.CallableBackend("host-bound", call, host_bound=True)
     cfg = SweepConfig(preset="tiny", tokens=list(tokens), backends=[], repeats=10, reference_repeats=10, warmup=1, passes=2,
                       block_m_study=False, ragged=False, staging=False, overhead=False, device="cpu", ceilings=CPU_CEIL,
-                      progress=False, weights=w, extra_backends=[cb], host_min_time_s=0.0, host_min_warmup_s=min_warmup_s,
-                      host_calibrate_s=0.0, host_probe=probe, host_speed_check=True, host_retakes=retakes,
+                      progress=False, weights=w, extra_backends=[cb], host_min_time_s=min_time_s,
+                      host_min_warmup_s=min_warmup_s, host_calibrate_s=0.0, host_probe=probe, host_speed_check=True, host_retakes=retakes,
                       host_recover_s=recover_s, host_max_time_s=max_time_s,
                       host_recover_window_s=recover_window_s, drift_check=False, host_batch_filter=batch_filter,
                       host_extra_budget_s=extra_budget_s)
@@ -570,6 +576,26 @@ def test_sweep_sets_aside_a_slow_spell_within_the_pass_instead_of_retaking_it(ti
     for r in res["rows"]:
         assert r["host_clean"] is False and r["host_slow"] is True and r["host_retaken"][0]["host_clean"] is False
     assert "(not clean)" in to_markdown(res)
+
+
+def test_a_pass_left_short_of_its_minimum_is_retaken_like_a_slow_one(tiny):
+    # the host reads its usual speed throughout, but the pass cannot collect min_time_s of kept calls
+    # within max_time_s: it is retaken, and still short after the last retake it is flagged host_slow
+    logged: list[str] = []
+    res = _slow_host_sweep(tiny, slow_probe_calls=0, retakes=1, recover_s=0.1, batch_filter=True, max_time_s=0.1,
+                           min_time_s=30.0, call_s=0.005, log=logged.append)
+    for r in res["rows"]:
+        assert r["host_short"] is True and r["host_clean"] is True and r["host_probe_median_us"] < 101.0
+        (first,) = r["host_retaken"]
+        assert first["host_short"] is True and first["host_probe_median_us"] < 101.0
+        assert r["host_slow"] is True
+    assert any(", short" in line for line in logged)
+    md = to_markdown(res)
+    assert "(short)" in md and "2 kept passes ran out of time short of their minimum (host_short)" in md
+    # time enough for the minimum: neither short nor retaken
+    res = _slow_host_sweep(tiny, slow_probe_calls=0, batch_filter=True, max_time_s=30.0, min_time_s=0.05, call_s=0.005)
+    for r in res["rows"]:
+        assert r["host_short"] is False and r["host_retaken"] == [] and r["host_slow"] is False
 
 
 def test_the_host_check_stops_retaking_once_its_budget_is_spent(tiny):

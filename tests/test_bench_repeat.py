@@ -483,7 +483,7 @@ def test_time_fn_sets_aside_the_batches_a_slow_probe_stands_beside(clock):
     tm = time_fn(fn, args=list(range(sets)), warmup=1, repeats=20, device="cpu", min_time_s=0.3, max_repeats=1000,
                  probe=probe, probe_slow_above=1080.0, max_time_s=30.0)
     step = round_to_sets(10, sets)
-    assert tm.extra["host_clean"] is True and tm.extra["host_batches_aside"] >= 1
+    assert tm.extra["host_clean"] is True and tm.extra["host_batches_aside"] >= 1 and tm.extra["host_short"] is False
     assert tm.extra["host_calls_aside"] % sets == 0  # whole rotations set aside ...
     assert sets <= tm.extra["host_calls_aside"] <= tm.extra["host_batches_aside"] * step  # ... at most a batch each
     assert all(s == pytest.approx(fast) for s in tm.samples_us)  # no slow call in the figure
@@ -498,6 +498,28 @@ def test_time_fn_sets_aside_the_batches_a_slow_probe_stands_beside(clock):
     assert any(s == pytest.approx(slow) for s in plain.samples_us) and "host_clean" not in plain.extra
 
 
+def test_time_fn_says_when_a_flickering_host_left_a_pass_short_of_its_minimum(clock):
+    """A host that flips speed every few probes: two batches in three have a slow probe beside them. The
+    kept batches meet ``repeats`` but not ``min_time_s`` before ``max_time_s``: the pass is clean (every
+    kept sample fast, probe median at the usual speed) and says it is short (run 0e3c5a09b5, 1 token)."""
+    sets = random.randint(2, 4)
+    fast, slow = random.uniform(5_000.0, 9_000.0), random.uniform(12_000.0, 20_000.0)
+    flicker = {k for k in range(1, 10**5) if ((k - 1) // 2) % 3 == 0}  # probe pairs 0, 3, 6, ... read slow
+    probe, fn, _ = _host_with_spells(clock, fast, slow, flicker)
+    max_time = random.uniform(0.8, 1.5)
+    tm = time_fn(fn, args=list(range(sets)), warmup=1, repeats=3, device="cpu", min_time_s=5.0, max_repeats=10_000,
+                 probe=probe, probe_slow_above=1080.0, max_time_s=max_time)
+    assert tm.extra["host_clean"] is True and tm.extra["host_short"] is True
+    assert all(x == pytest.approx(fast) for x in tm.samples_us) and tm.extra["host_probe_median_us"] < 1080.0
+    assert tm.extra["host_batches_aside"] >= 2 * (len(tm.samples_us) // round_to_sets(10, sets)) - 1
+    assert len(tm.samples_us) * fast * 1e-6 < 5.0
+    # the same host with time enough: not short
+    probe2, fn2, _ = _host_with_spells(clock, fast, slow, flicker)
+    tm2 = time_fn(fn2, args=list(range(sets)), warmup=1, repeats=3, device="cpu", min_time_s=0.3, max_repeats=10_000,
+                  probe=probe2, probe_slow_above=1080.0, max_time_s=60.0)
+    assert tm2.extra["host_short"] is False and len(tm2.samples_us) * fast * 1e-6 >= 0.3
+
+
 def test_time_fn_keeps_every_sample_when_the_host_never_comes_back(clock):
     fast, slow = random.uniform(5_000.0, 9_000.0), random.uniform(12_000.0, 20_000.0)
     max_time = random.uniform(0.5, 1.5)
@@ -505,6 +527,7 @@ def test_time_fn_keeps_every_sample_when_the_host_never_comes_back(clock):
     t0 = clock.perf_counter()
     tm = time_fn(fn, warmup=1, repeats=20, device="cpu", probe=probe, probe_slow_above=1080.0, max_time_s=max_time)
     assert tm.extra["host_clean"] is False and len(tm.samples_us) == tm.extra["host_calls_aside"] > 0
+    assert tm.extra["host_short"] is True
     assert all(s == pytest.approx(slow) for s in tm.samples_us)
     assert tm.extra["host_probe_median_us"] > 1400.0  # a retaking caller sees a slow pass
     assert max_time <= clock.perf_counter() - t0 <= max_time + 10 * slow * 1e-6 + 1.0  # stopped after max_time_s

@@ -134,7 +134,7 @@ def host_speed_text(results: dict) -> list[str]:
         return []
     cal = results.get("meta", {}).get("host_probe_calibration_us")
     hit = [r for r in probed if r.get("host_retaken") or r.get("host_slow") or r.get("host_clean") is False
-           or r.get("host_rejudged")]
+           or r.get("host_rejudged") or r.get("host_short")]
     n = sum(len(r.get("host_retaken") or []) for r in probed)
     out = ["", f"Host speed (host-bound rows; a fixed CPU probe between timed batches, calibration "
                f"{_fmt_us(cal) if cal else '-'} us): {n} of {n + len(probed)} passes retaken while the probe read "
@@ -145,7 +145,9 @@ def host_speed_text(results: dict) -> list[str]:
         out[-1] += (f" Within the kept passes, {sum(r['host_batches_aside'] for r in aside)} batches "
                     f"({sum(r['host_calls_aside'] for r in aside)} calls) of {len(aside)} passes were set aside for a "
                     f"slow probe beside them; {sum(r.get('host_clean') is False for r in filtered)} passes found too "
-                    f"few clean batches and kept every sample (host_clean false).")
+                    f"few clean batches and kept every sample (host_clean false); "
+                    f"{sum(bool(r.get('host_short')) for r in filtered)} kept passes ran out of time short of their "
+                    f"minimum (host_short).")
     rejudged = [r["host_rejudged"] for r in probed if r.get("host_rejudged")]
     if rejudged:
         out[-1] += (f" {len(rejudged)} passes kept at first were over the limit once the run's fastest probe fell; "
@@ -162,7 +164,8 @@ def host_speed_text(results: dict) -> list[str]:
                              [[r["backend"], str(r["tokens"]), str(r["pass"]),
                                f"{_fmt_us(r['median_us'])} ({_fmt_us(r['host_probe_median_us'])})",
                                _earlier_takes(r),
-                               str(r.get("host_batches_aside", "-")) + (" (not clean)" if r.get("host_clean") is False else ""),
+                               str(r.get("host_batches_aside", "-")) + (" (not clean)" if r.get("host_clean") is False else "")
+                               + (" (short)" if r.get("host_short") else ""),
                                "host_slow" if r.get("host_slow") else ""] for r in hit])]
     return out
 

@@ -53,7 +53,8 @@ every retaken pass is kept in the row (``host_retaken``) and a pass still slow a
 ``host_slow``. Within a pass (``host_batch_filter``), a batch with a probe on either side of it over
 that limit is set aside and the pass times on (at most ``host_max_time_s``) until the batches kept hold
 its repeats: a slow episode can cover part of a pass and leave the pass's probe median at the usual
-speed (run 18db317). The host-bound figure is thus the row's time at the host's usual speed, and says so.
+speed (run 18db317). A pass whose filter runs out of time before its kept batches reach its minimum
+(``host_short``) is retaken like a slow one. The host-bound figure is thus the row's time at the host's usual speed, and says so.
 
 Device-bound rows time at least ``device_min_time_s`` (1 s) of samples after their warm-up. On the H200
 under load the card sits at its power cap (~700 W) and the kernels at 1024 tokens slow by 5-15% for
@@ -381,8 +382,9 @@ class Sweep:
     def _time_host(self, run: Callable[[bool], Timing]) -> Timing:
         """A host-bound pass, with the host's speed on record: ``run()`` is retaken (at most
         ``host_retakes`` times) while its probe median is over the fastest probe median seen in this run by
-        ``host_slow_limit`` or more. Every retaken pass stays in the row (``host_retaken``); a pass still
-        slow after the last retake is kept and flagged ``host_slow``. The figure is the host-bound row's
+        ``host_slow_limit`` or more, or while its in-pass filter ran out of time short of its minimum
+        (``host_short``). Every retaken pass stays in the row (``host_retaken``); a pass still slow or short
+        after the last retake is kept and flagged ``host_slow``. The figure is the host-bound row's
         time at the host's usual speed, not during one of the VM's slow episodes (bench/results/
         2026-12-03_nvidia-h200_levels/: the pinned core ran 1.4-1.8x slower for 1-10 s at a time).
         Before each retake the host is given up to ``host_recover_s`` to come back (``wait_for_host``);
@@ -404,7 +406,10 @@ class Sweep:
             best = getattr(self, "_host_best", None)
             best = pm if best is None else min(best, pm)
             self._host_best = best
-            slow = pm > self.host_slow_above()
+            # A pass whose filter ran out of time short of its minimum is no steadier a figure than a slow
+            # one, even when its kept batches' probes read the usual speed (host_short).
+            short = bool(tm.extra.get("host_short"))
+            slow = pm > self.host_slow_above() or short
             if not slow or len(retaken) >= cfg.host_retakes:
                 break
             if self.host_budget_left() <= 0:
@@ -414,6 +419,7 @@ class Sweep:
             self._spend_host(waited)
             retaken.append({"median_us": tm.median_us, "host_probe_median_us": round(pm, 1),
                             "samples": len(tm.samples_us), "host_clean": tm.extra.get("host_clean"),
+                            "host_short": short,
                             "then_waited_s": round(waited, 2)})
         tm.extra.update(host_retaken=retaken, host_slow=bool(slow), host_probe_best_us=round(best, 1))
         return tm
@@ -950,6 +956,7 @@ def row_log_line(row: dict, passes: int, elapsed_s: float) -> str:
                  f"{row.get('host_batches_aside', 0)} batches aside, {len(row.get('host_retaken') or [])} retakes"
                  + (", host_slow" if row.get("host_slow") else "")
                  + (", not clean" if row.get("host_clean") is False else "")
+                 + (", short" if row.get("host_short") else "")
                  + (", budget spent" if row.get("host_budget_spent") else ""))
     return line
 
@@ -1076,7 +1083,8 @@ def timing_protocol(cfg: SweepConfig, host_speed_check: bool) -> dict:
                                       + (f"; within a pass, every batch (whole rotations) with a probe on either side over "
                                          f"that limit is set aside and the pass times on, for at most {cfg.host_max_time_s} s, "
                                          f"until its kept batches hold the repeats and min_time_s (too few: every sample, "
-                                         f"host_clean false)" if cfg.host_batch_filter else "")
+                                         f"host_clean false; out of time short of min_time_s: host_short, retaken like a "
+                                         f"slow pass)" if cfg.host_batch_filter else "")
                                       + (f"; all of this (retakes, waits, calls set aside) spends at most "
                                          f"{cfg.host_extra_budget_s:g} s of the run (host_extra_budget_s), then passes are "
                                          f"kept as first timed" if host_speed_check else "")

@@ -336,7 +336,11 @@ def time_fn(
     (run 18db317, 16 tokens: probes up to 1.9x the usual in both passes, medians within 6%, passes 3.45%
     apart). Timing stops after ``max_time_s``; if the batches kept by then hold fewer than ``repeats``
     calls, every sample is used instead (``extra['host_clean']`` False) and ``host_probe_median_us`` is
-    over every probe, so a caller that retakes slow passes sees it. Set-aside counts go to
+    over every probe, so a caller that retakes slow passes sees it. ``extra['host_short']`` is True when
+    ``max_time_s`` ran out before the kept batches reached the target (``repeats``, grown for
+    ``min_time_s``): the figure then rests on a few calls caught in gaps of an unsteady host (H200, run
+    0e3c5a09b5, 1 token: 97 batches set aside, 16 calls kept of ~130, 5.4% slower than the next pass,
+    with a probe median at the usual speed). Set-aside counts go to
     ``extra['host_batches_aside']`` / ``['host_calls_aside']``; with a clean figure,
     ``host_probe_median_us`` is over the probes after the kept batches.
     """
@@ -372,8 +376,10 @@ def time_fn(
         kept_probes: list[float] = []
         aside = [0, 0]  # batches, calls
         before = [float(probe()) for _ in range(probes_per_batch)] if filtering else []
+        short = False  # filtering: max_time_s ran out before the kept batches held the target
         while r < target:
             if filtering and time.perf_counter() - t_start >= max_time_s:
+                short = True
                 break
             n = min(size, target - r)
             tb = time.perf_counter()
@@ -412,7 +418,7 @@ def time_fn(
         clean = r >= round_to_sets(repeats, sets)
         if not clean:  # the host never stayed fast for long enough: every sample, and say so
             samples, idx, kept_probes = every, every_idx, probed
-        extra.update(host_clean=clean, host_batches_aside=aside[0], host_calls_aside=aside[1])
+        extra.update(host_clean=clean, host_batches_aside=aside[0], host_calls_aside=aside[1], host_short=short)
     if probed:
         extra["host_probe_us"] = [round(x, 1) for x in probed]
         extra["host_probe_median_us"] = float(statistics.median(kept_probes or probed))
