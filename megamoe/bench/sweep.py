@@ -54,7 +54,8 @@ every retaken pass is kept in the row (``host_retaken``) and a pass still slow a
 that limit is set aside and the pass times on (at most ``host_max_time_s``) until the batches kept hold
 its repeats: a slow episode can cover part of a pass and leave the pass's probe median at the usual
 speed (run 18db317). A pass whose filter runs out of time before its kept batches reach its minimum
-(``host_short``) is retaken like a slow one. The host-bound figure is thus the row's time at the host's usual speed, and says so.
+(``host_short``) is retaken like a slow one. The host-bound figure is thus the row's time at the host's
+usual speed, and says so.
 
 Device-bound rows time at least ``device_min_time_s`` (1 s) of samples after their warm-up. On the H200
 under load the card sits at its power cap (~700 W) and the kernels at 1024 tokens slow by 5-15% for
