@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megamoe.bench.backends import FusedAdapter, backend_available, block_m_of, fused_registry
-from megamoe.bench.suite import bench_tokens
+from megamoe.bench.suite import bench_tokens, device_pass_kwargs
 from megamoe.bench.timing import overhead_check, time_fn
 from megamoe.testing import calc_diff, make_inputs
 
@@ -43,7 +43,7 @@ def test_bench_fused_launch(benchmark, record, geometry_and_weights, device, nam
     diff = None if ref is None else calc_diff(y.float(), ref.float())
     assert not torch.isnan(y.float()).any() and (diff is None or diff < 1e-3), f"{name} T={num_tokens}: calc_diff {diff}"
     fn, _ = a.timer([inp])
-    tm = time_fn(fn, warmup=5, repeats=20, device=device)
+    tm = time_fn(fn, warmup=5, repeats=20, device=device, **device_pass_kwargs(device, 20))
     record(fn, tm, g=g, topk_idx=inp.topk_idx, weight_format=a.weight_format, rounds=5, backend=name,
            tokens=num_tokens, block_m=block_m_of(a.plan(num_tokens)), calc_diff=diff)
 
@@ -57,6 +57,6 @@ def test_bench_harness_overhead(benchmark, record, geometry_and_weights, device,
     t = max(TOKENS)
     fn, _ = a.timer([make_inputs(g, t, seed=1, device=device)])
     oc = overhead_check(fn, iters=10, rounds=8, device=device, settle_s=1.0)
-    tm = time_fn(fn, warmup=5, repeats=20, flush_l2=False, device=device)
+    tm = time_fn(fn, warmup=5, repeats=20, flush_l2=False, device=device, **device_pass_kwargs(device, 20))
     info = record(fn, tm, backend=name, tokens=t, bare_loop_us=oc["bare_loop_us"], ratio=oc["ratio"])
     assert abs(info["ratio"] - 1) <= 0.02, f"harness / bare loop = {oc['ratio']:.4f} over the same calls"

@@ -731,3 +731,19 @@ def test_card_identity_reads_nvidia_smi_and_lands_in_the_report(tmp_path, monkey
     assert f"- card: uuid GPU-abc, serial {serial}, pci.bus_id 00000000:19:00.0, power.limit {watts}" in to_markdown(res)
     monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no nvidia-smi at all: the UUID alone
     assert card_identity(torch.device("cuda", 0), uuid="GPU-x") == {"uuid": "GPU-x"}
+
+
+def test_the_pytest_suites_time_a_device_pass_as_the_sweep_does():
+    # bench/test_bench_fused.py times with these keywords: the sweep's device-bound pass (1 s of samples
+    # over the card's power-cap cycle), so `pytest bench/` and `megamoe bench` report comparable figures
+    import inspect
+
+    from megamoe.bench.suite import device_pass_kwargs
+
+    cfg = SweepConfig()
+    reps = random.randint(1, 5000)
+    kw = device_pass_kwargs("cuda", reps)
+    assert kw == {"min_warmup_s": cfg.device_min_warmup_s, "min_time_s": cfg.device_min_time_s,
+                  "max_repeats": max(reps, cfg.device_max_repeats)}
+    assert set(kw) <= set(inspect.signature(time_fn).parameters)
+    assert device_pass_kwargs("cpu", reps) == {}
