@@ -747,3 +747,27 @@ def test_the_pytest_suites_time_a_device_pass_as_the_sweep_does():
                   "max_repeats": max(reps, cfg.device_max_repeats)}
     assert set(kw) <= set(inspect.signature(time_fn).parameters)
     assert device_pass_kwargs("cpu", reps) == {}
+
+
+def test_the_pytest_benchmark_json_becomes_a_table_of_its_extra_info(tmp_path):
+    # a real pytest-benchmark run of one suite (staging cast, 2 token counts), then its JSON as markdown
+    from megamoe.bench.report import benchmark_json_markdown
+
+    toks = sorted(random.sample(range(1, 33), 2))
+    out = tmp_path / "b.json"
+    env = {**os.environ, "MEGAMOE_BENCH_PRESET": "tiny", "MEGAMOE_BENCH_TOKENS": ",".join(map(str, toks)),
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-m", "pytest", "bench/test_bench_reference.py", "-k", "staging_cast", "-q",
+                    "-p", "no:cacheprovider", "--benchmark-enable", f"--benchmark-json={out}"],
+                   check=True, env=env, capture_output=True, timeout=300)
+    bench = json.loads(out.read_text())
+    md = benchmark_json_markdown(bench, commit="abc1234567")
+    assert md.startswith("# pytest bench/") and "commit abc1234567" in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| test_bench_staging_cast")]
+    assert len(lines) == len(toks) == len(bench["benchmarks"])
+    for b, ln in zip(bench["benchmarks"], lines):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        e = b["extra_info"]
+        assert cells[0] == b["name"] and cells[3] == e["method"] and cells[4] == str(e["repeats"])
+        assert float(cells[1].replace(",", "")) == pytest.approx(e["device_us"], rel=0.01, abs=0.06)
+        assert float(cells[5].replace(",", "")) == pytest.approx(b["stats"]["median"] * 1e6, rel=0.01, abs=0.06)

@@ -193,6 +193,38 @@ def md_table(head, body) -> str:
     return "\n".join(lines)
 
 
+def benchmark_json_markdown(bench: dict, commit: str | None = None) -> str:
+    """pytest-benchmark's JSON (``--benchmark-json``) as a markdown table of what its own table leaves out:
+    each test's ``extra_info`` (the harness's device time, spread, rates, fractions of the ceilings and
+    of the floor, BLOCK_M, calc_diff) beside pytest-benchmark's wall-clock median. The ceilings test's
+    rates are a line of their own. ``commit`` overrides the JSON's git id (a device copy's git HEAD can
+    be stale)."""
+    rows, ceil = [], None
+    for b in bench.get("benchmarks", []):
+        e = b.get("extra_info", {})
+        if "device_us" not in e:
+            ceil = ceil or (e if "copy_gbps" in e else None)
+            continue
+        rows.append([b["name"], _fmt_us(e["device_us"]), _pct(e.get("spread")), str(e.get("method", "-")),
+                     str(e.get("repeats", "-")), _fmt_us(b["stats"]["median"] * 1e6),
+                     f"{e['tflops']:.3g}" if e.get("tflops") is not None else "-",
+                     f"{e['gbps']:.4g}" if e.get("gbps") is not None else "-",
+                     _pct(e.get("frac_of_floor")), str(e.get("block_m", "-")),
+                     f"{e['calc_diff']:.1e}" if e.get("calc_diff") is not None else "-",
+                     f"{e['ratio']:.4f}" if e.get("ratio") is not None else "-"])
+    m = bench.get("machine_info", {})
+    c = bench.get("commit_info", {})
+    sha = commit or f"{str(c.get('id', '-'))[:10]}{' dirty' if c.get('dirty') else ''}"
+    out = [f"# pytest bench/ ({bench.get('datetime', '-')}, commit {sha}, {m.get('node', '-')}, "
+           f"python {m.get('python_version', '-')})", ""]
+    if ceil:
+        out += [f"- ceilings measured in the session ({ceil.get('device', '-')}): copy {ceil['copy_gbps']:.0f} GB/s, "
+                f"FP8 {ceil.get('fp8_tflops', float('nan')):.4g} TFLOP/s, bf16 {ceil.get('bf16_tflops', float('nan')):.4g} TFLOP/s", ""]
+    out.append(md_table(["test", "device us", "spread", "timed by", "calls", "wall us (pytest-benchmark)", "TFLOP/s",
+                         "GB/s", "of floor", "BM", "calc_diff", "harness / bare"], rows))
+    return "\n".join(out) + "\n"
+
+
 def to_markdown(results: dict) -> str:
     m, c = results["meta"], results.get("ceilings") or {}
     v = m.get("versions", {})
