@@ -13,8 +13,12 @@ if [ -f .whl/prelude.sh ]; then
   source .whl/prelude.sh || echo "[run_pytest_bench] prelude failed: the fused suites will skip"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).lower().replace('nvidia ', 'nvidia-').replace(' ', '-') if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
-dir="$OUT/$(date -u +%Y-%m-%d)_${card}_${MEGAMOE_COMMIT:-unknown}-pytest"
+# the folder is named as megamoe bench names its own (results_dir_name), with "-pytest" after it
+name=$(python3 -c "import sys, time, torch; from megamoe.bench.sweep import results_dir_name; \
+card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'; \
+print(results_dir_name({'date': time.strftime('%Y-%m-%d', time.gmtime()), 'card': card, 'commit': sys.argv[1]}))" \
+  "${MEGAMOE_COMMIT:-unknown}") || name="$(date -u +%Y-%m-%d)_unknown_${MEGAMOE_COMMIT:-unknown}"
+dir="$OUT/${name}-pytest"
 mkdir -p "$dir"
 timeout -k 10 "${PY_TIMEOUT:-540}" python3 -m pytest bench/ -q -p no:cacheprovider --benchmark-enable \
   --benchmark-json="$dir/pytest-bench.json" 2>&1 | tee "$dir/pytest-log.txt"

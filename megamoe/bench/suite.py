@@ -23,13 +23,10 @@ def bench_tokens() -> list[int]:
 
 
 def device_pass_kwargs(device: str, repeats: int = 20) -> dict:
-    """``time_fn`` keywords for a device-bound pass on CUDA timed as ``megamoe bench`` times it (the
-    SweepConfig defaults): at least 0.1 s of warm-up and 1 s of samples; none elsewhere. On the H200 under load the card steps its
-    clock for ~0.25 s once a second at its power cap; a pass of 20 calls (~2-100 ms) caught that cycle
-    or missed it (bench/results/2026-12-03_nvidia-h200_levels/)."""
+    """``time_fn`` keywords for a device-bound pass on CUDA, timed as ``megamoe bench`` times it
+    (``SweepConfig().device_pass``: at least 0.1 s of warm-up and 1 s of samples); none elsewhere. On the
+    H200 under load the card steps its clock for ~0.25 s once a second at its power cap; a pass of 20
+    calls (~2-100 ms) caught that cycle or missed it (bench/results/2026-12-03_nvidia-h200_levels/)."""
     from megamoe.bench.sweep import SweepConfig
 
-    if not str(device).startswith("cuda"):
-        return {}
-    return dict(min_warmup_s=SweepConfig.device_min_warmup_s, min_time_s=SweepConfig.device_min_time_s,
-                max_repeats=max(repeats, SweepConfig.device_max_repeats))
+    return SweepConfig().device_pass(repeats) if str(device).startswith("cuda") else {}

@@ -171,6 +171,15 @@ class SweepConfig:
     host_probe: Callable[[], float] | None = None  # None: timing.host_speed_probe_us (tests inject their own)
     ceilings: Ceilings | None = None  # pre-measured (tests, re-runs); None: measured in this run
 
+    def device_pass(self, repeats: int, study: bool = False) -> dict:
+        """``time_fn`` keywords of a device-bound pass on CUDA: ``device_min_warmup_s`` of warm-up and
+        ``device_min_time_s`` of samples (``study_min_time_s`` for a BLOCK_M / ragged study case), at
+        most ``device_max_repeats`` calls but never fewer than ``repeats``. The pytest suites time with
+        the same (``megamoe.bench.suite.device_pass_kwargs``)."""
+        return dict(min_warmup_s=self.device_min_warmup_s,
+                    min_time_s=self.study_min_time_s if study else self.device_min_time_s,
+                    max_repeats=max(repeats, self.device_max_repeats))
+
 
 # ------------------------------------------------------------------------------------ metadata
 def _git(*args) -> str:
@@ -459,9 +468,7 @@ class Sweep:
                 # load the card sits at its power cap and steps its clock by ~5% every few calls, which
                 # put 1024-2048-token rows 4-6% apart: run 939e95829a). Time: short calls keep timing for
                 # ``device_min_time_s``, so a 75 us kernel's median is not taken from 1.5 ms of samples.
-                kw = dict(min_warmup_s=cfg.device_min_warmup_s,
-                          min_time_s=cfg.study_min_time_s if study else cfg.device_min_time_s,
-                          max_repeats=max(reps, cfg.device_max_repeats))
+                kw = cfg.device_pass(reps, study)
             # The card's clocks, power and P-state around every CUDA row (outside the timing): a row
             # whose passes disagree shows whether the card changed state between them.
             before = gpu_state(self.dev)
