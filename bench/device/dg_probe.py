@@ -22,23 +22,18 @@ CACHE = tempfile.mkdtemp(prefix="dgcache-")
 os.environ["DG_JIT_CACHE_DIR"] = CACHE
 os.environ["DG_PRINT_CONFIGS"] = "1"
 
-import json  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
+from probe_journal import ProbeJournal  # noqa: E402  (beside this script)
 
 T0 = time.time()
 RESULT: dict = {"cases": [], "errors": [], "cache": CACHE}
 
 
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def dump():
-    with open(os.path.join(OUT, "dg_probe.json"), "w") as f:
-        json.dump(RESULT, f, indent=1, default=str)
+JOURNAL = ProbeJournal(OUT, "dg_probe.json", RESULT, t0=T0)
+log, dump = JOURNAL.log, JOURNAL.dump
 
 
 def captured(fn):

@@ -9,13 +9,13 @@ Inputs that the CPU must re-create for the offline fits are generated on the CPU
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 import traceback
 
 import torch
+from probe_journal import ProbeJournal  # beside this script
 
 T0 = time.time()
 DEADLINE = float(os.environ.get("PROBE_DEADLINE_S", "330"))
@@ -25,13 +25,8 @@ RESULTS: dict = {"cases": [], "errors": []}
 TENSORS: dict = {}
 
 
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def dump():
-    with open(os.path.join(OUT, "probe.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+JOURNAL = ProbeJournal(OUT, "probe.json", RESULTS, t0=T0)
+log, dump = JOURNAL.log, JOURNAL.dump
 
 
 def guarded(what):

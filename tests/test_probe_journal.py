@@ -1,0 +1,41 @@
+"""bench/device/probe_journal.py: the H200 probes' shared log stamp and JSON dump (the probes themselves only
+run on the device)."""
+
+import importlib.util
+import json
+import pathlib
+import re
+
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "device" / "probe_journal.py"
+
+
+def _journal_module():
+    spec = importlib.util.spec_from_file_location("probe_journal", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_log_is_stamped_with_seconds_since_start(tmp_path, capsys):
+    mod = _journal_module()
+    journal = mod.ProbeJournal(str(tmp_path), "p.json", {}, t0=mod.time.time() - 12.5)
+    journal.log("case", 7)
+    line = capsys.readouterr().out.strip()
+    m = re.fullmatch(r"\[\s*(\d+\.\d)s\] case 7", line)
+    assert m is not None, line
+    assert 12.5 <= float(m.group(1)) < 20.0
+
+
+def test_dump_writes_the_current_record_and_prints_what_json_cannot_hold_as_text(tmp_path):
+    mod = _journal_module()
+    record = {"cases": [], "errors": []}
+    journal = mod.ProbeJournal(str(tmp_path / "new"), "p.json", record)
+    journal.dump()
+    assert json.loads((tmp_path / "new" / "p.json").read_text()) == {"cases": [], "errors": []}
+    value = torch.randn(()).item()
+    record["cases"].append({"dtype": torch.float8_e4m3fn, "shape": torch.Size([3, 5]), "v": value})
+    journal.dump()  # the probe keeps filling the same dict; each dump writes what it holds now
+    got = json.loads((tmp_path / "new" / "p.json").read_text())
+    assert got["cases"] == [{"dtype": "torch.float8_e4m3fn", "shape": [3, 5], "v": value}]
