@@ -39,6 +39,14 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """The run's commit (MEGAMOE_COMMIT where set: a device copy's git HEAD can be stale), package versions
+    and card identity, as ``megamoe bench`` records them, into the benchmark JSON's machine_info."""
+    from megamoe.bench.sweep import run_metadata
+
+    machine_info["megamoe"] = run_metadata("cuda" if ON_GPU else "cpu")
+
+
 @functools.lru_cache(maxsize=None)
 def _weights(preset: str, device: str):
     g = get_geometry(preset)

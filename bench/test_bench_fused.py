@@ -1,5 +1,7 @@
 """Every fused backend (and the unfused DeepGEMM peer) on the H200: correctness first, then the launch
-alone timed with CUDA events (L2 flushed between calls), rates and roofline fractions in extra_info."""
+alone timed as ``megamoe bench`` times it (CUDA-graph replays for a backend that promises
+graph_capturable, else CUDA events over a device pass; L2 flushed between calls), rates and roofline
+fractions in extra_info."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 from megamoe.bench.backends import FusedAdapter, backend_available, block_m_of, fused_registry
-from megamoe.bench.suite import bench_tokens, device_pass_kwargs
+from megamoe.bench.suite import bench_tokens, device_pass_kwargs, time_fused_case
 from megamoe.bench.timing import overhead_check, time_fn
 from megamoe.testing import calc_diff, make_inputs
 
@@ -42,8 +44,8 @@ def test_bench_fused_launch(benchmark, record, geometry_and_weights, device, nam
     ref = a.reference(inp.clone(), w)
     diff = None if ref is None else calc_diff(y.float(), ref.float())
     assert not torch.isnan(y.float()).any() and (diff is None or diff < 1e-3), f"{name} T={num_tokens}: calc_diff {diff}"
-    fn, _ = a.timer([inp])
-    tm = time_fn(fn, warmup=5, repeats=20, device=device, **device_pass_kwargs(device, 20))
+    fn, args = a.timer([inp])
+    tm = time_fused_case(a, fn, args, device)
     record(fn, tm, g=g, topk_idx=inp.topk_idx, weight_format=a.weight_format, rounds=5, backend=name,
            tokens=num_tokens, block_m=block_m_of(a.plan(num_tokens)), calc_diff=diff)
 

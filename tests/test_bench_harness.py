@@ -749,18 +749,59 @@ def test_the_pytest_suites_time_a_device_pass_as_the_sweep_does():
     assert device_pass_kwargs("cpu", reps) == {}
 
 
+def test_the_pytest_fused_suite_takes_the_path_the_sweep_takes(monkeypatch):
+    # the unfused peer promises graph_capturable: the sweep times it from CUDA-graph replays, and an
+    # event-timed pytest pass put its host-side launches in the figure (854 us against 235 us at 1 token,
+    # H200 2026-12-03). time_fused_case must pick select_timing's path with the sweep's arguments.
+    from megamoe.bench import timing
+    from megamoe.bench.suite import device_pass_kwargs, time_fused_case
+    from megamoe.bench.sweep import select_timing
+
+    calls = []
+
+    def fake(kind):
+        def timer(fn, **kw):
+            calls.append((kind, kw))
+            return Timing(samples_us=[random.uniform(1, 9) for _ in range(3)], method=kind)
+        return timer
+
+    monkeypatch.setattr(timing, "time_graph", fake("cuda-graph"))
+    monkeypatch.setattr(timing, "time_fn", fake("cuda-events"))
+    reps = random.randint(2, 40)
+    for promise in (True, False):
+        b = bk.CallableBackend("x", lambda inp: inp, graph_capturable=promise)
+        calls.clear()
+        tm = time_fused_case(b, lambda: None, None, "cuda", warmup=3, repeats=reps)
+        kind, kw = calls[0]
+        assert len(calls) == 1 and kind == select_timing(b, "cuda") == tm.extra["path"] == tm.method
+        assert kind == ("cuda-graph" if promise else "cuda-events")
+        expected = {"args": None, "warmup": 3, "repeats": reps, "flush_l2": True, "device": "cuda"}
+        if not promise:
+            expected.update(device_pass_kwargs("cuda", reps))
+        assert kw == expected
+    sets = [object(), object()]  # rotated input sets: no L2 flush, as in the sweep
+    time_fused_case(bk.CallableBackend("y", lambda inp: inp), lambda s: None, sets, "cuda")
+    assert calls[-1][1]["flush_l2"] is False and calls[-1][1]["args"] is sets
+
+
 def test_the_pytest_benchmark_json_becomes_a_table_of_its_extra_info(tmp_path):
     # a real pytest-benchmark run of one suite (staging cast, 2 token counts), then its JSON as markdown
     from megamoe.bench.report import benchmark_json_markdown
 
     toks = sorted(random.sample(range(1, 33), 2))
     out = tmp_path / "b.json"
+    sha = f"{random.getrandbits(40):010x}"
     env = {**os.environ, "MEGAMOE_BENCH_PRESET": "tiny", "MEGAMOE_BENCH_TOKENS": ",".join(map(str, toks)),
-           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""), "MEGAMOE_COMMIT": sha}
     subprocess.run([sys.executable, "-m", "pytest", "bench/test_bench_reference.py", "-k", "staging_cast", "-q",
                     "-p", "no:cacheprovider", "--benchmark-enable", f"--benchmark-json={out}"],
                    check=True, env=env, capture_output=True, timeout=300)
     bench = json.loads(out.read_text())
+    # the run's own record (bench/conftest.py): the commit it was told, the versions it ran with
+    meta = bench["machine_info"]["megamoe"]
+    assert meta["commit"] == sha and meta["versions"]["torch"] == torch.__version__
+    own = benchmark_json_markdown(bench)
+    assert f"commit {sha}," in own and f"- versions: python {meta['versions']['python']}, torch {torch.__version__}" in own
     md = benchmark_json_markdown(bench, commit="abc1234567")
     assert md.startswith("# pytest bench/") and "commit abc1234567" in md
     lines = [ln for ln in md.splitlines() if ln.startswith("| test_bench_staging_cast")]

@@ -214,9 +214,16 @@ def benchmark_json_markdown(bench: dict, commit: str | None = None) -> str:
                      f"{e['ratio']:.4f}" if e.get("ratio") is not None else "-"])
     m = bench.get("machine_info", {})
     c = bench.get("commit_info", {})
-    sha = commit or f"{str(c.get('id', '-'))[:10]}{' dirty' if c.get('dirty') else ''}"
+    meta = m.get("megamoe", {})  # bench/conftest.py's run_metadata (absent from older JSONs)
+    sha = commit or meta.get("commit") or f"{str(c.get('id', '-'))[:10]}{' dirty' if c.get('dirty') else ''}"
     out = [f"# pytest bench/ ({bench.get('datetime', '-')}, commit {sha}, {m.get('node', '-')}, "
            f"python {m.get('python_version', '-')})", ""]
+    if meta.get("versions"):
+        out.append("- versions: " + ", ".join(f"{k} {val}" for k, val in meta["versions"].items()))
+    if meta.get("gpu"):
+        out.append(f"- card: {meta.get('card', '-')}, " + ", ".join(f"{k} {val}" for k, val in meta["gpu"].items() if val))
+    if out[-1] != "":
+        out.append("")
     if ceil:
         out += [f"- ceilings measured in the session ({ceil.get('device', '-')}): copy {ceil['copy_gbps']:.0f} GB/s, "
                 f"FP8 {ceil.get('fp8_tflops', float('nan')):.4g} TFLOP/s, bf16 {ceil.get('bf16_tflops', float('nan')):.4g} TFLOP/s", ""]

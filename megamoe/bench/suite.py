@@ -30,3 +30,24 @@ def device_pass_kwargs(device: str, repeats: int = 20) -> dict:
     from megamoe.bench.sweep import SweepConfig
 
     return SweepConfig().device_pass(repeats) if str(device).startswith("cuda") else {}
+
+
+def time_fused_case(backend, fn, args, device: str, *, warmup: int = 5, repeats: int = 20):
+    """Time one fused case by the path ``megamoe bench`` picks for it (``select_timing``): CUDA-graph
+    replays for a backend that promises ``graph_capturable`` (the unfused peer: its host-side launches
+    would otherwise be in the figure; at 1 token an event-timed pass read 854 us against 235 us from
+    graph replays, H200 2026-12-03), else CUDA events over a device pass (``device_pass_kwargs``); the L2 is
+    flushed between calls when there are no rotated input sets, as in the sweep. Returns the Timing with
+    ``extra['path']``."""
+    from megamoe.bench.sweep import select_timing
+    from megamoe.bench.timing import time_fn, time_graph
+
+    path = select_timing(backend, torch.device(device).type)
+    flush = args is None
+    if path == "cuda-graph":
+        tm = time_graph(fn, args=args, warmup=warmup, repeats=repeats, flush_l2=flush, device=device)
+    else:
+        tm = time_fn(fn, args=args, warmup=warmup, repeats=repeats, flush_l2=flush, device=device,
+                     **device_pass_kwargs(device, repeats))
+    tm.extra["path"] = path
+    return tm
