@@ -565,6 +565,14 @@ def test_sweep_sets_aside_a_slow_spell_within_the_pass_instead_of_retaking_it(ti
     assert a["host_probe_median_us"] < 101.0
     md = to_markdown(res)
     assert f"{a['host_batches_aside']} batches ({a['host_calls_aside']} calls) of 1 passes were set aside" in md
+    # each pass's batches are on record, and re-selected against the run's final limit (the same limit
+    # these passes were filtered against: the same selection)
+    for r in (a, b):
+        assert sum(n for n, *_ in r["host_batch_log"]) == len(r["host_every_us"])
+        assert r["host_refilter"]["limit_us"] == pytest.approx(100.0 * 1.25, abs=1.3)
+        assert r["host_refilter"]["calls"] == len(r["samples_us"]) and r["host_refilter"]["enough"] is True
+        assert r["host_refilter"]["median_us"] == pytest.approx(r["median_us"], abs=1e-3)
+    assert "0 of 2 passes would keep fewer calls" in md
     # a host that never comes back within host_max_time_s: the pass keeps every sample, says so, is retaken
     res = _slow_host_sweep(tiny, slow_probe_calls=10**9, retakes=1, recover_s=0.1, batch_filter=True, max_time_s=0.2)
     for r in res["rows"]:

@@ -533,3 +533,52 @@ def test_time_fn_keeps_every_sample_when_the_host_never_comes_back(clock):
     assert max_time <= clock.perf_counter() - t0 <= max_time + 10 * slow * 1e-6 + 1.0  # stopped after max_time_s
     with pytest.raises(ValueError, match="max_time_s"):
         time_fn(fn, warmup=1, repeats=2, device="cpu", probe=probe, probe_slow_above=1080.0, max_time_s=0)
+
+
+def test_a_pass_filtered_against_a_slow_baseline_can_be_re_selected_from_its_batch_log(clock):
+    """A run that calibrates in a slow spell filters its first passes against a high limit, and keeps the
+    slow batches (H200, 304635d966, 1 token: 12% between passes). The batch log lets the pass be
+    re-selected against the run's later, lower limit without re-timing it."""
+    sets = random.randint(2, 4)
+    fast, slow = random.uniform(5_000.0, 9_000.0), random.uniform(12_000.0, 20_000.0)
+    flicker = {k for k in range(1, 10**5) if ((k - 1) // 2) % 3 == 0}  # probe pairs 0, 3, 6, ... read slow
+    probe, fn, _ = _host_with_spells(clock, fast, slow, flicker)
+    tm = time_fn(fn, args=list(range(sets)), warmup=1, repeats=3, device="cpu", min_time_s=1.0, max_repeats=10_000,
+                 probe=probe, probe_slow_above=2000.0, max_time_s=60.0)  # the slow calibration's limit
+    log, every = tm.extra["host_batch_log"], tm.extra["host_every_us"]
+    assert tm.extra["host_batches_aside"] == 0 and all(b[3] for b in log)  # nothing set aside at 2000 us
+    assert sum(b[0] for b in log) == len(every) == len(tm.samples_us)
+    assert any(s == pytest.approx(slow) for s in tm.samples_us)  # slow calls in the figure
+    assert tm.extra["host_min_calls"] == round_to_sets(3, sets)
+    same = timing.refilter_host_pass(tm.extra, 2000.0)  # the original limit gives back the original pass
+    assert same["calls"] == len(tm.samples_us) and same["median_us"] == pytest.approx(tm.median_us, abs=1e-3)
+    got = timing.refilter_host_pass(tm.extra, 1080.0)  # the limit the run learnt later
+    fast_batches = [b for b in log if b[1] <= 1080.0]
+    assert got["batches"] == len(fast_batches) > 0 and got["calls"] == sum(b[0] for b in fast_batches)
+    assert got["median_us"] == pytest.approx(fast, abs=1e-3) and got["enough"] is True
+    assert got["wall_s"] == pytest.approx(sum(b[2] for b in fast_batches), abs=1e-3)
+    none = timing.refilter_host_pass(tm.extra, 500.0)  # every batch over: nothing kept, and it says so
+    assert none["calls"] == 0 and none["median_us"] is None and none["enough"] is False
+    assert timing.refilter_host_pass({}, 1080.0) is None  # a pass timed without the filter has no log
+    with pytest.raises(ValueError, match="host_batch_log covers"):
+        timing.refilter_host_pass({**tm.extra, "host_every_us": every[:-1]}, 1080.0)
+
+
+def test_the_report_says_what_the_re_selection_would_change():
+    from megamoe.bench.report import refilter_text
+
+    limit = random.uniform(1_050.0, 1_400.0)
+    a, b = random.uniform(8_000, 9_000), random.uniform(8_000, 9_000)
+    slow_a = a * random.uniform(1.05, 1.2)
+    rows = [{"backend": "reference", "tokens": 1, "pass": 0, "median_us": slow_a, "samples_us": [0.0] * 40,
+             "host_refilter": {"median_us": a, "calls": 16, "enough": True, "limit_us": limit}},
+            {"backend": "reference", "tokens": 1, "pass": 1, "median_us": b, "samples_us": [0.0] * 30,
+             "host_refilter": {"median_us": b, "calls": 30, "enough": True, "limit_us": limit}},
+            {"backend": "reference", "tokens": 2, "pass": 0, "median_us": b, "samples_us": [0.0] * 20,
+             "host_refilter": {"median_us": None, "calls": 0, "enough": False, "limit_us": limit}}]
+    text = refilter_text(rows)
+    as_timed = (max(slow_a, b) - min(slow_a, b)) / min(slow_a, b)
+    re_sel = (max(a, b) - min(a, b)) / min(a, b)
+    assert "2 of 3 passes would keep fewer calls" in text and "over the 1 row whose" in text
+    assert f"would be {100 * re_sel:.2f}% (as timed: {100 * as_timed:.2f}%)" in text
+    assert refilter_text([{"backend": "x", "tokens": 1, "pass": 0, "median_us": 1.0}]) == ""

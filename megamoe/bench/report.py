@@ -12,6 +12,8 @@ import json
 import math
 import os
 
+from .timing import pass_spread
+
 
 def _fmt_us(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -158,6 +160,7 @@ def host_speed_text(results: dict) -> list[str]:
         out[-1] += (f" The check spent {spent:.1f} s" + (f" of its {budget:g} s budget" if budget is not None else "")
                     + f"; {sum(bool(r.get('host_budget_spent')) for r in probed)} slow passes were kept unretaken "
                     f"once it was spent.")
+    out[-1] += refilter_text(probed)
     if hit:
         out += ["", md_table(["backend", "tokens", "pass", "kept us (probe us)", "retaken us (probe us)",
                               "batches set aside", "host_slow"],
@@ -168,6 +171,32 @@ def host_speed_text(results: dict) -> list[str]:
                                + (" (short)" if r.get("host_short") else ""),
                                "host_slow" if r.get("host_slow") else ""] for r in hit])]
     return out
+
+
+def refilter_text(rows: list[dict]) -> str:
+    """One sentence on ``host_refilter`` (recorded, not used in the figures): how many passes the run's
+    final limit would have thinned, and the largest pass-to-pass spread of the host-bound rows with and
+    without the re-selection (a pair counts only where every pass keeps its minimum calls)."""
+    re = [r for r in rows if r.get("host_refilter")]
+    if not re:
+        return ""
+    limit = re[0]["host_refilter"]["limit_us"]
+    thinner = sum(r["host_refilter"]["calls"] < len(r.get("samples_us") or []) for r in re)
+    by: dict = {}
+    for r in re:
+        by.setdefault((r["backend"], r["tokens"]), []).append(r)
+    now, then = [], []
+    for rs in by.values():
+        if len(rs) >= 2 and all(x["host_refilter"]["enough"] for x in rs):
+            now.append(pass_spread([x["median_us"] for x in rs]))
+            then.append(pass_spread([x["host_refilter"]["median_us"] for x in rs]))
+    text = (f" Re-selected from their recorded batches against the run's final limit ({_fmt_us(limit)} us; on "
+            f"record as host_refilter, not used in the figures): {thinner} of {len(re)} passes would keep fewer calls")
+    if now:
+        text += (f"; over the {len(now)} row{'s' if len(now) != 1 else ''} whose passes all keep their minimum, "
+                 f"the largest pass-to-pass spread "
+                 f"would be {100 * max(then):.2f}% (as timed: {100 * max(now):.2f}%)")
+    return text + "."
 
 
 def _earlier_takes(r: dict) -> str:

@@ -94,7 +94,8 @@ from ..testing import MoEInputs, calc_diff, make_inputs
 from .backends import BenchBackend, block_m_of, make_backends
 from .ceilings import Ceilings, device_name, measure_ceilings
 from .roofline import achieved, step_floor
-from .timing import GraphSet, Timing, host_speed_probe_us, overhead_check, resolve_device, time_fn, time_graph
+from .timing import (GraphSet, Timing, host_speed_probe_us, overhead_check, pass_spread, refilter_host_pass,
+                     resolve_device, time_fn, time_graph)
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
@@ -736,6 +737,7 @@ class Sweep:
                     self.write()
         finally:
             prog.stop()
+        self._record_refilter()
         self._fill_from_first_pass()
         self.results["repeatability"] = repeatability(self.results["rows"], cfg.repeat_limit)
         self.results["speedup"] = speedups(self.results["rows"])
@@ -772,6 +774,19 @@ class Sweep:
             rows[i]["host_rejudged"] = {**old, "re_timed": True}
             self.log(row_log_line(rows[i], self.cfg.passes, self.elapsed())
                      + f"; re-timed: first taken at probe {pm:,.0f} us, over the run's later limit {limit:,.0f} us")
+
+    def _record_refilter(self) -> None:
+        """Every filtered host-bound pass re-selected against the run's final limit from its recorded
+        batches (``refilter_host_pass``), as ``host_refilter``: on record for analysis, not used in the
+        figure. A pass filtered against an early, slow baseline keeps batches the final limit would set
+        aside (304635d966, 1 token), and this shows what it would read without them."""
+        limit = self.host_slow_above()
+        if limit is None:
+            return
+        for r in self.results["rows"]:
+            got = refilter_host_pass(r, limit)
+            if got is not None:
+                r["host_refilter"] = {**got, "limit_us": round(limit, 1)}
 
     def _settle(self) -> None:
         if self.dev.type == "cuda" and self.cfg.settle_s > 0:
@@ -979,7 +994,7 @@ def repeatability(rows: list[dict], limit: float = 0.03) -> list[dict]:
     for (b, t), pm in by.items():
         meds = [m for _, m in sorted(pm, key=lambda x: x[0])]
         if len(meds) >= 2:
-            spread = (max(meds) - min(meds)) / min(meds) if min(meds) > 0 else float("nan")
+            spread = pass_spread(meds)
             out.append({"backend": b, "tokens": t, "medians_us": meds, "spread": spread,
                         "flag": bool(not spread < limit)})
     return out

@@ -342,7 +342,10 @@ def time_fn(
     0e3c5a09b5, 1 token: 97 batches set aside, 16 calls kept of ~130, 5.4% slower than the next pass,
     with a probe median at the usual speed). Set-aside counts go to
     ``extra['host_batches_aside']`` / ``['host_calls_aside']``; with a clean figure,
-    ``host_probe_median_us`` is over the probes after the kept batches.
+    ``host_probe_median_us`` is over the probes after the kept batches. ``extra['host_batch_log']`` (one
+    ``[calls, slowest probe beside it, wall s, kept]`` per batch, in order), ``['host_every_us']`` (every
+    sample, set-aside ones included) and ``['host_min_calls']`` let ``refilter_host_pass`` re-select the
+    batches later against a lower limit.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -375,6 +378,7 @@ def time_fn(
         probed: list[float] = []
         kept_probes: list[float] = []
         aside = [0, 0]  # batches, calls
+        batch_log: list[list] = []  # filtering: [calls, slowest probe beside, wall s, kept] per batch
         before = [float(probe()) for _ in range(probes_per_batch)] if filtering else []
         short = False  # filtering: max_time_s ran out before the kept batches held the target
         while r < target:
@@ -399,6 +403,8 @@ def time_fn(
             if filtering:
                 every += got
                 every_idx += got_idx
+            if filtering:
+                batch_log.append([n, round(max(before + after), 1), round(wall, 5), max(before + after) <= probe_slow_above])
             if filtering and max(before + after) > probe_slow_above:
                 aside[0] += 1
                 aside[1] += n
@@ -418,12 +424,46 @@ def time_fn(
         clean = r >= round_to_sets(repeats, sets)
         if not clean:  # the host never stayed fast for long enough: every sample, and say so
             samples, idx, kept_probes = every, every_idx, probed
-        extra.update(host_clean=clean, host_batches_aside=aside[0], host_calls_aside=aside[1], host_short=short)
+        extra.update(host_clean=clean, host_batches_aside=aside[0], host_calls_aside=aside[1], host_short=short,
+                     host_batch_log=batch_log, host_every_us=[round(x, 3) for x in every],
+                     host_min_calls=round_to_sets(repeats, sets))
     if probed:
         extra["host_probe_us"] = [round(x, 1) for x in probed]
         extra["host_probe_median_us"] = float(statistics.median(kept_probes or probed))
     return Timing(samples, "cuda-events" if cuda else "perf_counter", warmup=i, flushed=flush is not None,
                   rotated=sets, extra=extra, set_index=idx)
+
+
+def pass_spread(medians: Sequence[float]) -> float:
+    """The repeatability spread of one case's pass medians: (max - min) / min (nan when min <= 0)."""
+    return (max(medians) - min(medians)) / min(medians) if min(medians) > 0 else float("nan")
+
+
+def refilter_host_pass(extra: dict, slow_above: float) -> dict | None:
+    """A filtered host-bound pass (``time_fn`` with ``probe_slow_above``) re-selected against a lower
+    limit, from its ``host_batch_log`` and ``host_every_us``, without re-timing: the batches with a probe
+    beside them over ``slow_above`` are set aside. For a limit learnt after the pass: the filter judges
+    against the run's fastest probe so far, and a run that calibrates in a slow spell keeps slow batches
+    at first (H200, 304635d966, 1 token: probes flipping 1,110 <-> 2,110 us, none set aside against a
+    1,799 us calibration, the pass 12% slower than the next). Returns None without a batch log, else
+    {"median_us", "calls", "batches", "wall_s", "enough"}: what the batches under the limit hold, and
+    whether they hold the pass's minimum calls (``host_min_calls``)."""
+    log, every = extra.get("host_batch_log"), extra.get("host_every_us")
+    if not log or every is None:
+        return None
+    if sum(int(b[0]) for b in log) != len(every):
+        raise ValueError(f"host_batch_log covers {sum(int(b[0]) for b in log)} calls, host_every_us has {len(every)}")
+    kept: list[float] = []
+    batches, wall, start = 0, 0.0, 0
+    for n, slowest, w, _ in log:
+        n = int(n)
+        if slowest <= slow_above:
+            kept += every[start:start + n]
+            batches += 1
+            wall += w
+        start += n
+    return {"median_us": statistics.median(kept) if kept else None, "calls": len(kept), "batches": batches,
+            "wall_s": round(wall, 4), "enough": len(kept) >= int(extra.get("host_min_calls", 1))}
 
 
 class GraphSet:
