@@ -177,13 +177,13 @@ def refilter_text(rows: list[dict]) -> str:
     """One sentence on ``host_refilter`` (recorded, not used in the figures): how many passes the run's
     final limit would have thinned, and the largest pass-to-pass spread of the host-bound rows with and
     without the re-selection (a pair counts only where every pass keeps its minimum calls)."""
-    re = [r for r in rows if r.get("host_refilter")]
-    if not re:
+    redone = [r for r in rows if r.get("host_refilter")]
+    if not redone:
         return ""
-    limit = re[0]["host_refilter"]["limit_us"]
-    thinner = sum(r["host_refilter"]["calls"] < len(r.get("samples_us") or []) for r in re)
+    limit = redone[0]["host_refilter"]["limit_us"]
+    thinner = sum(r["host_refilter"]["calls"] < len(r.get("samples_us") or []) for r in redone)
     by: dict = {}
-    for r in re:
+    for r in redone:
         by.setdefault((r["backend"], r["tokens"]), []).append(r)
     now, then = [], []
     for rs in by.values():
@@ -191,7 +191,7 @@ def refilter_text(rows: list[dict]) -> str:
             now.append(pass_spread([x["median_us"] for x in rs]))
             then.append(pass_spread([x["host_refilter"]["median_us"] for x in rs]))
     text = (f" Re-selected from their recorded batches against the run's final limit ({_fmt_us(limit)} us; on "
-            f"record as host_refilter, not used in the figures): {thinner} of {len(re)} passes would keep fewer calls")
+            f"record as host_refilter, not used in the figures): {thinner} of {len(redone)} passes would keep fewer calls")
     if now:
         text += (f"; over the {len(now)} row{'s' if len(now) != 1 else ''} whose passes all keep their minimum, "
                  f"the largest pass-to-pass spread "
