@@ -400,12 +400,14 @@ def time_fn(
             done += n
             after = [float(probe()) for _ in range(probes_per_batch)] if probe is not None else []
             probed += after
+            slow_batch = False
             if filtering:
                 every += got
                 every_idx += got_idx
-            if filtering:
-                batch_log.append([n, round(max(before + after), 1), round(wall, 5), max(before + after) <= probe_slow_above])
-            if filtering and max(before + after) > probe_slow_above:
+                slowest = max(before + after)
+                slow_batch = slowest > probe_slow_above
+                batch_log.append([n, round(slowest, 1), round(wall, 5), not slow_batch])
+            if slow_batch:
                 aside[0] += 1
                 aside[1] += n
             else:
