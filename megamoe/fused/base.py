@@ -120,6 +120,26 @@ class FusedBackend:
         if not ok:
             raise BackendUnavailable(f"backend {cls.name!r} is unavailable: {why}")
 
+    # Top-level module of the kernel package (provenance() reads what was imported from it).
+    kernel_module: str | None = None
+
+    @classmethod
+    def provenance(cls) -> dict | None:
+        """Version, file and build record of the kernel module this backend runs, as imported in this
+        process (``megamoe.provenance``); None before the module is imported."""
+        from ..provenance import module_provenance
+
+        return module_provenance(cls.kernel_module) if cls.kernel_module else None
+
+    @classmethod
+    def synthetic_weights(cls, weights):
+        """The random (synthetic) weights a test or benchmark hands this backend. Default: unchanged,
+        because ``prepare`` maps every legal checkpoint exactly. A backend whose decoder has a narrower
+        window and no global scale to absorb the rest (DeepGEMM SM90 FP4) overrides this to move each
+        tensor by a power of two into its window: that changes the layer's values, so it is only for
+        synthetic weights, never for a checkpoint."""
+        return weights
+
     # ---------------------------------------------------------------- plans
     def legal_block_ms(self) -> tuple[int, ...]:
         raise NotImplementedError

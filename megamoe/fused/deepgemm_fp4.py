@@ -27,6 +27,7 @@ class DeepGEMMFP4(FusedBackend):
     recipe = DEEPGEMM_SM90_FP4
     weight_format = "mxfp4"
     kernel = "deep_gemm.fp8_fp4_mega_moe on SM90 (DeepGEMM PR #323)"
+    kernel_module = "deep_gemm"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -152,6 +152,7 @@ class DeepGEMMFP8(FusedBackend):
     recipe = DEEPGEMM_SM90_FP8
     weight_format = "fp8_block"
     kernel = "deep_gemm.fp8_mega_moe (sgl-deep-gemm 0.1.5.post1)"
+    kernel_module = "deep_gemm"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

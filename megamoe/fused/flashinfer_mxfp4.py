@@ -41,6 +41,7 @@ class FlashInferMXFP4(FusedBackend):
     recipe = FLASHINFER_MXFP4
     weight_format = "mxfp4"
     kernel = "flashinfer.megamoe.mxfp4_mega_moe (FlashInfer 0.7.4)"
+    kernel_module = "flashinfer"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -300,6 +300,7 @@ class StagedDeepGEMM(FusedBackend):
     persistent = False
     fused = False
     kernel = DEEPGEMM_STAGED_FP8.kernel
+    kernel_module = "deep_gemm"
     allows_zero_tokens = True
     # A promise: after build(), launch() does no host sync and its glue allocates nothing (every
     # buffer is made by allocate()), so one launch may be captured in a CUDA graph and replayed
