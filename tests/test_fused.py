@@ -43,6 +43,7 @@ def test_fp4_backend_names_missing_entry_points():
 
     class Fake:  # the shape of sgl-deep-gemm 0.1.5.post1: an SM100-only fp8_fp4_mega_moe
         fp8_fp4_mega_moe = object()
+        get_symm_buffer_for_sm90_mega_moe = object()
 
     assert sm90_fp4_missing(Fake) == ["transform_weights_for_mega_moe_sm90_fp4"]
 

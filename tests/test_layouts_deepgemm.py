@@ -47,7 +47,7 @@ def interleave_by_index(t: torch.Tensor, gran: int = 8) -> torch.Tensor:
 def test_fp4_roundtrip_bitwise(preset, experts):
     g = get_geometry(preset)
     w = random_mxfp4_bytes(g, seed=21, num_experts=experts, scale_bytes=(100, 133))
-    (l1, l1_sf), (l2, l2_sf) = to_deepgemm_sm90_fp4(w)
+    (l1, l1_sf), (l2, l2_sf) = to_deepgemm_sm90_fp4(w, check=False)  # every byte moves, legal or not
     h, i = g.hidden, g.intermediate
     assert (l1.shape, l1.dtype, l1_sf.shape, l1_sf.dtype) == ((experts, 2 * i, h // 2), torch.uint8, (experts, 2 * i, h // 128), torch.int32)
     assert (l2.shape, l2_sf.shape, l2_sf.dtype) == ((experts, h, i // 2), (experts, h, i // 128), torch.int32)
@@ -70,6 +70,9 @@ def test_fp4_refuses_out_of_range_and_global_scales():
     high = random_mxfp4_bytes(g, seed=23, num_experts=2, scale_bytes=(125, 140))
     with pytest.raises(ValueError, match=r"expert 0 l1: .*above byte 133.*no per-expert global scale"):
         to_deepgemm_sm90_fp4(high)
+    low = random_mxfp4_bytes(g, seed=23, num_experts=2, scale_bytes=(110, 125))
+    with pytest.raises(ValueError, match=r"expert 0 l1: .*below byte 119.*no per-expert global scale"):
+        to_deepgemm_sm90_fp4(low)
     rebased = repair_ranges(random_mxfp4_weights(g, seed=24), "flashinfer-mxfp4")
     with pytest.raises(ValueError, match="fold it into the scale bytes first"):
         to_deepgemm_sm90_fp4(rebased)
@@ -158,6 +161,25 @@ def test_fp8_layout_equals_real_deep_gemm():
     theirs = dg.transform_weights_for_mega_moe_sm90((w.l1, w.l1_scale), (w.l2, w.l2_scale))
     for a, b, what in zip((*ours[0], *ours[1]), (*theirs[0], *theirs[1]), ("l1", "l1_sf", "l2", "l2_sf")):
         assert_bitwise_equal(a, b, what)
+
+
+@pytest.mark.gpu
+def test_fp4_layout_equals_real_deep_gemm():
+    """Our SM90 FP4 layout byte for byte against the package's own transform (DeepGEMM PR #323 build), on
+    random codes and every scale byte 0..254 (the transform takes FP32 scales; byte 0 is the subnormal
+    2**-127, whose exponent field is 0)."""
+    from megamoe.formats import e8m0_to_float
+
+    dg = _deep_gemm_sm90()
+    if not hasattr(dg, "transform_weights_for_mega_moe_sm90_fp4"):
+        pytest.skip(f"deep_gemm {getattr(dg, '__version__', '?')} has no SM90 FP4 transform (build DeepGEMM PR #323)")
+    for preset, experts in (("small", 4), ("dsv4-flash", 2)):
+        w = random_mxfp4_bytes(get_geometry(preset), seed=31, num_experts=experts, scale_bytes=(0, 254)).to("cuda")
+        ours = to_deepgemm_sm90_fp4(w, check=False)
+        theirs = dg.transform_weights_for_mega_moe_sm90_fp4((w.l1, e8m0_to_float(w.l1_scale)),
+                                                            (w.l2, e8m0_to_float(w.l2_scale)))
+        for a, b, what in zip((*ours[0], *ours[1]), (*theirs[0], *theirs[1]), ("l1", "l1_sf", "l2", "l2_sf")):
+            assert_bitwise_equal(a.view(torch.uint8), b.view(torch.uint8), f"{preset} {what}")
 
 
 def test_fp8_block_weights_for_kernel_rejects_nonfinite_and_wrong_types():

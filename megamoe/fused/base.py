@@ -43,7 +43,7 @@ class Plan:
     detail: dict = field(default_factory=dict)
 
     def describe(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in ("swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source"))
+        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in ("block_n", "swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source", "decode_loss"))
         return f"BLOCK_M {self.block_m}{' (forced)' if self.forced else ''}{'; ' + extra if extra else ''}"
 
 

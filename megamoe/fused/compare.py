@@ -95,7 +95,10 @@ def _match_scales(kernel: dict, krows: torch.Tensor, ref_sf: torch.Tensor, block
     ng = ref_sf.shape[1]
     cands: dict[str, torch.Tensor] = {}
     named = kernel.get("l2_in_sf_rowmajor")
-    if named is not None and block_m:
+    pool = kernel.get("l2_in_sf_pool")  # [P_sf, I/G]: the scales of pool row r are row r
+    if pool is not None:
+        cands["pool-rows"] = pool.float()[krows, :ng]
+    elif named is not None and block_m:
         bm = int(block_m)
         idx = (krows // bm) * ((bm + 127) // 128 * 128) + krows % bm
         if int(idx.max()) < named.shape[0]:

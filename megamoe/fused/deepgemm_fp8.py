@@ -69,12 +69,12 @@ def parse_config_print(text: str) -> dict:
     return out
 
 
-def template_instantiation(src: str) -> str | None:
-    """The ``sm90_fp8_mega_moe_impl<...>`` instantiation in a JIT source, as written (None if absent)."""
-    i = src.find("sm90_fp8_mega_moe_impl<")
+def template_instantiation(src: str, kernel: str = "sm90_fp8_mega_moe_impl") -> str | None:
+    """The ``<kernel><...>`` instantiation in a JIT source, as written (None if absent)."""
+    i = src.find(kernel + "<")
     if i < 0:
         return None
-    depth, j = 0, i + len("sm90_fp8_mega_moe_impl")
+    depth, j = 0, i + len(kernel)
     for j in range(j, len(src)):
         depth += {"<": 1, ">": -1}.get(src[j], 0)
         if depth == 0:
@@ -82,13 +82,14 @@ def template_instantiation(src: str) -> str | None:
     return src[i : j + 1]
 
 
-def parse_template_args(src: str) -> dict | None:
-    """The template arguments of the ``sm90_fp8_mega_moe_impl<...>`` instantiation in a JIT source."""
-    inst = template_instantiation(src)
+def parse_template_args(src: str, kernel: str = "sm90_fp8_mega_moe_impl",
+                        params: tuple[str, ...] = TEMPLATE_PARAMS) -> dict | None:
+    """The template arguments of the ``<kernel><...>`` instantiation in a JIT source, named by ``params``."""
+    inst = template_instantiation(src, kernel)
     if inst is None:
         return None
-    args = [a.strip() for a in inst[len("sm90_fp8_mega_moe_impl<") : -1].split(",")]
-    if len(args) < len(TEMPLATE_PARAMS):
+    args = [a.strip() for a in inst[len(kernel) + 1 : -1].split(",")]
+    if len(args) < len(params):
         return None
 
     def val(a: str):
@@ -99,11 +100,13 @@ def parse_template_args(src: str) -> dict | None:
         except ValueError:
             return a
 
-    return {k: val(a) for k, a in zip(TEMPLATE_PARAMS, args)}
+    return {k: val(a) for k, a in zip(params, args)}
 
 
-def find_kernel_args(config: dict, cache_dir: str | None = None) -> dict | None:
-    """Template arguments of the JIT-built kernel that matches a printed config (None if not found)."""
+def find_kernel_args(config: dict, cache_dir: str | None = None, kernel: str = "sm90_fp8_mega_moe_impl",
+                     params: tuple[str, ...] = TEMPLATE_PARAMS, extra: dict | None = None) -> dict | None:
+    """Template arguments of the JIT-built ``kernel`` that matches a printed config (and ``extra``
+    template arguments, e.g. the token capacity) in DeepGEMM's kernel cache; None if not found."""
     root = cache_dir or os.environ.get("DG_JIT_CACHE_DIR") or os.path.expanduser("~/.deep_gemm")
     keys = ("block_m", "block_n", "block_k", "num_max_pool_tokens", "num_padded_sf_pool_tokens", "num_stages",
             "num_experts_per_wave", "num_dispatch_threads", "num_non_epilogue_threads", "num_epilogue_threads")
@@ -112,10 +115,11 @@ def find_kernel_args(config: dict, cache_dir: str | None = None) -> dict | None:
             if not f.endswith((".cu", ".cuh", ".cpp")):
                 continue
             try:
-                args = parse_template_args(open(os.path.join(d, f), errors="replace").read())
+                args = parse_template_args(open(os.path.join(d, f), errors="replace").read(), kernel, params)
             except OSError:
                 continue
-            if args and all(args.get(k) == config.get(k) for k in keys if k in config):
+            if (args and all(args.get(k) == config.get(k) for k in keys if k in config)
+                    and all(args.get(k) == v for k, v in (extra or {}).items())):
                 return args
     return None
 

@@ -29,7 +29,7 @@ class Case:
     block_m: int | None = None  # forced BLOCK_M (None: the backend's own plan)
     routing: str = "uniform"  # uniform | masked | allmasked | empty-expert | skewed
     ragged: tuple[int, ...] = ()  # per-rank counts of a data-parallel step; this rank runs num_tokens padded to max
-    weights: str = "random"  # random | checkpoint
+    weights: str = "random"  # random | checkpoint | lossy (real-like scales below the window, accepted)
     broken: str = ""  # "" | gate-up-not-interleaved | scale-off-by-one
     seed: int = 0
 
@@ -85,17 +85,23 @@ def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick
     cases += [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14),
               Case("dsv4-flash", 0, ragged=(0, 64), seed=15)] if not allows_zero else \
              [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14)]
-    if backend_name in ("flashinfer-mxfp4", "deepgemm-sm90-fp8"):
+    if backend_name in ("flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4"):
         cases += [Case("small", 64, broken="gate-up-not-interleaved", seed=16), Case("small", 64, broken="scale-off-by-one", seed=16)]
+    if backend_name == "deepgemm-sm90-fp4":  # real-like scales below its window, run under the opt-in
+        cases += [Case("dsv4-flash", t, weights="lossy", seed=17) for t in (1, 128)]
     return cases
 
 
-def _weights(preset: str, kind: str, device):
+def _weights(preset: str, kind: str, device, cls=None):
+    """Random MXFP4 weights for a case: ``cls.synthetic_weights`` moves them where the backend takes them
+    (kind "lossy" keeps the real-like raw scales); "checkpoint" round-trips them through safetensors shards."""
     from ..geometry import get_geometry
     from ..weights import random_mxfp4_weights
 
     g = get_geometry(preset)
     w = random_mxfp4_weights(g, seed=0, device=device) if preset != "small" else random_mxfp4_weights(g, seed=0).to(device)
+    if cls is not None and kind != "lossy" and cls.weight_format == "mxfp4":
+        w = cls.synthetic_weights(w)
     if kind == "checkpoint":
         import tempfile
 
@@ -119,6 +125,13 @@ def _break(be, case: Case):
             be.l1 = (kw.l1.contiguous(), kw.l1_scale.contiguous())
         elif case.broken == "scale-off-by-one":
             be.l2 = (kw.l2.contiguous(), (kw.l2_scale * 2).contiguous())
+    elif be.name == "deepgemm-sm90-fp4":  # ((l1 uint8, l1_sf int32), (l2, l2_sf)), no global scales
+        from ..formats import pack_ue8m0_x4
+
+        if case.broken == "gate-up-not-interleaved":
+            be.l1 = (kw.l1.contiguous(), pack_ue8m0_x4(kw.l1_scale))
+        elif case.broken == "scale-off-by-one":
+            be.l2 = (kw.l2.contiguous(), pack_ue8m0_x4((kw.l2_scale.to(torch.int16) + 1).clamp(max=254).to(torch.uint8)))
     else:
         from ..layouts._common import deinterleave_gate_up
         from ..layouts.flashinfer_sm90 import to_flashinfer_sm90
@@ -191,9 +204,9 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         key = (c.geometry, c.weights)
         if key in backends:
             continue
-        g, w = _weights(c.geometry, c.weights, dev)
+        g, w = _weights(c.geometry, c.weights, dev, cls)
         cap = max([x.launch_tokens for x in cases if (x.geometry, x.weights) == key] + [1])
-        be = cls(g, capacity=cap)
+        be = cls(g, capacity=cap, **({"accept_lossy_scales": True} if c.weights == "lossy" else {}))
         be.prepare(w if cls.weight_format == "mxfp4" else _fp8(w))
         be.allocate()
         backends[key] = be
@@ -275,6 +288,12 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             if inter is not None:
                 row.update({k: v for k, v in compare_l2_inputs(inter, res.ranks[0], ref_inp, g.num_topk).items()})
             row["ref_s"] = round(t_ref, 2)
+            loss = getattr(be, "decode_loss", None)
+            if loss:  # accepted lossy scales: what the decode loses, against the exact-decode layer
+                row["decode_loss"] = loss["summary"]
+                exact_res = moe_forward(ref_inp, be.kernel_weights, recipe.with_(weight_decode="exact"), g)
+                row["calc_diff_vs_exact_decode"] = calc_diff(y, exact_res.y[0])
+                row["ref_vs_exact_decode"] = calc_diff(res.y[0], exact_res.y[0])
             if m and time_iters and not c.broken:
                 row["launch_us"] = _time_launch(be, m, time_iters)
             passed = row["nan"] == 0 and row["calc_diff"] <= MAX_DIFF and row.get("code_match", 1.0) >= MIN_CODE_MATCH
