@@ -153,3 +153,25 @@ def test_decode_probe_layer_reads_the_decode_table_through_the_reference():
     codes = e2m1_decode(torch.arange(16, dtype=torch.uint8))
     want = e4m3_satfinite(codes[None] * torch.exp2(torch.arange(256.0)[:, None] - E8M0_BIAS)).float()
     assert torch.equal(table[:255], want[:255])
+
+
+def test_fp8_backends_refuse_the_source_build(monkeypatch, tmp_path):
+    """Only one deep_gemm per process: a result of the FP8 backends must never come from the PR #323 build."""
+    import json
+    import sys
+    import types
+
+    from megamoe.fused.deepgemm_fp8 import source_build_reason
+
+    pkg = tmp_path / "deep_gemm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "BUILD.json").write_text(json.dumps({"source": "DeepGEMM PR #323 at 8ddf7f9"}))
+    fake = types.ModuleType("deep_gemm")
+    fake.__file__ = str(pkg / "__init__.py")
+    fake.__version__ = PIN.version
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    assert "deepgemm-sm90-fp8 is verified on sgl-deep-gemm 0.1.5.post1" in source_build_reason("deepgemm-sm90-fp8")
+    assert "DeepGEMM PR #323 at 8ddf7f9" in source_build_reason("deepgemm-sm90-fp8")
+    (pkg / "BUILD.json").unlink()
+    assert source_build_reason("deepgemm-sm90-fp8") == ""

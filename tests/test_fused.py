@@ -151,14 +151,37 @@ def test_tensorcore_exact_model_equals_fp64_sum_and_truncation_differs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8"])
+@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4"])
 def test_fused_backend_matches_its_reference_small(name):
-    pytest.importorskip("flashinfer.megamoe" if "flashinfer" in name else "deep_gemm")
     from megamoe.fused.matrix import run_matrix
 
+    ok, why = BACKENDS[name].availability()
+    if not ok:  # e.g. the FP4 kernel needs the DeepGEMM PR #323 build, the FP8 ones sgl-deep-gemm
+        pytest.skip(why)
     rows = run_matrix(name, [Case("small", 64, seed=1), Case("small", 7, seed=2)], None, time_iters=0)
     for r in rows:
         assert r["status"] == "pass", r
+        if name == "deepgemm-sm90-fp4":  # the plan is read back, not reported as BLOCK_M 0
+            assert not r["plan"].startswith("BLOCK_M 0"), r["plan"]
+
+
+@pytest.mark.gpu
+def test_deepgemm_fp4_broken_layouts_are_detected_and_window_enforced():
+    from megamoe.fused.matrix import run_matrix
+
+    ok, why = BACKENDS["deepgemm-sm90-fp4"].availability()
+    if not ok:
+        pytest.skip(why)
+    rows = run_matrix("deepgemm-sm90-fp4", [Case("small", 64, broken="gate-up-not-interleaved"),
+                                            Case("small", 64, broken="scale-off-by-one")], None, time_iters=0)
+    assert [r["status"] for r in rows] == ["detected", "detected"], rows
+    from megamoe.geometry import Geometry
+    from megamoe.layouts.random import random_mxfp4_bytes
+
+    g = Geometry("low", num_experts=8, num_topk=2, hidden=512, intermediate=256)
+    be = BACKENDS["deepgemm-sm90-fp4"](g, capacity=8)
+    with pytest.raises(ValueError, match="below byte 119"):
+        be.prepare(random_mxfp4_bytes(g, seed=2, scale_bytes=(110, 125)))
 
 
 @pytest.mark.gpu

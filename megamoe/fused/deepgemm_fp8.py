@@ -57,6 +57,20 @@ TEMPLATE_PARAMS = (
 )
 
 
+def source_build_reason(backend: str) -> str:
+    """'' unless the imported deep_gemm is the DeepGEMM PR #323 source build (megamoe.fused.deepgemm_build),
+    which the FP8 backends are not verified on: they run on sgl-deep-gemm 0.1.5.post1, in a process
+    without the build on PYTHONPATH, so a result never names one build while the other ran."""
+    from ..provenance import module_provenance
+
+    prov = module_provenance("deep_gemm")
+    if prov and prov.get("build"):
+        return (f"kernel build mismatch: {backend} is verified on sgl-deep-gemm 0.1.5.post1, but the imported "
+                f"deep_gemm is {prov['build'].get('source', 'a source build')} ({prov['file']}); run it in a "
+                "process without that build on PYTHONPATH")
+    return ""
+
+
 def parse_config_print(text: str) -> dict:
     """The last ``MegaMoESM90Config(key=value, ...)`` of the heuristic's printout -> {key: int}."""
     found = re.findall(r"MegaMoESM90Config\(([^()]*block_m=[^()]*)\)", text)
@@ -160,8 +174,9 @@ class DeepGEMMFP8(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        return kernel_availability(
+        ok, why = kernel_availability(
             _import, "deep_gemm", ("fp8_mega_moe", "get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90"))
+        return (False, source_build_reason(cls.name)) if ok and source_build_reason(cls.name) else (ok, why)
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return ()  # chosen in C++, not forceable in 0.1.5.post1

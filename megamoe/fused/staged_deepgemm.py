@@ -309,9 +309,12 @@ class StagedDeepGEMM(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        return kernel_availability(
+        from .deepgemm_fp8 import source_build_reason
+
+        ok, why = kernel_availability(
             lambda: importlib.import_module("deep_gemm"), "deep_gemm",
             ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"))
+        return (False, source_build_reason(cls.name)) if ok and source_build_reason(cls.name) else (ok, why)
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return ()

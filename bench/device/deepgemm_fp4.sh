@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# DeepGEMM's SM90 FP8 x FP4 Mega MoE on one H200, built from a clean unpack of its source archive and
+# checked through megamoe. Run from the repository root:
+#   ARCHIVE=path/to/deepgemm-pr323-8ddf7f9.tgz OUT=results bash bench/device/deepgemm_fp4.sh STEP...
+# Steps, any subset, run in this order:
+#   build     unpack ARCHIVE into a fresh folder and run scripts/build_deepgemm.sh into $DEST (_C.so: ~100 s)
+#   restore   unpack a saved $OUT-style dg-build.tgz (RESTORE=path) into $DEST: _C.so and the kernel cache
+#   prebuild  compile the FP4 kernels the tests, the probe, the matrix and the sweep need, ~16 processes side
+#             by side (DeepGEMM compiles one kernel at a time in the launching thread)
+#   tests     the gpu-marked FP4 tests (layout byte-equal to transform_weights_for_mega_moe_sm90_fp4, the
+#             backend against its reference, broken layouts, the window)
+#   probe     bench/device/deepgemm_fp4_probe.py (decode table, the checkpoint case, recipe variants, lossy
+#             scales, plans)
+#   matrix    the full differential matrix of deepgemm-sm90-fp4 (megamoe.fused.matrix)
+#   pack      $DEST's _C.so and kernel cache into $OUT/dg-build.tgz
+# Everything is logged to $OUT/log.txt; at most 7 files land in $OUT.
+set -u
+OUT=${OUT:-/tmp/dg-fp4}
+mkdir -p "$OUT"
+ARCHIVE=${ARCHIVE:-.whl/deepgemm-pr323-8ddf7f9.tgz}
+DEST=$(realpath -m "${DEST:-build/deepgemm-pr323}")
+# shellcheck disable=SC1091
+[ -z "${MEGAMOE_SITE:-}" ] && [ -f .whl/prelude.sh ] && source .whl/prelude.sh
+export PYTHONPATH=$DEST:$PWD${PYTHONPATH:+:$PYTHONPATH} DG_JIT_CACHE_DIR=$DEST/jit-cache PYTHONUNBUFFERED=1
+LOG=$OUT/log.txt
+T0=$(date +%s)
+say() { echo "[fp4 $(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+step_build() {
+  local src; src=$(mktemp -d)
+  tar xzf "$ARCHIVE" -C "$src" && rm -rf "$DEST" && \
+    bash scripts/build_deepgemm.sh "$src/DeepGEMM" "$DEST" >> "$LOG" 2>&1
+  say "build exit $? ($(du -sh "$DEST" 2>/dev/null | cut -f1), _C.so $(stat -c %s "$DEST/deep_gemm/_C.so" 2>/dev/null) bytes)"
+}
+
+step_restore() {
+  mkdir -p "$DEST" && tar xzf "${RESTORE:?RESTORE=path to a dg-build.tgz}" -C "$DEST"
+  say "restore exit $? ($(find "$DEST/jit-cache" -name '*.cubin' 2>/dev/null | wc -l) cubins)"
+}
+
+step_prebuild() {
+  local tmp; tmp=$(mktemp -d); local i=0
+  while read -r preset cap tokens; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086
+    timeout -k 5 "${PREBUILD_TIMEOUT:-300}" python3 bench/device/dg_prebuild.py --preset "$preset" \
+      --capacity "$cap" --tokens $tokens > "$tmp/$i.log" 2>&1 &
+  done <<'EOF'
+dsv4-flash 8192 1
+dsv4-flash 8192 2 4
+dsv4-flash 8192 7 8
+dsv4-flash 8192 16 32
+dsv4-flash 8192 64
+dsv4-flash 8192 128 256
+dsv4-flash 8192 300 512
+dsv4-flash 8192 1024 2048
+dsv4-flash 8192 4096 8192
+dsv4-flash 128 1 127 128
+dsv4-flash 256 128
+small 512 1 2 7
+small 512 64 128
+small 512 300 512
+small 64 64 7
+small 8 8
+EOF
+  wait
+  cat "$tmp"/*.log | grep -E "PREBUILD|Error|error|Traceback" | cut -c1-600 >> "$LOG"
+  say "prebuild: $(cat "$tmp"/*.log | grep -c PREBUILD) of $i processes done, $(find "$DEST/jit-cache" -name '*.cubin' | wc -l) cubins"
+}
+
+step_tests() {
+  python3 -m pytest -q -m gpu -k "fp4" tests/test_layouts_deepgemm.py tests/test_fused.py tests/test_deepgemm_fp4.py \
+    -p no:cacheprovider >> "$LOG" 2>&1
+  say "gpu tests exit $?"
+}
+
+step_probe() {
+  python3 bench/device/deepgemm_fp4_probe.py --out "$OUT" --deadline "${PROBE_DEADLINE:-240}" >> "$LOG" 2>&1
+  say "probe exit $?"
+}
+
+step_matrix() {
+  python3 - "$OUT" >> "$LOG" 2>&1 <<'EOF'
+import json, sys, time
+from megamoe.fused.matrix import format_table, run_matrix
+from megamoe.provenance import imported_kernel_modules
+out = sys.argv[1]
+t = time.time()
+rows = run_matrix("deepgemm-sm90-fp4", None, f"{out}/matrix-fp4.json", mma="sm90-fp8-tc", ref_max_tokens=512,
+                  deadline_s=float(__import__("os").environ.get("MATRIX_DEADLINE", "300")))
+meta = {"modules": imported_kernel_modules(), "wall_s": round(time.time() - t, 1)}
+json.dump({"meta": meta, "rows": rows}, open(f"{out}/matrix-fp4.json", "w"), indent=1, default=str)
+open(f"{out}/matrix-fp4.md", "w").write(format_table(rows) + "\n")
+bad = [r["case"] for r in rows if r.get("status") not in ("pass", "detected")]
+print("MATRIX", len(rows), "cases;", "not passing:", bad)
+EOF
+  say "matrix exit $?; $(grep MATRIX "$LOG" | tail -1)"
+}
+
+step_pack() {
+  tar czf "$OUT/dg-build.tgz" -C "$DEST" deep_gemm/_C.so jit-cache 2>> "$LOG"
+  say "pack exit $? ($(stat -c %s "$OUT/dg-build.tgz") bytes)"
+}
+
+say "steps: $*; card: $(nvidia-smi --query-gpu=name,uuid --format=csv,noheader 2>/dev/null)"
+for s in "$@"; do "step_$s"; done
+say "done"
