@@ -86,7 +86,10 @@ from megamoe.fused.matrix import format_table, run_matrix
 from megamoe.provenance import imported_kernel_modules
 out = sys.argv[1]
 t = time.time()
-rows = run_matrix("deepgemm-sm90-fp4", None, f"{out}/matrix-fp4.json", mma="sm90-fp8-tc", ref_max_tokens=512,
+from megamoe.fused.matrix import default_cases
+only = __import__("os").environ.get("MATRIX_ONLY", "")  # a substring of the case ids to keep ("" = all)
+cases = [c for c in default_cases("deepgemm-sm90-fp4", (), True) if only in c.id]
+rows = run_matrix("deepgemm-sm90-fp4", cases, f"{out}/matrix-fp4.json", mma="sm90-fp8-tc", ref_max_tokens=512,
                   deadline_s=float(__import__("os").environ.get("MATRIX_DEADLINE", "300")))
 meta = {"modules": imported_kernel_modules(), "wall_s": round(time.time() - t, 1)}
 json.dump({"meta": meta, "rows": rows}, open(f"{out}/matrix-fp4.json", "w"), indent=1, default=str)

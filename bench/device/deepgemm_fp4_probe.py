@@ -13,6 +13,7 @@ Sections (each writes DIR/fp4_probe.json as it finishes; a deadline skips what i
               power-of-two vs continuous scale, exact-block vs emulated tensor cores)
   lossy       real-like weights (scale bytes below the window) under accept_lossy_scales: the loss
   plans       the configuration of every sweep token count at capacity 8192
+  determinism the same launch repeated, after padding-only launches and alternating with other inputs
 """
 
 from __future__ import annotations
@@ -233,8 +234,7 @@ def variants_probe(log):
                 from megamoe.reference import moe_forward
 
                 for name, r in recs.items():
-                    res = moe_forward(sub, be.kernel_weights, r, g)
-                    row[name] = {"calc_diff": calc_diff(y[sel], res.y[0])}
+                    row[name] = {"calc_diff": calc_diff(y[sel], moe_forward(sub, be.kernel_weights, r, g))}
                 log(row)
                 rows.append(row)
             else:
@@ -278,6 +278,70 @@ def plans_probe(log):
     return {"build_s": round(time.time() - t, 1), "plans": rec}
 
 
+def _launch(be, inp, m):
+    be.y.fill_(float("nan"))  # poison: an unwritten row shows as NaN
+    be.stage(inp, m)
+    return be.launch(m)[: inp.num_tokens].clone()
+
+
+def determinism_probe(log):
+    """Does one launch depend on what ran before it? Same inputs launched back to back; real launches
+    alternating with padding-only ones (every route -1, as a warm-up or an idle data-parallel rank sends);
+    two input sets alternating. Each real output against its reference and against the first output."""
+    from megamoe.reference import moe_forward
+
+    base = DeepGEMMFP4.recipe.with_(mma=MMA)
+    g, w = weights("dsv4-flash", "synthetic")
+    pad = DeepGEMMFP4(g, capacity=8)._padding_inputs()
+    rows = []
+    plan = [(8192, 128, "1", 100), (8192, 128, "0", 100), (128, 128, "1", 100), (8192, 1, "1", 100),
+            (8192, 2048, "1", 40), (8192, 8192, "1", 20)]
+    bes = {}
+    for cap, t, swap, n in plan:
+        os.environ["DG_SM90_FP4_SWAP_AB"] = swap
+        if cap not in bes:
+            bes[cap] = backend(g, w, cap, lossy=False)
+        be = bes[cap]
+        be.build([t])
+        inps = [make_inputs(g, t, seed=s_).to("cuda") for s_ in (1012, 1128)]
+        sub = [(i if t <= 256 else MoEInputs(*(x[:256] for x in (i.x, i.topk_idx, i.topk_weights)))) for i in inps]
+        refs = [moe_forward(si, be.kernel_weights, base, g) for si in sub]
+        k = min(t, 256)
+
+        def score(y, j):
+            return calc_diff(y[:k], refs[j]), int(torch.isnan(y.float()).sum())
+
+        out = {"capacity": cap, "tokens": t, "swap_ab_env": swap, "plan": None, "patterns": {}}
+        for pattern in ("same", "after-padding", "alternating-inputs"):
+            diffs, nans, first, changed, changed_rows = [], 0, [None, None], 0, 0
+            for i in range(n):
+                j = (i % 2) if pattern == "alternating-inputs" else 0
+                if pattern == "after-padding":
+                    _launch(be, pad, t)
+                y = _launch(be, inps[j], t)
+                d, nn = score(y, j)
+                diffs.append(d)
+                nans += nn
+                if first[j] is None:
+                    first[j] = y
+                elif not torch.equal(y.view(torch.int16), first[j].view(torch.int16)):
+                    changed += 1
+                    changed_rows = max(changed_rows, int((y.view(torch.int16) != first[j].view(torch.int16)).any(1).sum()))
+            torch.cuda.synchronize()
+            ds = sorted(diffs)
+            out["patterns"][pattern] = {"launches": n, "calc_diff_median": ds[len(ds) // 2], "calc_diff_max": ds[-1],
+                                        "over_1e-5": sum(d > 1e-5 for d in diffs), "over_1e-6": sum(d > 1e-6 for d in diffs),
+                                        "nan_elements": nans, "launches_differing_from_first": changed,
+                                        "max_rows_differing": changed_rows}
+            log(f"determinism cap {cap} T{t} swap-env {swap} {pattern:20s} {out['patterns'][pattern]}")
+        out["plan"] = be.plan(t).describe()
+        rows.append(out)
+    os.environ["DG_SM90_FP4_SWAP_AB"] = "1"
+    for be in bes.values():
+        be.destroy()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp4_probe"))
@@ -295,7 +359,7 @@ def main() -> None:
         journal.dump()
         sys.exit(1)
     fns = {"lut": lut_probe, "checkpoint": checkpoint_probe, "variants": variants_probe, "lossy": lossy_probe,
-           "plans": plans_probe}
+           "plans": plans_probe, "determinism": determinism_probe}
     for name in a.sections:
         section(name, journal, a.deadline)(fns[name])(journal.log)
     journal.log("done", {k: v for k, v in journal.data.get("seconds", {}).items()})

@@ -54,6 +54,9 @@ TEMPLATE_PARAMS = (
 )
 
 
+_SEEN_CONFIGS: dict = {}  # (E, H, I, K, ranks, capacity, tokens, swap-AB switch) -> what the heuristic printed
+
+
 def sm90_fp4_missing(dg) -> list[str]:
     """Names of the SM90 FP8 x FP4 entry points the given deep_gemm module lacks."""
     return [a for a in SM90_FP4_ENTRY_POINTS if not hasattr(dg, a)]
@@ -170,11 +173,16 @@ class DeepGEMMFP4(FusedBackend):
         rest = re.sub(r"MegaMoESM90FP4Config\([^\n]*\n?", "", text).strip()
         if rest:
             print(rest, flush=True)  # anything else the package printed (JIT messages) stays visible
+        # The package prints each configuration once per process: a second backend of the same shape and
+        # capacity sees no printout, so what was read is kept process-wide, by what the heuristic reads.
+        shape = (self.g.num_experts, self.g.hidden, self.g.intermediate, self.g.num_topk, self.num_ranks,
+                 self.buf.num_max_tokens_per_rank, int(num_tokens), os.environ.get("DG_SM90_FP4_SWAP_AB", "1"))
         if cfg:
             args = find_kernel_args(cfg, kernel=KERNEL_NAME, params=TEMPLATE_PARAMS,
                                     extra={"num_max_tokens_per_rank": self.buf.num_max_tokens_per_rank})
-            self.__dict__.setdefault("_configs", {})[int(num_tokens)] = {"config": cfg, "key": key,
-                                                                          "template_args": args}
+            _SEEN_CONFIGS[shape] = {"config": cfg, "key": key, "template_args": args}
+        if shape in _SEEN_CONFIGS:
+            self.__dict__.setdefault("_configs", {})[int(num_tokens)] = _SEEN_CONFIGS[shape]
 
     def _build_job(self, num_tokens: int):
         def warm():  # a launch builds its configuration on first use; warm it with staged padding rows
