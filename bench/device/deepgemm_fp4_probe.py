@@ -342,6 +342,38 @@ def determinism_probe(log):
     return rows
 
 
+def race_probe(log):
+    """Repeat one launch N times at every sweep token count: how many outputs differ from the first, and
+    which configuration flags the racy counts share."""
+    g, w = weights("dsv4-flash", "synthetic")
+    be = backend(g, w, 8192, lossy=False)
+    counts = (1, 2, 4, 7, 8, 16, 32, 64, 96, 128, 192, 256, 300, 512, 1024, 2048, 4096, 8192)
+    be.build(list(counts))
+    rows = []
+    for t in counts:
+        inp = make_inputs(g, t, seed=77 + t).to("cuda")
+        n = 60 if t <= 512 else 20
+        first, changed, max_rows = None, 0, 0
+        for _ in range(n):
+            y = _launch(be, inp, t)
+            if first is None:
+                first = y
+            elif not torch.equal(y.view(torch.int16), first.view(torch.int16)):
+                changed += 1
+                max_rows = max(max_rows, int((y.view(torch.int16) != first.view(torch.int16)).any(1).sum()))
+        torch.cuda.synchronize()
+        p = be.plan(t)
+        row = {"tokens": t, "tokens_per_expert": t * g.num_topk / g.num_experts, "launches": n,
+               "differing_from_first": changed, "max_rows_differing": max_rows, "block_m": p.block_m, **p.detail}
+        log(f"race T{t:5d} differing {changed:3d}/{n} rows<= {max_rows:3d}  {p.describe()} "
+            f"wide={p.detail.get('wide_load_decode')} mathwg={p.detail.get('math_wg_participates_in_decode')} "
+            f"early_b={p.detail.get('early_b_decode')} done_mbar={p.detail.get('decode_done_mbarrier')} "
+            f"l2cnt={p.detail.get('l2_arrival_counter')} nsplit={p.detail.get('ss_nsplit')}")
+        rows.append(row)
+    be.destroy()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp4_probe"))
@@ -359,7 +391,8 @@ def main() -> None:
         journal.dump()
         sys.exit(1)
     fns = {"lut": lut_probe, "checkpoint": checkpoint_probe, "variants": variants_probe, "lossy": lossy_probe,
-           "plans": plans_probe, "determinism": determinism_probe}
+           "plans": plans_probe, "determinism": determinism_probe,
+           "race": race_probe}
     for name in a.sections:
         section(name, journal, a.deadline)(fns[name])(journal.log)
     journal.log("done", {k: v for k, v in journal.data.get("seconds", {}).items()})
