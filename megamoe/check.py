@@ -217,7 +217,7 @@ def backend_availability() -> list[tuple[str, bool, str]] | None:
     return [tuple(b) for b in registry.available_backends()]
 
 
-MATRIX_BAD = ("FAIL", "NOT DETECTED", "error")
+MATRIX_BAD = ("FAIL", "NOT DETECTED", "error", "nondeterministic")
 
 
 def run_backend(report: CheckReport, name: str, json_path: str | None = None, **matrix_kwargs) -> None:

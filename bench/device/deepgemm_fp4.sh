@@ -4,6 +4,7 @@
 #   ARCHIVE=path/to/deepgemm-pr323-8ddf7f9.tgz OUT=results bash bench/device/deepgemm_fp4.sh STEP...
 # Steps, any subset, run in this order:
 #   build     unpack ARCHIVE into a fresh folder and run scripts/build_deepgemm.sh into $DEST (_C.so: ~100 s)
+#   stage     like build, without compiling _C.so (for restore)
 #   restore   unpack a saved $OUT-style dg-build.tgz (RESTORE=path) into $DEST: _C.so and the kernel cache
 #   prebuild  compile the FP4 kernels the tests, the probe, the matrix and the sweep need, ~16 processes side
 #             by side (DeepGEMM compiles one kernel at a time in the launching thread)
@@ -31,6 +32,13 @@ step_build() {
   tar xzf "$ARCHIVE" -C "$src" && rm -rf "$DEST" && \
     bash scripts/build_deepgemm.sh "$src/DeepGEMM" "$DEST" >> "$LOG" 2>&1
   say "build exit $? ($(du -sh "$DEST" 2>/dev/null | cut -f1), _C.so $(stat -c %s "$DEST/deep_gemm/_C.so" 2>/dev/null) bytes)"
+}
+
+step_stage() {  # the package layout only; `restore` then brings a saved _C.so and kernel cache
+  local src; src=$(mktemp -d)
+  tar xzf "$ARCHIVE" -C "$src" && rm -rf "$DEST" && \
+    python3 -m megamoe.fused.deepgemm_build "$src/DeepGEMM" "$DEST" --no-compile >> "$LOG" 2>&1
+  say "stage exit $?"
 }
 
 step_restore() {
@@ -75,7 +83,9 @@ step_tests() {
 }
 
 step_probe() {
-  python3 bench/device/deepgemm_fp4_probe.py --out "$OUT" --deadline "${PROBE_DEADLINE:-240}" >> "$LOG" 2>&1
+  # shellcheck disable=SC2086
+  python3 bench/device/deepgemm_fp4_probe.py --out "$OUT" --deadline "${PROBE_DEADLINE:-240}" \
+    ${PROBE_SECTIONS:+--sections $PROBE_SECTIONS} >> "$LOG" 2>&1
   say "probe exit $?"
 }
 

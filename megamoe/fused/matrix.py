@@ -161,6 +161,22 @@ def _time_launch(be, m: int, iters: int) -> float:
     return ts[len(ts) // 2]
 
 
+def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) -> dict:
+    """Stage and launch the same step ``repeats`` more times (output poisoned each time); how many outputs
+    differ from the first, in how many rows at most."""
+    differing, rows = 0, 0
+    first = y_first.view(torch.int16)
+    for _ in range(repeats):
+        be.y.fill_(float("nan"))
+        be.stage(inp, m)
+        y = be.launch(m)[:t].view(torch.int16)
+        if not torch.equal(y, first):
+            differing += 1
+            rows = max(rows, int((y != first).any(dim=1).sum()))
+    torch.cuda.synchronize()
+    return {"repeats": repeats, "repeats_differing": differing, "repeat_rows_differing_max": rows}
+
+
 def _subset(inp, n: int, seed: int):
     """A sorted random subset of n tokens (the reference of a token depends only on its own rows)."""
     from ..testing import MoEInputs
@@ -171,13 +187,15 @@ def _subset(inp, n: int, seed: int):
 
 
 def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mma: str | None = None,
-               time_iters: int = 20, quick: bool = False, deadline_s: float | None = None,
+               time_iters: int = 20, repeats: int = 8, quick: bool = False, deadline_s: float | None = None,
                ref_max_tokens: int | None = None, log=print) -> list[dict]:
     """Run every case on one backend; returns one row per case and writes {"rows": [...]} to out_json.
 
     ``mma`` picks the reference's block-sum model (None: the recipe's own, "sm90-fp8-tc": the tensor
     cores emulated). The reference recipe of a case is the backend's ``recipe_for(launch tokens)``
     (DeepGEMM's accumulation mode depends on the configuration its heuristic picked).
+    ``repeats``: the step is staged and launched that many more times and must give the same bits (a kernel
+    that is right once but differs on a relaunch is reported ``nondeterministic``, a failure).
     ``ref_max_tokens``: above this many tokens the reference runs on a random subset of that size and
     the output / L2 codes are compared on those tokens only (rows are independent, so the subset's
     reference is bit-identical to the full one's rows; the emulated tensor cores are slow)."""
@@ -294,12 +312,17 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
                 y_exact = moe_forward(ref_inp, be.kernel_weights, recipe.with_(weight_decode="exact"), g)
                 row["calc_diff_vs_exact_decode"] = calc_diff(y, y_exact)
                 row["ref_vs_exact_decode"] = calc_diff(res.y[0], y_exact)
+            if m and repeats and not c.broken:  # the same staged step again: a kernel must give the same bits
+                row.update(_repeat_check(be, inp, m, y_full, repeats, c.num_tokens))
             if m and time_iters and not c.broken:
                 row["launch_us"] = _time_launch(be, m, time_iters)
             passed = row["nan"] == 0 and row["calc_diff"] <= MAX_DIFF and row.get("code_match", 1.0) >= MIN_CODE_MATCH
             if c.routing == "allmasked":
                 passed = passed and row["masked_rows_zero"]
-            row["status"] = ("detected" if not passed else "NOT DETECTED") if c.broken else ("pass" if passed else "FAIL")
+            status = ("detected" if not passed else "NOT DETECTED") if c.broken else ("pass" if passed else "FAIL")
+            if status == "pass" and row.get("repeats_differing"):
+                status = "nondeterministic"  # right against the reference once, different bits on a relaunch
+            row["status"] = status
         except Exception as exc:  # noqa: BLE001 - one case must not stop the matrix
             row.update(status="error", error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc()[-2000:])
         finally:
@@ -338,7 +361,7 @@ def _write(path, rows) -> None:
 def format_table(rows: list[dict]) -> str:
     """Markdown table of matrix rows."""
     head = ("| backend | case | status | calc_diff | L2-input codes identical | L2 scales identical | L2 sf rel | "
-            "reference | launch (us) | plan |\n|---|---|---|---|---|---|---|---|---|---|")
+            "relaunches differing | reference | launch (us) | plan |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         def f(k, fmt):
@@ -347,6 +370,7 @@ def format_table(rows: list[dict]) -> str:
         rr = r.get("reference_recipe") or {}
         ref = f"{rr.get('mma')}/{rr.get('accumulate')}" + (f" ({r['ref_tokens']} tok)" if r.get("ref_tokens", r.get("num_tokens")) != r.get("num_tokens") else "") if rr else "-"
         lines.append(f"| {r.get('backend')} | {r.get('case')} | {r.get('status')} | {f('calc_diff', '{:.2e}')} | "
-                     f"{f('code_match', '{:.4f}')} | {f('sf_match', '{:.4f}')} | {f('sf_rel_median', '{:.1e}')} | {ref} | "
+                     f"{f('code_match', '{:.4f}')} | {f('sf_match', '{:.4f}')} | {f('sf_rel_median', '{:.1e}')} | "
+                     f"{(str(r['repeats_differing']) + '/' + str(r['repeats'])) if 'repeats' in r else '-'} | {ref} | "
                      f"{f('launch_us', '{:.1f}')} | {r.get('plan', r.get('error', r.get('reason', '')))} |")
     return "\n".join(lines)
