@@ -166,17 +166,17 @@ def test_params_and_x_validation(params, x):
 # ------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_block_real_backend_gpu():
-    from megamoe.fused.registry import available_backends, make_backend
-    from megamoe.layouts.ranges import repair_ranges
+@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp4"])
+def test_fused_block_real_backend_gpu(name):
+    from megamoe.fused.registry import get_backend_class, make_backend
 
-    names = [n for n, ok, _ in available_backends() if ok and n == "flashinfer-mxfp4"]
-    if not names:
-        pytest.skip("flashinfer-mxfp4 backend unavailable")
+    ok, why = get_backend_class(name).availability()
+    if not ok:
+        pytest.skip(why)
     g = PRESETS["small"]
-    be = make_backend(names[0], g, capacity=256)
+    be = make_backend(name, g, capacity=256)
     p = random_block_params(g, seed=0, device="cuda")
-    p.experts = repair_ranges(p.experts, be.recipe)
+    p.experts = be.synthetic_weights(p.experts)  # where the kernel reads them exactly
     xg = make_inputs(g, 129, seed=1, device="cuda").x
     got = moe_block_fused(xg, p, g, be)
     ref = moe_block_reference(xg, p, g, be.recipe)

@@ -137,7 +137,7 @@ def test_check_fused_ranks_rejects_non_power_of_two_before_spawning():
 
 @pytest.mark.gpu
 @pytest.mark.dist
-@pytest.mark.parametrize("backend", ["flashinfer-mxfp4", "deepgemm-sm90-fp8"])
+@pytest.mark.parametrize("backend", ["flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4"])
 def test_fused_launcher_one_rank_h200(backend):
     """The fused launcher over a 1-rank NCCL group: the same agreement/padding/launch path as N ranks."""
     from megamoe.distributed.fused import check_fused_ranks

@@ -200,9 +200,10 @@ def check_fused_ranks(num_ranks: int, backend: str = "flashinfer-mxfp4", preset:
 
     check_ep_ranks(num_ranks)
     g = get_geometry(preset)
-    recipe = get_backend_class(backend).recipe
+    cls = get_backend_class(backend)
+    recipe = cls.recipe
     tokens = list(tokens_per_rank) if tokens_per_rank is not None else default_tokens(num_ranks)
-    weights = weights_for_recipe(fast_random_weights(g, seed=seed), recipe)
+    weights = cls.synthetic_weights(weights_for_recipe(fast_random_weights(g, seed=seed), recipe))
     inputs = rank_inputs(g, tokens, seed)
     capacity = max(1, max(tokens))
     out = spawn(_fused_worker, num_ranks, backend="nccl", timeout_s=timeout_s,

@@ -48,6 +48,14 @@ class FlashInferMXFP4(FusedBackend):
         return kernel_availability(
             _import, "flashinfer.megamoe", ("mxfp4_mega_moe", "MegaMoESymmBuffer", "select_mxfp4_fused_plan", "_run_kernel"))
 
+    @classmethod
+    def synthetic_weights(cls, weights):
+        """The exact rebase ``prepare`` applies anyway (values unchanged), so that a reference run on the
+        returned weights decodes what the kernel decodes."""
+        from ..layouts.ranges import repair_ranges
+
+        return repair_ranges(weights, cls.recipe)
+
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return LEGAL_BLOCK_MS_H200
 
