@@ -134,6 +134,11 @@ def _break(be, case: Case):
     return restore
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _time_launch(be, m: int, iters: int) -> float:
     torch.cuda.synchronize()
     for _ in range(2):
@@ -180,10 +185,10 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         _write(out_json, rows)
         return rows
     t0 = time.time()
-    dev = torch.device("cuda")
+    probe = cls(get_geometry_safe("small"), capacity=1)
+    dev = probe.device  # CUDA for the kernels; a registered external backend may run on the CPU
     backends, refs, rows = {}, {}, []
     if cases is None:
-        probe = cls(get_geometry_safe("small"), capacity=1)
         cases = default_cases(backend_name, probe.legal_block_ms(), cls.allows_zero_tokens, quick=quick)
     cases = list(cases)
     # One backend (buffer, prepared weights) per (geometry, weights); every plan built before any launch.
@@ -260,7 +265,7 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             be.poison_intermediates()
             be.stage(inp, m)
             y = be.launch(m)[: c.num_tokens].clone()
-            torch.cuda.synchronize()
+            _sync(dev)
             row["plan"] = be.plan(m).describe() if m else row["plan"]  # now known for every backend
             inter = be.intermediates() if c.num_tokens else None
             y_full = y
@@ -275,7 +280,7 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             if inter is not None:
                 row.update({k: v for k, v in compare_l2_inputs(inter, res.ranks[0], ref_inp, g.num_topk).items()})
             row["ref_s"] = round(t_ref, 2)
-            if m and time_iters and not c.broken:
+            if m and time_iters and not c.broken and dev.type == "cuda":
                 row["launch_us"] = _time_launch(be, m, time_iters)
             passed = row["nan"] == 0 and row["calc_diff"] <= MAX_DIFF and row.get("code_match", 1.0) >= MIN_CODE_MATCH
             if c.routing == "allmasked":
