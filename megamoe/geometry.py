@@ -9,7 +9,8 @@ Dimension legend used across the library:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,52 @@ class Geometry:
             if not ok:
                 raise ValueError(f"Geometry {self.name!r}: {arg} must be {expected}, got {value!r}")
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, name: str | None = None, **overrides) -> "Geometry":
+        """The MoE layer of a model config: a HuggingFace-style ``config.json`` dict with DeepSeek's key
+        names, or the dict of a Geometry (``dataclasses.asdict``; what every results.json records).
+
+            hidden_size -> hidden                 moe_intermediate_size -> intermediate (per expert)
+            n_routed_experts -> num_experts       num_experts_per_tok -> num_topk
+            swiglu_limit -> clamp                 routed_scaling_factor -> routed_scaling (absent: 1.0)
+            n_shared_experts (absent: 0)          norm_topk_prob (absent: False, HF's default)
+            scoring_func -> score_func (absent: "softmax")
+
+        ``num_local_experts`` / ``num_experts`` are accepted for the expert count; ``intermediate_size``
+        is not, because in a DeepSeek config it is the dense MLP's width, not an expert's. A config
+        whose model has no SwiGLU clamp has no ``swiglu_limit``: pass ``clamp=`` (``float("inf")``:
+        none). ``overrides`` replace any field after the config is read (e.g. ``score_func``); a
+        ``text_config`` sub-dict (multimodal configs) is read when the top level has no hidden size.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"Geometry.from_config: config must be a dict, got {type(config).__name__}")
+        if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
+            config = config["text_config"]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"Geometry.from_config: unknown override(s) {unknown}; expected fields of {sorted(known)}")
+        values: dict[str, Any] = {}
+        for field_name, (keys, kind, default) in _CONFIG_KEYS.items():
+            if field_name in overrides:
+                continue
+            key = next((k for k in keys if k in config), None)
+            if key is None:
+                if default is _REQUIRED:
+                    extra = " or pass clamp= (float('inf') for no clamp)" if field_name == "clamp" else ""
+                    raise ValueError(f"Geometry.from_config: config has none of {list(keys)} (for {field_name}){extra}")
+                values[field_name] = default
+                continue
+            raw = config[key]
+            ok = isinstance(raw, bool) if kind is bool else (
+                isinstance(raw, (int, float)) and not isinstance(raw, bool) and (kind is float or float(raw).is_integer())
+                if kind in (int, float) else isinstance(raw, str))
+            if not ok:
+                raise ValueError(f"Geometry.from_config: {key} must be {kind.__name__}, got {raw!r}")
+            values[field_name] = kind(raw)
+        label = name or config.get("name") or config.get("model_type") or "from-config"
+        return cls(name=str(label), **{**values, **overrides})
+
     def experts_per_rank(self, num_ranks: int) -> int:
         """E_l = E / R; raises when R does not divide E."""
         if num_ranks <= 0 or self.num_experts % num_ranks:
@@ -69,6 +116,20 @@ class Geometry:
         return 2 * (2 * self.intermediate * self.hidden + self.hidden * self.intermediate)
 
 
+_REQUIRED = object()
+# Geometry field -> (config keys tried in order, type, default when absent). HF DeepSeek names first.
+_CONFIG_KEYS: dict[str, tuple[tuple[str, ...], type, Any]] = {
+    "hidden": (("hidden_size", "hidden"), int, _REQUIRED),
+    "intermediate": (("moe_intermediate_size", "intermediate"), int, _REQUIRED),
+    "num_experts": (("n_routed_experts", "num_local_experts", "num_experts"), int, _REQUIRED),
+    "num_topk": (("num_experts_per_tok", "num_topk"), int, _REQUIRED),
+    "clamp": (("swiglu_limit", "clamp"), float, _REQUIRED),
+    "routed_scaling": (("routed_scaling_factor", "routed_scaling"), float, 1.0),
+    "num_shared_experts": (("n_shared_experts", "num_shared_experts"), int, 0),
+    "norm_topk_prob": (("norm_topk_prob",), bool, False),
+    "score_func": (("scoring_func", "score_func"), str, "softmax"),
+}
+
 PRESETS: dict[str, Geometry] = {
     g.name: g
     for g in (
@@ -82,10 +143,13 @@ PRESETS: dict[str, Geometry] = {
 }
 
 
-def get_geometry(name_or_geometry: "str | Geometry") -> Geometry:
-    """Look up a preset by name (``dsv4-flash``, ``dsv4-pro``, ``small``, ``tiny``)."""
+def get_geometry(name_or_geometry: "str | Geometry | Mapping") -> Geometry:
+    """Look up a preset by name (``dsv4-flash``, ``dsv4-pro``, ``small``, ``tiny``); a Geometry is
+    returned as is, a dict is read as a model config (``Geometry.from_config``)."""
     if isinstance(name_or_geometry, Geometry):
         return name_or_geometry
+    if isinstance(name_or_geometry, Mapping):
+        return Geometry.from_config(name_or_geometry)
     try:
         return PRESETS[name_or_geometry]
     except KeyError:

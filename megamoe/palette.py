@@ -19,6 +19,23 @@ QUANTITY_COLOURS = {
 }
 
 
+# The roles inside one CTA (megamoe.anatomy) and the two GEMM phases of a task, for the kernel pictures.
+ROLE_COLOURS = {
+    "dispatch": "tab:cyan",
+    "TMA A": "tab:olive",
+    "TMA B": "tab:brown",
+    "decode": "tab:pink",
+    "math": "tab:blue",
+    "idle": "0.85",
+}
+PHASE_COLOURS = {"L1": "tab:olive", "L2": "tab:purple", "idle": "white"}
+
+
+def role_colour(name: str) -> str:
+    """The colour of a warp role ('math WG1' -> the 'math' colour; unknown roles grey)."""
+    return ROLE_COLOURS.get(name.split(" WG")[0], "tab:gray")
+
+
 def backend_colour(name: str) -> str:
     """The colour of backend ``name`` ('tab:gray' for names without one)."""
     return BACKEND_COLOURS.get(name, "tab:gray")

@@ -2,7 +2,7 @@
 
 A ``Recipe`` names every choice that differs between the fused kernels, so that the eager reference
 reproduces a kernel's quantization points exactly and the only residual left is how the tensor cores
-accumulate inside one 128-wide K block. The contract is ``shared/design/KERNELS.md``.
+accumulate inside one 128-wide K block. The contract is ``docs/kernel-contract.md``.
 
 Pipeline stages and the recipe fields that steer them:
     stage x         stage_x, x_gran, x_scale               (bf16 -> e4m3 + scale per token per gran)

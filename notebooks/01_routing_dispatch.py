@@ -147,7 +147,7 @@ figs.save(fig, "pool_layout")
 # The waste is `padding rows / pool rows`: MMA work on rows that are thrown away. It depends on how
 # many rows each expert gets, so on the token count: at a few tokens per expert almost every tile is
 # mostly padding, at thousands it vanishes. FlashInfer's SM90 plans use BLOCK_M 8 / 24 / 64 and
-# DeepGEMM 64 / 128 (KERNELS.md); here are all of them over token counts, at DeepSeek-V4-Flash
+# DeepGEMM 64 / 128 (docs/kernel-contract.md); here are all of them over token counts, at DeepSeek-V4-Flash
 # routing with one rank owning all 256 experts, with fresh routing per point.
 
 # %%

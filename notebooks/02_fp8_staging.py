@@ -143,7 +143,7 @@ figs.save(fig, "error_vs_granularity")
 # ## 2.4 Why a multiply by fl32(1/448), not a division
 #
 # DeepGEMM's source reads `amax / 448.0`, but PyTorch's CUDA kernel divides a tensor by a scalar via
-# its reciprocal, so on the GPU the scale is `amax * fl32(1/448)`. KERNELS.md records the H200
+# its reciprocal, so on the GPU the scale is `amax * fl32(1/448)`. docs/kernel-contract.md records the H200
 # measurement; here we count how often a true division (what the same source gives on a CPU tensor)
 # would differ, in the scale and then in the FP8 codes.
 

@@ -162,7 +162,7 @@ figs.save(fig, "ep_traffic")
 # In data-parallel serving, ranks arrive with different token counts (some with none). FlashInfer
 # picks its plan (BLOCK_M, experts per wave) from the token count, so every rank of a launch must
 # pass the same count, or ranks run different tile shapes next to each other (1.5-1.9x slower on 8x
-# H200, KERNELS.md). The rule (`megamoe.layouts.plans.agreed_token_count`): every rank passes the
+# H200, docs/kernel-contract.md). The rule (`megamoe.layouts.plans.agreed_token_count`): every rank passes the
 # step's max and pads with rows routed to -1 (`megamoe.distributed.agreement.pad_inputs`). Masked
 # rows are never dispatched, so real rows do not change; we check that bitwise.
 

@@ -17,11 +17,16 @@
 # MXFP4 Mega MoE kernel picks its plan from the token count, how much work each wave of experts
 # offers the 132 SMs of an H200, what each stage must move and compute, and where that puts the
 # floor. Everything is computed from the library's own models (`megamoe.layouts.plans`,
-# `megamoe.geometry`, `megamoe.bench.roofline`); real timings come from `bench/results/` when a GPU
-# run has been committed there.
+# `megamoe.geometry`, `megamoe.bench.roofline`); the ceilings and timings are the H200 sweep the README
+# cites (`bench/results/CITED.json` names it). Then it opens one CTA: which warps do what, how shared
+# memory holds the TMA -> WGMMA pipeline, how a routed row travels between ranks, and how the persistent
+# kernel hands tasks to the SMs, all drawn from the plans the kernels printed (`megamoe.anatomy`,
+# `megamoe.plans_viz`).
 #
 # Ladder: (6.1) the plan for a token count, (6.2) tiles per expert per wave, (6.3) bytes and FLOPs
-# per stage, (6.4) the roofline and the floor, (6.5) measured timings.
+# per stage, (6.4) the roofline and the floor, (6.5) measured timings, (6.6) warps and their roles,
+# (6.7) shared memory and the TMA -> WGMMA pipeline, (6.8) dispatch and combine over symmetric memory,
+# (6.9) the persistent schedule.
 
 # %%
 import json
@@ -35,9 +40,10 @@ from megamoe.bench.roofline import BYTES_PER_WEIGHT, step_floor
 from megamoe.layouts.plans import (
     H20_NUM_SMS, H200_NUM_SMS, flashinfer_legal_block_ms, flashinfer_mxfp4_plan, padding_waste,
 )
+from megamoe.palette import backend_colour
 from megamoe.testing import make_routing
 
-from _nb import REPO, Figures
+from _nb import REPO, Figures, cited
 
 figs = Figures("06_kernel_walkthrough")
 g = get_geometry("dsv4-flash")
@@ -107,7 +113,7 @@ for t in (8, 512, 8192):
 # %%
 fig, axes = plt.subplots(1, len(waves), figsize=(13, 3.4), sharey=False)
 for ax, (t, per_wave) in zip(axes, waves.items()):
-    ax.bar(range(per_wave.numel()), per_wave.numpy(), color="tab:blue")
+    ax.bar(range(per_wave.numel()), per_wave.numpy(), color=backend_colour("flashinfer-mxfp4"))
     ax.axhline(H200_NUM_SMS, color="r", ls="--", lw=1, label="132 SMs")
     ax.set(xlabel="wave", ylabel="L1 tiles", title=f"T = {t}: BLOCK_M {plan(t).block_m}, {plan(t).num_experts_per_wave} experts/wave")
     ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
@@ -167,19 +173,23 @@ figs.save(fig, "bytes_flops_per_stage")
 # ## 6.4 The roofline and the floor
 #
 # The floor of a step is `max(bytes / copy bandwidth, FLOPs / FP8 rate)` (`megamoe.bench.roofline.step_floor`).
-# The ceilings are **quoted, not measured here**: `shared/design/KERNELS.md`, "Measured on one H200":
-# device copy 4.24 TB/s (read + written), FP8 matmul 1422 TFLOP/s (`torch._scaled_mm`, 8192^3),
-# bf16 815 TFLOP/s. The ridge point is 1422e12 / 4.24e12 = 335 FLOP per byte: below it a step is
-# bandwidth-bound.
+# The ceilings are the ones the cited sweep **measured on its own card, in the same run**: a 2 GiB
+# device-to-device copy (bytes read + written) and `torch._scaled_mm` in e4m3 at 8192^3. The ridge
+# point is FP8 rate / copy bandwidth: below it a step is bandwidth-bound.
 
 # %%
-H200_QUOTED = Ceilings(device="H200 (quoted from shared/design/KERNELS.md, not measured here)",
-                       copy_gbps=4240.0, fp8_tflops=1422.0, bf16_tflops=815.0)
+SWEEP = cited("sweep")
+sweep = json.loads((SWEEP / "results.json").read_text())
+c = sweep["ceilings"]
+H200 = Ceilings(device=f"{c['device']} (measured in {SWEEP.name})", copy_gbps=c["copy_gbps"],
+                fp8_tflops=c["fp8_tflops"], bf16_tflops=c["bf16_tflops"])
+print(f"ceilings from {SWEEP.relative_to(REPO)}: copy {H200.copy_gbps:.0f} GB/s, FP8 {H200.fp8_tflops:.0f} TFLOP/s, "
+      f"bf16 {H200.bf16_tflops:.0f} TFLOP/s")
 floors = {}
 for t in token_counts:
     idx, _ = make_routing(t, g.num_experts, g.num_topk, gen=torch.Generator().manual_seed(1000 + t))
-    floors[t] = step_floor(g, idx, H200_QUOTED)
-ridge = H200_QUOTED.fp8_tflops * 1e12 / (H200_QUOTED.copy_gbps * 1e9)
+    floors[t] = step_floor(g, idx, H200)
+ridge = H200.fp8_tflops * 1e12 / (H200.copy_gbps * 1e9)
 print(f"ridge point {ridge:.0f} FLOP/B")
 print(f"{'T':>5} {'experts':>7} {'MB':>8} {'GFLOP':>8} {'FLOP/B':>7} {'floor us':>9} bound")
 for t, f in floors.items():
@@ -188,50 +198,164 @@ for t, f in floors.items():
 # %% [markdown]
 # ## 6.5 Measured timings
 #
-# Real kernel times come from `megamoe bench` runs committed under `bench/results/` (each a
-# `results.json` with `rows` of backend, tokens, median_us). We draw any we find on the floor's plot.
+# The kernel times of the same sweep (`megamoe bench` on one H200: median of at least 1 s of calls,
+# each backend checked against its reference first; its `NOTE.md` says how it was run). Only the
+# cited run is drawn: `bench/results/` holds older runs too, kept as evidence, not as figures.
 
 # %%
-result_files = sorted((REPO / "bench" / "results").rglob("*.json"))
-measured = {}  # label -> (tokens, median_us)
-for path in result_files:
-    try:
-        res = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        print(f"skipped {path.relative_to(REPO)}: {err}")
-        continue
-    if not isinstance(res, dict):
-        print(f"skipped {path.relative_to(REPO)}: not a `megamoe bench` results file")
-        continue
-    rows = [r for r in res.get("rows", []) if r.get("pass", 0) == 0 and "median_us" in r and "tokens" in r]
-    card = res.get("meta", {}).get("card", "?")
-    for backend in sorted({r["backend"] for r in rows}):
-        rr = sorted((r for r in rows if r["backend"] == backend), key=lambda r: r["tokens"])
-        measured[f"{backend} ({card})"] = ([r["tokens"] for r in rr], [r["median_us"] for r in rr])
-        print(f"{path.relative_to(REPO)}: {backend} on {card}: " + ", ".join(f"T={r['tokens']} {r['median_us']:.0f} us" for r in rr))
-if not measured:
-    print(f"No GPU timings in bench/results/ yet ({len(result_files)} JSON files found): "
-          "the plot shows the modelled floor only. Run `megamoe bench` on an H200 and commit its results.json.")
+rows = [r for r in sweep["rows"] if r.get("pass", 0) == 0 and "median_us" in r]
+measured = {}  # backend -> (tokens, median_us)
+for backend in sorted({r["backend"] for r in rows}):
+    rr = sorted((r for r in rows if r["backend"] == backend), key=lambda r: r["tokens"])
+    measured[backend] = ([r["tokens"] for r in rr], [r["median_us"] for r in rr])
+    print(f"{backend:22s} " + ", ".join(f"T={r['tokens']} {r['median_us']:.0f} us" for r in rr[::3]))
+print(f"card {sweep['meta']['card']}, commit {sweep['meta']['commit']}, versions {sweep['meta']['versions']}")
 
 # %%
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4))
 ai = torch.logspace(-1, 4, 200)
-roof = torch.minimum(ai * H200_QUOTED.copy_gbps * 1e9, torch.tensor(H200_QUOTED.fp8_tflops * 1e12)) / 1e12
-ax0.plot(ai.numpy(), roof.numpy(), "k-", label="H200 roof (quoted ceilings)")
+roof = torch.minimum(ai * H200.copy_gbps * 1e9, torch.tensor(H200.fp8_tflops * 1e12)) / 1e12
+ax0.plot(ai.numpy(), roof.numpy(), "k-", label="H200 roof (measured ceilings)")
 for t, f in floors.items():
     inten = f.flops / f.bytes
-    ax0.scatter([inten], [f.flops / (f.floor_us * 1e-6) / 1e12], s=20)
+    ax0.scatter([inten], [f.flops / (f.floor_us * 1e-6) / 1e12], s=20, color="k")
     if t in (1, 8, 32, 128, 512, 2048, 8192):
-            ax0.annotate(str(t), (inten, f.flops / (f.floor_us * 1e-6) / 1e12), fontsize=7, xytext=(3, -8), textcoords="offset points")
+        ax0.annotate(str(t), (inten, f.flops / (f.floor_us * 1e-6) / 1e12), fontsize=7, xytext=(3, -8), textcoords="offset points")
 ax0.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="TFLOP/s at the floor",
         title="roofline: each point a token count T")
 ax0.legend(fontsize=8)
-ax1.plot(list(floors), [f.floor_us for f in floors.values()], "k--", marker="o", label="floor (this notebook's model)")
-for label, (ts, us) in measured.items():
-    ax1.plot(ts, us, marker=".", label=label)
+ax1.plot(list(floors), [f.floor_us for f in floors.values()], "k--", marker="o", label="MXFP4 floor (this notebook's model)")
+for backend, (ts, us) in measured.items():
+    ax1.plot(ts, us, marker=".", color=backend_colour(backend), label=backend)
 ax1.legend(fontsize=7)
-ax1.set(xscale="log", yscale="log", xlabel="tokens per rank T", ylabel="us per layer", title="the floor over T (and measured times, if any)")
+ax1.set(xscale="log", yscale="log", xlabel="tokens per rank T", ylabel="us per layer",
+        title=f"the floor and the measured times ({SWEEP.name})")
 figs.save(fig, "roofline")
+
+# %% [markdown]
+# ## 6.6 Inside one CTA: which warps do what
+#
+# Each kernel launches one CTA per SM for the whole layer (persistent) and splits its warps into
+# roles that run side by side, each held at its own register budget (`setmaxnreg`, per warpgroup):
+#
+# - **dispatch** warps count the routes, then pull the routed token rows (and their scales and routing
+#   weight) from the source ranks' symmetric buffers into this rank's pool; later they clean up.
+# - **TMA A** loads the activation tiles and their scales of a task once its pool block's rows have
+#   arrived; **TMA B** loads the weight tiles. They run up to `num_stages` K blocks ahead.
+# - **decode** warps (FP4 kernels, where the plan gives them their own warps) turn the packed FP4
+#   tile into e4m3 in shared memory, the per-32 scale folded in; elsewhere the math warps decode.
+# - **math** warpgroups issue the WGMMAs, then run the epilogue: SwiGLU, the FP8 requant written to
+#   the pool for L2, and after L2 the bf16 rows written straight into the source rank's combine
+#   buffer; at the end they sum each token's top-k slots.
+#
+# The FlashInfer and DeepGEMM FP8 rows are the plans the H200 printed in the cited sweep; the
+# DeepGEMM FP4 rows are its heuristic restated (`megamoe.layouts.deepgemm_configs`): that kernel is in
+# no installable package and has not run here.
+
+# %%
+from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, flashinfer_anatomy  # noqa: E402
+from megamoe.layouts.deepgemm_configs import deepgemm_sm90_fp4_config  # noqa: E402
+from megamoe.plans_viz import (  # noqa: E402
+    draw_dispatch_combine, draw_pipeline, draw_schedule, draw_smem, draw_warps, interleaved_schedule,
+    static_schedule,
+)
+
+recorded = {(r["backend"], r["tokens"]): r["plan"] for r in rows if r["backend"] != "reference"}
+
+
+def fi(t):
+    return flashinfer_anatomy(recorded["flashinfer-mxfp4", t]["detail"], g)
+
+
+def dg8(t):
+    plan = recorded["deepgemm-sm90-fp8", t]
+    return deepgemm_fp8_anatomy({**plan["detail"], "block_m": plan["block_m"]}, g)
+
+
+def dg4(t):
+    return deepgemm_fp4_anatomy(deepgemm_sm90_fp4_config(g, t), g)
+
+
+kernels = {"FlashInfer T=1": fi(1), "FlashInfer T=512": fi(512), "FlashInfer T=8192": fi(8192),
+           "DeepGEMM FP8 T=1": dg8(1), "DeepGEMM FP8 T=8192": dg8(8192),
+           "DeepGEMM FP4 T=1 (model)": dg4(1), "DeepGEMM FP4 T=8192 (model)": dg4(8192)}
+for label, a in kernels.items():
+    print(f"{label:28s} BLOCK_M {a.block_m:3d} x BLOCK_N {a.block_n}, {a.num_stages} stages, swap-AB {str(a.swap_ab):5s} "
+          f"{a.threads} threads: " + ", ".join(f"{r.name} {r.warps}" for r in a.roles))
+
+fig, ax = plt.subplots(figsize=(12, 4.2))
+draw_warps(ax, list(kernels.values()), list(kernels))
+ax.set_title("warps of one CTA by role (w: warps, r: registers per thread); lines mark warpgroups")
+figs.save(fig, "warp_roles")
+
+# %% [markdown]
+# ## 6.7 Shared memory and the TMA -> WGMMA pipeline
+#
+# Shared memory holds a few fixed regions (expert counters, the dispatch landing rows, the epilogue's
+# staging tile, FlashInfer's decoded-weight tile) and a ring of `num_stages` stages, each one K block
+# (128) of the A tile, the B tile and their scales. The loaders fill stage `k % S` while the math
+# warps consume an older one; a stage is reused once its WGMMAs are done. Small-T plans keep tiles
+# small and stages many (DeepGEMM FP8: 8), large-T plans trade stages for tile size. FlashInfer reuses
+# the whole region as a ring of bf16 rows for the combine (dashed: 3 rows per math warp), which is
+# why it asks for all 227 KB whatever the plan.
+
+# %%
+fig, ax = plt.subplots(figsize=(12, 4.2))
+draw_smem(ax, list(kernels.values()), list(kernels))
+ax.set_title("shared memory per CTA: fixed regions (grey), stages s0..s(S-1), combine ring (dashed)")
+figs.save(fig, "smem_stages")
+
+# %% [markdown]
+# The mainloop below is a model with unit steps, not a trace: a load arrives 4 steps after it is
+# issued (an assumed latency), a decode takes one step, one step of WGMMA consumes a K block. With S
+# stages at most S loads are in flight, so a 3-stage plan with a decode step leaves the WGMMA waiting
+# where an 8-stage plan does not. The L1 mainloop of DeepSeek-V4-Flash has H / 128 = 32 K blocks; 12
+# are drawn.
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(14, 3.2))
+for ax, label in zip(axes, ("FlashInfer T=1", "FlashInfer T=512", "DeepGEMM FP8 T=1")):
+    draw_pipeline(ax, kernels[label], 12, f"{label}: {kernels[label].num_stages} stages")
+figs.save(fig, "tma_wgmma_pipeline")
+
+# %% [markdown]
+# ## 6.8 Dispatch and combine over symmetric memory
+#
+# Every rank allocates the same symmetric buffer, so a rank addresses another rank's copy directly
+# over NVLink. Dispatch is a *pull*: rank 0's dispatch warps copy each row routed to its experts out
+# of the source rank's staged input into its own pool. After L2, the epilogue *pushes* each (token,
+# slot) output row back into the source rank's combine buffer, slot k; the source rank then sums its
+# slots. No all-to-all collective runs: the GEMMs of early tasks overlap the pulls of later rows, and
+# the write-back overlaps the remaining tasks. The byte counts below are DeepSeek-V4-Flash's.
+
+# %%
+fig, ax = plt.subplots(figsize=(12, 3.4))
+draw_dispatch_combine(ax, g, num_ranks=4)
+ax.set_title("one routed row: pulled by the expert's rank, its output written back into the source rank's slot")
+figs.save(fig, "dispatch_combine")
+
+# %% [markdown]
+# ## 6.9 The persistent schedule
+#
+# The tasks are (pool block of BLOCK_M rows, N block) tiles of L1 (N = 2I) and of L2 (N = H); an L2
+# task may start only when L1 has written every column of its rows. DeepGEMM walks the experts in
+# waves of `num_experts_per_wave`: all L1 tasks of a wave, then its L2 tasks, SM i taking every 132nd
+# task. FlashInfer (`use_interleaved_scheduler` in every H200 plan) lets the SMs claim tasks from two
+# counters: a few L1 claims to warm up, then L2 and L1 alternately, an L2 claim waiting until its
+# block's L1 tasks are claimed. Each task one step here (a model of the order, not of durations);
+# routing is random at T = 512 and 8192.
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(12, 6))
+for row, t in enumerate((512, 8192)):
+    idx, _ = make_routing(t, g.num_experts, g.num_topk, gen=torch.Generator().manual_seed(2000 + t))
+    counts = torch.bincount(idx[idx >= 0], minlength=g.num_experts).tolist()
+    draw_schedule(axes[row, 0], interleaved_schedule(counts, fi(t), g, H200_NUM_SMS),
+                  f"FlashInfer T={t}, {fi(t).block_m}x{fi(t).block_n} tiles")
+    draw_schedule(axes[row, 1], static_schedule(counts, dg8(t), g, H200_NUM_SMS),
+                  f"DeepGEMM FP8 T={t}, {dg8(t).block_m}x{dg8(t).block_n} tiles, waves of {dg8(t).num_experts_per_wave}")
+fig.suptitle("tasks per SM over steps: L1 (olive), L2 (purple), waiting (white)", fontsize=9)
+figs.save(fig, "persistent_schedule")
 
 # %% [markdown]
 # **Takeaway.** Up to a few hundred tokens the layer is bound by reading the touched experts'

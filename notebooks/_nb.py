@@ -43,3 +43,20 @@ class Figures:
             plt.show()
         print(f"figure: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
         return path
+
+
+RESULTS = REPO / "bench" / "results"
+
+
+def cited(key: str = "sweep") -> Path:
+    """The results folder or file the README cites for ``key``, from ``bench/results/CITED.json`` (the
+    one place that names it), so that a notebook plots the run the README quotes, not the newest one."""
+    import json
+
+    names = json.loads((RESULTS / "CITED.json").read_text())
+    if key not in names or key == "about":
+        raise KeyError(f"bench/results/CITED.json has no {key!r}; it names {sorted(k for k in names if k != 'about')}")
+    path = RESULTS / names[key]
+    if not path.exists():
+        raise FileNotFoundError(f"bench/results/CITED.json names {names[key]!r} for {key!r}, but {path} does not exist")
+    return path

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,8 @@ EXPECTED_FIGURES = {
     "03_mxfp4_weights": ["e2m1_grid", "scale_bytes", "decoder_range", "layer_error_by_range"],
     "04_gemms_swiglu_requant": ["l1_promotion", "swiglu_clamp", "l2_requant", "error_budget", "tc_accumulation"],
     "05_combine_and_expert_parallelism": ["slot_outputs", "combine_order", "ep_traffic", "ragged_agreement"],
-    "06_kernel_walkthrough": ["plan_vs_tokens", "tiles_per_wave", "bytes_flops_per_stage", "roofline"],
+    "06_kernel_walkthrough": ["plan_vs_tokens", "tiles_per_wave", "bytes_flops_per_stage", "roofline", "warp_roles",
+                              "smem_stages", "tma_wgmma_pipeline", "dispatch_combine", "persistent_schedule"],
 }
 MIN_PNG_BYTES = 15_000  # measured: empty axes at our sizes save as 8-10 KB; our real figures are >= 20 KB
 
@@ -105,6 +107,20 @@ def test_notebook_executes_and_renders(name, kernel_spec_dir):
         assert len(data) > MIN_PNG_BYTES, f"{name}: {path} is only {len(data)} bytes (an empty plot?)"
     extra = sorted(p.stem for p in fig_dir.glob("*.png")) if fig_dir.exists() else []
     assert sorted(EXPECTED_FIGURES.get(name, [])) == extra, f"{name}: saved {extra}, expected {EXPECTED_FIGURES.get(name)}"
+
+
+def test_notebook_06_plots_the_run_the_readme_cites():
+    """One name for the cited sweep (bench/results/CITED.json); the README's figure and table point at it."""
+    cited = json.loads((REPO / "bench" / "results" / "CITED.json").read_text())
+    for key, name in cited.items():
+        if key != "about":
+            assert (REPO / "bench" / "results" / name).exists(), f"CITED.json {key!r}: {name} does not exist"
+    readme = (REPO / "README.md").read_text()
+    cited_sweeps = set(re.findall(r"bench/results/(\d{4}-\d{2}-\d{2}_[\w-]+)/sweep\.png", readme))
+    assert cited_sweeps == {cited["sweep"]}, (
+        f"the README's sweep figure cites {sorted(cited_sweeps)}, bench/results/CITED.json names {cited['sweep']!r}")
+    source = (NB_DIR / "06_kernel_walkthrough.py").read_text()
+    assert 'cited("sweep")' in source and "rglob" not in source
 
 
 def test_all_notebooks_within_budget():

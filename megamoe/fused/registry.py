@@ -2,6 +2,10 @@
 
     BACKENDS                      {name: backend class}; a class is also the factory
                                   ``cls(geometry, capacity=..., force_block_m=None, group=None)``
+    register_backend(cls)         add a backend class defined outside the package (usable as a
+                                  decorator); ``megamoe.fused.matrix.run_matrix(cls.name, ...)`` and the
+                                  benchmark sweep then find it by name like the built-in ones
+    unregister_backend(name)      remove one added with register_backend
     available_backends()          [(name, ok, reason)] for ``megamoe check``
     make_backend(name, g, ...)    an instance
     run_matrix(name, cases, out_json) -> [dict]   (``megamoe check --backend NAME``)
@@ -18,6 +22,39 @@ from .staged_deepgemm import StagedDeepGEMM
 BACKENDS: dict[str, type[FusedBackend]] = {
     cls.name: cls for cls in (FlashInferMXFP4, DeepGEMMFP8, DeepGEMMFP4, StagedDeepGEMM)
 }
+
+
+BUILTIN = frozenset(BACKENDS)
+
+
+def register_backend(cls: type[FusedBackend], *, replace: bool = False) -> type[FusedBackend]:
+    """Register a ``FusedBackend`` subclass under ``cls.name``; returns ``cls`` (so it works as a class
+    decorator). Checked here, before anything runs: a subclass of FusedBackend, a non-empty ``name``,
+    its own ``availability``, and a name not taken (``replace=True`` swaps a registered external class;
+    the built-in names are never replaced)."""
+    if not (isinstance(cls, type) and issubclass(cls, FusedBackend)):
+        raise TypeError(f"register_backend: cls must be a subclass of megamoe.fused.base.FusedBackend, got {cls!r}")
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register_backend: {cls.__name__}.name must be a non-empty str, got {name!r}")
+    if cls.availability.__func__ is FusedBackend.availability.__func__:
+        raise TypeError(f"register_backend: {cls.__name__} must define availability() -> (ok, reason)")
+    if name in BUILTIN and BACKENDS[name] is not cls:
+        raise ValueError(f"register_backend: {name!r} is a built-in backend; pick another name "
+                         f"(built-in: {sorted(BUILTIN)})")
+    if name in BACKENDS and BACKENDS[name] is not cls and not replace:
+        raise ValueError(f"register_backend: {name!r} is already registered to {BACKENDS[name].__qualname__}; "
+                         "pass replace=True to swap it")
+    BACKENDS[name] = cls
+    return cls
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend added with ``register_backend`` (the built-in ones stay)."""
+    if name in BUILTIN:
+        raise ValueError(f"unregister_backend: {name!r} is built in and cannot be removed")
+    get_backend_class(name)
+    del BACKENDS[name]
 
 
 def get_backend_class(name: str) -> type[FusedBackend]:

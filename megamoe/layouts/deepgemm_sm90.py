@@ -9,7 +9,7 @@ FP8 (``deep_gemm.fp8_mega_moe``, recipe (128, 128, 128)):
     Python source; the GPU-marked test compares bytes with the real function).
 
 FP4 (``fp8_fp4_mega_moe`` on SM90, DeepGEMM PR #323 at 8ddf7f9 / sgl-project PR #53; in no installable
-package, so this layout is read from the pull request and shared/design/KERNELS.md, unverified on hardware):
+package, so this layout is read from the pull request and docs/kernel-contract.md, unverified on hardware):
     l1     uint8 [E, 2I, H/2]         K-major, K[2i] low nibble (checkpoint order), rows interleaved by 8
     l1_sf  int32 [E, 2I, H/128]       UE8M0 bytes, groups 4j..4j+3 in bytes 0..3 (little-endian) of
                                       word j, rows interleaved with their weight rows

@@ -1,6 +1,6 @@
 """Plan / BLOCK_M models of the fused kernels as pure functions, pool sizes, and the data-parallel rule.
 
-Every rank of one launch must pick the same plan (shared/design/KERNELS.md, "BLOCK_M and ragged
+Every rank of one launch must pick the same plan (docs/kernel-contract.md, "BLOCK_M and ragged
 data-parallel steps"). FlashInfer derives its plan from the token count, so every rank passes
 ``agreed_token_count`` (the step's max; short ranks pad with rows routed to -1, ``pad_to_token_count``).
 DeepGEMM's SM90 heuristic reads a token count too; the fix there is one hint on every rank
@@ -239,7 +239,7 @@ def deepgemm_sm90_fp8_plan(num_ranks: int, num_experts: int, num_topk: int, num_
     sgl-deep-gemm 0.1.5.post1 chooses its SM90 plan inside the compiled ``_C.so`` (its
     ``MegaMoESM90Config`` is not in the Python or header sources), so this is a model of what the
     headers allow (``sm90_fp8_mega_moe.cuh``: BLOCK_M a multiple of 64; swap-AB only at BLOCK_M 64,
-    BLOCK_N 128; the split-MN epilogue at BLOCK_M 128, BLOCK_N 256) and of KERNELS.md
+    BLOCK_N 128; the split-MN epilogue at BLOCK_M 128, BLOCK_N 256) and of docs/kernel-contract.md
     (BLOCK_M 64 / 128, swap-AB up to ~24 tokens per expert). Unverified: check on the H200.
     """
     if num_ranks <= 0 or num_experts <= 0 or num_experts % num_ranks:

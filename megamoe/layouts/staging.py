@@ -9,7 +9,7 @@ SM90 (FlashInfer, DeepGEMM SM90): FP32 scales [T, H/128], bit-exact with DeepGEM
 
 PyTorch's CUDA kernel divides by a scalar through its reciprocal, so the source's ``amax / 448.0``
 is a multiply on the GPU; a true division on a CPU tensor differs in the scale's last bit on many
-inputs (measured on the H200, see shared/design/KERNELS.md). Here the multiply is spelled out, so
+inputs (measured on the H200, see docs/kernel-contract.md). Here the multiply is spelled out, so
 the result is the same on every device.
 
 SM100 (not used by SM90 kernels): UE8M0 scales per 32 channels, 4 packed per int32 [T, H/128].

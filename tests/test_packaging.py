@@ -1,0 +1,119 @@
+"""Packaging: the sdist holds the whole project, the license is there, the extras use ranges, not pins.
+
+The sdist is built here with setuptools' own PEP 517 hook, in a subprocess without build isolation (no
+index needed; about 5 s on 2 cores), and its member list is compared with what git tracks: every
+tracked file ships (so an unpacked sdist runs the tests, notebooks and H200 scripts), and nothing
+ships that git does not know (figures, executed notebooks, caches).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parent.parent
+# Written by the build itself, not by us.
+GENERATED = {"PKG-INFO", "setup.cfg"}
+GENERATED_DIRS = ("megamoe.egg-info/",)
+# Tracked, deliberately not shipped.
+NOT_SHIPPED = {".gitignore"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _git_files() -> set[str]:
+    """Tracked files plus untracked ones git does not ignore (a new file before its commit)."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout (e.g. an unpacked sdist): nothing to compare the sdist with")
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
+                         check=True, capture_output=True).stdout.decode()
+    return {p for p in out.split("\0") if p and (REPO / p).is_file()}
+
+
+@pytest.fixture(scope="module")
+def sdist_files(tmp_path_factory) -> set[str]:
+    out = tmp_path_factory.mktemp("sdist")
+    code = f"from setuptools.build_meta import build_sdist; print(build_sdist({str(out)!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"sdist build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    name = proc.stdout.strip().splitlines()[-1]
+    with tarfile.open(out / name) as tar:
+        members = [m.name for m in tar.getmembers() if m.isfile()]
+    root = name.removesuffix(".tar.gz") + "/"
+    assert all(m.startswith(root) for m in members), f"members outside {root}: {members[:5]}"
+    return {m[len(root):] for m in members}
+
+
+def test_sdist_ships_every_project_file(sdist_files):
+    missing = sorted(_git_files() - NOT_SHIPPED - sdist_files)
+    assert not missing, f"{len(missing)} project files are not in the sdist (MANIFEST.in): {missing[:20]}"
+
+
+def test_sdist_ships_nothing_git_does_not_know(sdist_files):
+    extra = sorted(p for p in sdist_files - _git_files() - GENERATED if not p.startswith(GENERATED_DIRS))
+    assert not extra, f"{len(extra)} files in the sdist that git does not track: {extra[:20]}"
+
+
+def test_sdist_has_what_its_own_tests_read(sdist_files):
+    """Independent of git: the files an unpacked sdist needs for its notebook test and the README."""
+    cited = (REPO / "bench" / "results" / "CITED.json")
+    need = {"LICENSE", "README.md", "pyproject.toml", "tests/test_notebooks.py", "notebooks/_nb.py",
+            "notebooks/06_kernel_walkthrough.py", "docs/kernel-contract.md", "docs/quickstart.md",
+            "bench/results/CITED.json", "bench/results/2026-12-02-h200-dg-probe.json", "scripts/test.sh"}
+    if cited.exists():
+        need |= {f"bench/results/{run}/results.json" for run in json.loads(cited.read_text()).values()
+                 if isinstance(run, str) and (REPO / "bench" / "results" / run).is_dir()}
+    assert not sorted(need - sdist_files), f"sdist lacks {sorted(need - sdist_files)}"
+    assert not [p for p in sdist_files if p.endswith((".pyc", ".ipynb")) or p.startswith("notebooks/figures/")]
+
+
+def test_license_file_matches_the_metadata():
+    meta = _pyproject()["project"]
+    assert meta["license"] == "Apache-2.0"
+    assert meta["license-files"] == ["LICENSE"]
+    head = (REPO / "LICENSE").read_text()[:400]
+    assert "Apache License" in head and "Version 2.0, January 2004" in head
+
+
+def test_requirements_are_ranges_that_the_cpu_install_satisfies():
+    """No `==` pin anywhere (a pin would move packages inside an existing vLLM / SGLang environment);
+    the GPU kernel packages have an upper bound too (their APIs change between minor releases); the
+    README's `torch==2.13.0` satisfies the torch range; numpy is a core dependency (torch warns without it)."""
+    meta = _pyproject()["project"]
+    reqs = {"core": [Requirement(r) for r in meta["dependencies"]]}
+    reqs |= {name: [Requirement(r) for r in rs] for name, rs in meta["optional-dependencies"].items()}
+    for extra, rs in reqs.items():
+        for r in rs:
+            assert not any(s.operator in ("==", "===") for s in r.specifier), f"[{extra}] {r} is a pin"
+            assert str(r.specifier), f"[{extra}] {r.name} has no version range at all"
+    torch_req = next(r for r in reqs["core"] if r.name == "torch")
+    assert torch_req.specifier.contains("2.13.0"), torch_req
+    assert "numpy" in {r.name for r in reqs["core"]}
+    for r in reqs["fused"]:
+        if r.name != "triton":
+            assert any(s.operator in ("<", "<=") for s in r.specifier), f"[fused] {r} has no upper bound"
+    assert {"triton", "flashinfer-python", "sgl-deep-gemm", "apache-tvm-ffi"} <= {r.name for r in reqs["fused"]}
+    assert {"jupyterlab", "nbconvert", "jupytext", "nbclient", "ipykernel", "matplotlib"} <= {
+        r.name for r in reqs["notebooks"]}
+    assert "matplotlib" in {r.name for r in reqs["plot"]}
+
+
+def test_tested_versions_are_stated_in_the_docs():
+    """The versions the H200 results were taken with, in docs/quickstart.md, each inside its extra's range."""
+    text = (REPO / "docs" / "quickstart.md").read_text()
+    fused = {Requirement(r).name: Requirement(r) for r in _pyproject()["project"]["optional-dependencies"]["fused"]}
+    tested = {"flashinfer-python": "0.7.4", "sgl-deep-gemm": "0.1.5.post1", "apache-tvm-ffi": "0.1.11",
+              "triton": "3.6.0"}
+    for name, version in tested.items():
+        assert f"{name} {version}" in text, f"docs/quickstart.md does not state the tested {name} {version}"
+        assert fused[name].specifier.contains(version), f"tested {name} {version} is outside {fused[name]}"
