@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import (
-    dequantize_mxfp4_lookup, e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, mxfp4_decode_table,
-    unpack_ue8m0_x4,
-)
+from ..formats import WEIGHT_DECODERS, dequantize_mxfp4_lookup, e8m0_to_float, mxfp4_decode_table, unpack_ue8m0_x4
 from ..geometry import Geometry
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
@@ -74,12 +71,9 @@ def decode_expert(weights, e: int, recipe: Recipe):
     return tuple(None if t is None else t[0] for t in decode_experts(weights, [e], recipe))
 
 
-_E4M3_DECODERS = {"e4m3_flush_saturate": e4m3_flush_saturate, "e4m3_rn": e4m3_satfinite}
-
-
 @functools.lru_cache(maxsize=None)
 def _decode_table(weight_decode: str, device: torch.device) -> torch.Tensor:
-    return mxfp4_decode_table(_E4M3_DECODERS[weight_decode], device)
+    return mxfp4_decode_table(WEIGHT_DECODERS[weight_decode], device)
 
 
 def decode_experts(weights, experts: list[int], recipe: Recipe):
