@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 
 import torch
 
@@ -171,20 +172,35 @@ def raise_routing_error(bits: int, topk_idx, topk_weights, num_experts: int, who
 
 
 # ------------------------------------------------------------------------------------ one step
+def check_step_structure(x, topk_idx, topk_weights, who: str = "MoEInputs") -> None:
+    """What a step is, whatever the layer: three tensors, x [T, H], topk_idx and topk_weights [T, K],
+    on one device. Values, dtypes and the layer's H / K / E are the consumer's (``check_step``)."""
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        expect_tensor(name, t, who=who)
+        if t.ndim != 2:
+            raise ValueError(f"{_p(who)}{name} must be 2-D, got shape {tuple(t.shape)}")
+    if topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"{_p(who)}x, topk_idx and topk_weights must be [T, H], [T, K], [T, K], got "
+                         f"{tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{_p(who)}{name} is on {t.device} but x is on {x.device}")
+
+
 def check_step(x, topk_idx, topk_weights, *, hidden: int, num_topk: int, num_experts: int, device,
-               who: str = "", device_label: str = "", idx_dtypes: tuple[torch.dtype, ...] = (torch.int64,),
+               who: str = "", device_label: str = "the launch runs on", idx_dtypes: tuple[torch.dtype, ...] = (torch.int64,),
                num_tokens=None, capacity: int | None = None, allow_zero: bool = True) -> int:
     """One rank's step, before anything runs: x bf16 [T, H] finite, on ``device``; topk_idx [T, K],
     topk_weights fp32 [T, K] on x's device (``check_topk``); the launch count m = ``num_tokens`` (an int,
     T <= m <= capacity; 0 only with ``allow_zero``) or T. Returns m. ``device_label`` says whose device
-    it is ("the weights"); errors start with ``who``."""
+    it is ("the weights are on"); errors start with ``who``."""
     expect_tensor("x", x, who=who)
     if x.ndim != 2 or x.shape[1] != hidden:
         raise ValueError(f"{_p(who)}x must be [T, {hidden}], got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{_p(who)}x must be bfloat16, got {x.dtype}")
     if x.device != torch.device(device):
-        raise ValueError(f"{_p(who)}x is on {x.device} but {device_label or 'the launch'} is on {torch.device(device)}")
+        raise ValueError(f"{_p(who)}x is on {x.device} but {device_label} {torch.device(device)}")
     t = x.shape[0]
     for name, ten in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         expect_tensor(name, ten, who=who)
@@ -205,10 +221,35 @@ def check_step(x, topk_idx, topk_weights, *, hidden: int, num_topk: int, num_exp
 
 
 # ------------------------------------------------------------------------------------ weights
+# Weight tensors that passed a check, by id: (weak reference, version counter, check). A tensor changed
+# in place since (``w.l1_scale[5] = 255``, through any view) has a new version and is checked again;
+# unchanged weights are scanned once, not on every reference call.
+_PASSED: dict[int, tuple[weakref.ref, int, str]] = {}
+
+
+def _check_once(t: torch.Tensor, check: str, fn) -> None:
+    entry = _PASSED.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == check:
+        return
+    fn()
+    key = id(t)
+    _PASSED[key] = (weakref.ref(t, lambda _, key=key: _PASSED.pop(key, None)), t._version, check)
+
+
+def _e4m3_nan_check(name: str, t: torch.Tensor, who: str) -> None:
+    """e4m3fn has no Inf; NaN is S.1111.111. Read as bytes, one expert at a time (no float copy)."""
+    for e in range(t.shape[0]):
+        nan = (t[e].view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            raise ValueError(f"{_p(who)}FP8 block weights {name} contains NaN or Inf (first at [expert, row, "
+                             f"column] = {[e, *nan.nonzero()[0].tolist()]}; {int(nan.sum())} in expert {e})")
+
+
 def check_mxfp4_values(weights, who: str = "") -> None:
     """MXFP4Weights: no E8M0 byte 0xFF in l1_scale / l2_scale; global scales finite and positive."""
     for name in ("l1_scale", "l2_scale"):
-        check_scale_bytes(f"weights.{name}", getattr(weights, name), who)
+        t = getattr(weights, name)
+        _check_once(t, "e8m0", lambda: check_scale_bytes(f"weights.{name}", t, who))
     for name in ("l1_global_scale", "l2_global_scale"):
         gs = getattr(weights, name)
         if gs is not None and not bool((torch.isfinite(gs) & (gs > 0)).all()):
@@ -220,7 +261,8 @@ def check_fp8_block_values(weights, who: str = "") -> None:
     """FP8BlockWeights: e4m3 values finite (e4m3fn's NaN byte refused); block scales finite and > 0
     (a zero or negative scale silently zeroes or flips a 128 x 128 block)."""
     for name in ("l1", "l2"):
-        check_finite(f"FP8 block weights {name}", getattr(weights, name).float(), who, "[expert, row, column]")
+        t = getattr(weights, name)
+        _check_once(t, "e4m3", lambda: _e4m3_nan_check(name, t, who))
     for name in ("l1_scale", "l2_scale"):
         s = getattr(weights, name)
         check_finite(f"FP8 block weights {name}", s, who, "[expert, block row, block column]")
