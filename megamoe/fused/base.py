@@ -322,12 +322,12 @@ class FusedBackend:
         """Default for the fused kernels, whose symmetric buffer exposes x / x_sf / topk_idx /
         topk_weights views: one pass over x straight into them (megamoe.staging: Triton on CUDA),
         bit-exact with per_token_cast_to_fp8; rows T..m-1 become padding routed to -1. check_inputs
-        already rejected NaN/Inf, so the staging kernel skips its flag (no host sync)."""
+        already checked every value (``validate.check_step``), so staging skips its checks (no host sync)."""
         from ..staging import stage_into
 
         b = self.buf
         stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights, m,
-                   check_finite=False)
+                   num_experts=self.g.num_experts, check=False)
 
     def _padding_inputs(self) -> MoEInputs:
         """A step of zero tokens on this device: staged to m rows it is m padding rows (warm-up launches)."""

@@ -41,7 +41,8 @@ def run_cases(cases, *, backend: str, device: str, cast: str = "auto") -> list[d
         t0 = time.perf_counter()
         try:
             x, idx, w, bufs = make_case(case, device)
-            got = stage_into(x, idx, w, *bufs.views(), case.agreed, backend=backend, cast=cast)
+            got = stage_into(x, idx, w, *bufs.views(), case.agreed, num_experts=PRESETS[case.preset].num_experts,
+                             backend=backend, cast=cast)
             if got != case.agreed:
                 raise AssertionError(f"stage_into returned {got}, expected the agreed count {case.agreed}")
             check_staged(bufs, x, idx, w, case.agreed, case.id)
@@ -60,7 +61,7 @@ def check_nonfinite(*, backend: str, device: str) -> dict:
         x, idx, w, bufs = make_case(StagingCase("tiny", 3), device)
         x[1, 7] = val
         try:
-            stage_into(x, idx, w, *bufs.views(), backend=backend)
+            stage_into(x, idx, w, *bufs.views(), num_experts=PRESETS["tiny"].num_experts, backend=backend)
             out[name] = "no error (BAD)"
         except ValueError as e:
             out[name] = "raised" if "NaN or Inf" in str(e) else f"wrong error: {e}"
@@ -68,7 +69,7 @@ def check_nonfinite(*, backend: str, device: str) -> dict:
         x, idx, w, bufs = make_case(StagingCase("tiny", 3), device)
         x[2, 100] = float("-inf")
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        stage_into(x, idx, w, *bufs.views(), backend=backend, nonfinite_flag=flag)
+        stage_into(x, idx, w, *bufs.views(), num_experts=PRESETS["tiny"].num_experts, backend=backend, error_flag=flag)
         out["flag"] = "set" if int(flag.item()) == 1 else "not set (BAD)"
     return out
 
