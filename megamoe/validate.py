@@ -221,19 +221,25 @@ def check_step(x, topk_idx, topk_weights, *, hidden: int, num_topk: int, num_exp
 
 
 # ------------------------------------------------------------------------------------ weights
-# Weight tensors that passed a check, by id: (weak reference, version counter, check). A tensor changed
-# in place since (``w.l1_scale[5] = 255``, through any view) has a new version and is checked again;
-# unchanged weights are scanned once, not on every reference call.
-_PASSED: dict[int, tuple[weakref.ref, int, str]] = {}
+# Results per tensor, by id: (weak reference, version counter, key, value). A tensor changed in place
+# since (``w.l1_scale[5] = 255``, through any view) has a new version and is computed again; unchanged
+# weights are scanned once, not on every reference call or distributed step.
+_MEMO: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+
+
+def memo_per_version(t: torch.Tensor, key: str, fn):
+    """fn() for tensor ``t``, computed once per (tensor, version of its data, key)."""
+    slot = (id(t), key)
+    entry = _MEMO.get(slot)
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        return entry[2]
+    value = fn()
+    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), t._version, value)
+    return value
 
 
 def _check_once(t: torch.Tensor, check: str, fn) -> None:
-    entry = _PASSED.get(id(t))
-    if entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == check:
-        return
-    fn()
-    key = id(t)
-    _PASSED[key] = (weakref.ref(t, lambda _, key=key: _PASSED.pop(key, None)), t._version, check)
+    memo_per_version(t, f"check:{check}", lambda: fn() or True)
 
 
 def _e4m3_nan_check(name: str, t: torch.Tensor, who: str) -> None:
