@@ -219,7 +219,7 @@ def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int, blo
     if not isinstance(weights, (MXFP4Weights, FP8BlockWeights)):
         raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
     weights.check_geometry(g)
-    check_weights(weights, "weights")  # in place changes since construction too: 0xFF, NaN, scales <= 0
+    check_weights(weights, "reference")  # in place changes since construction too: 0xFF, NaN, scales <= 0
     g.experts_per_rank(num_ranks)
     as_int("block_m", block_m, lo=1)
     if len(inputs) != num_ranks:
