@@ -229,12 +229,16 @@ _MEMO: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
 
 def memo_per_version(t: torch.Tensor, key: str, fn):
     """fn() for tensor ``t``, computed once per (tensor, version of its data, key)."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor tracks no version: compute every time
+        return fn()
     slot = (id(t), key)
     entry = _MEMO.get(slot)
-    if entry is not None and entry[0]() is t and entry[1] == t._version:
+    if entry is not None and entry[0]() is t and entry[1] == version:
         return entry[2]
     value = fn()
-    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), t._version, value)
+    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), version, value)
     return value
 
 

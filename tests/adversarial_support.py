@@ -27,6 +27,8 @@ from megamoe.geometry import get_geometry
 from megamoe.layouts.random import random_mxfp4_bytes
 from megamoe.testing import MoEInputs, make_inputs
 
+NAN_BYTE = r"E8M0 byte\(s\) 0xFF, which is NaN, not a scale"  # what a refused 0xFF says
+NONFINITE = r"holds \d+ NaN / Inf value\(s\) in \d+ row\(s\) .* although every input was finite"
 TINY = get_geometry("tiny")  # E=8, K=2, H=256, I=128
 BF16_MAX = torch.finfo(torch.bfloat16).max
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -255,6 +257,18 @@ def decoded_differently(packed: torch.Tensor, scale: torch.Tensor, decode: str) 
     uniq, inverse = torch.unique(vals, return_inverse=True)
     dec = torch.tensor([INDEPENDENT[decode](float(v)) for v in uniq], dtype=torch.float64)[inverse]
     return int((dec != vals).sum()), int(((dec == 0) & (vals != 0)).sum())
+
+
+W_TINY = legal_bytes(lo=122, hi=126, num_experts=8)  # legal FlashInfer bytes, all 8 experts of ``tiny``
+
+
+def _bf16_max_rows():
+    """Rows 1..3 at +-the bf16 maximum: finite inputs whose FP32 accumulators overflow in a kernel recipe."""
+    inp = inputs(4, seed=1)
+    x = inp.x.clone()
+    x[1], x[2] = BF16_MAX, -BF16_MAX
+    x[3, ::2], x[3, 1::2] = BF16_MAX, -BF16_MAX
+    return dataclasses.replace(inp, x=x)
 
 
 # ------------------------------------------------------------------------------------ two gloo ranks

@@ -106,7 +106,7 @@ def test_returns_agreed_default_is_t():
 
 def test_nonfinite_raises_torch():
     out = check_nonfinite(backend="torch", device="cpu")
-    assert out == {"nan": "raised", "inf": "raised"}
+    assert out == {"nan": "raised", "inf": "raised", "route": "raised"}
 
 
 # ------------------------------------------------------------------------------ validation
@@ -187,7 +187,7 @@ def test_triton_interpreter_bitwise():
     rows = _interpret("--backend", "triton", "--cast", "bits")
     bad = [f"{r['case']}: {r['error']}" for r in rows if "case" in r and not r["ok"]]
     assert not bad, "\n".join(bad)
-    assert rows[-1]["nonfinite"] == {"nan": "raised", "inf": "raised", "flag": "set"}
+    assert rows[-1]["nonfinite"] == {"nan": "raised", "inf": "raised", "route": "raised", "flag": "set", "route_flag": "set"}
 
 
 @pytest.mark.slow
@@ -218,7 +218,8 @@ def test_triton_cuda_bitwise(cast):
 @pytest.mark.gpu
 @gpu
 def test_triton_cuda_nonfinite():
-    assert check_nonfinite(backend="triton", device="cuda") == {"nan": "raised", "inf": "raised", "flag": "set"}
+    assert check_nonfinite(backend="triton", device="cuda") == {"nan": "raised", "inf": "raised", "route": "raised",
+                                                                "flag": "set", "route_flag": "set"}
 
 
 @pytest.mark.gpu
