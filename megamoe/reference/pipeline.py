@@ -102,7 +102,9 @@ def decode_experts(weights, experts: list[int], recipe: Recipe):
     if has_gs and not recipe.global_scales:
         raise ValueError(f"recipe {recipe.name!r} has no per-expert global scales but the weights carry them")
     # The FP4 decoders: e2m1 * 2**(byte - 127) rounded to e4m3 by the recipe's rule, the global scales
-    # left out (the kernel applies them to the accumulators).
+    # left out (the kernel applies them to the accumulators). Outside the recipe's window this models the
+    # kernel's lossy decode on purpose (what the kernel would compute); the paths that hand weights to a
+    # kernel refuse such bytes or repair them exactly (megamoe.layouts.ranges), and 0xFF never gets here.
     idx = torch.tensor(experts, device=weights.device)
     table = _decode_table(recipe.weight_decode, weights.device)
     w1 = dequantize_mxfp4_lookup(weights.l1[idx], weights.l1_scale[idx], table)
