@@ -109,7 +109,8 @@ def _staged_value(pool_x: torch.Tensor, pool_sf: torch.Tensor | None) -> torch.T
     if pool_sf is None:
         return pool_x.double()
     p, h = pool_x.shape
-    return (pool_x.double().view(p, pool_sf.shape[1], -1) * pool_sf.double().unsqueeze(2)).view(p, h)
+    ng = pool_sf.shape[1]  # the group size spelled out: -1 is ambiguous for an empty pool (P = 0)
+    return (pool_x.double().view(p, ng, h // ng) * pool_sf.double().unsqueeze(2)).view(p, h)
 
 
 def _dequant_l2_in(q: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:

@@ -61,6 +61,9 @@ def _check(a: argparse.Namespace) -> int:
         except (RankError, SetupMismatchError) as exc:
             console.print(f"[red]megamoe check --dist: {exc}[/red]")
             return 1
+        except (TypeError, ValueError) as exc:  # bad arguments, refused before any rank started
+            console.print(f"[red]megamoe check --dist: {exc}[/red]")
+            return 2
         console.print(rep.summary())
         return 0 if rep.ok else 1
 
@@ -85,10 +88,21 @@ def _check(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
+    if a.ranks < 1:
+        print(f"megamoe bench: --ranks must be >= 1, got {a.ranks}", file=sys.stderr)
+        return 2
     if a.ranks > 1:
         from .distributed.check import bench_ranks
+        from .distributed.launch import RankError
 
-        rep = bench_ranks(a.ranks, getattr(a, "preset", None) or "tiny", None, getattr(a, "seed", 0) or 0)
+        try:
+            rep = bench_ranks(a.ranks, getattr(a, "preset", None) or "tiny", None, getattr(a, "seed", 0) or 0)
+        except (TypeError, ValueError) as exc:  # bad arguments, refused before any rank started
+            print(f"megamoe bench --ranks: {exc}", file=sys.stderr)
+            return 2
+        except RankError as exc:
+            print(f"megamoe bench --ranks: {exc}", file=sys.stderr)
+            return 1
         print(rep.summary())
         return 0
     from .bench import cli as bench_cli

@@ -10,6 +10,8 @@ Packing (DeepSeek-V4 checkpoint, DeepGEMM): byte i holds K[2i] in the low nibble
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -220,6 +222,54 @@ def dequantize_mxfp4_lookup(packed: torch.Tensor, scale_bytes: torch.Tensor, tab
         raise ValueError(f"table must be float32 [4096] (mxfp4_decode_table), got {table.dtype} {tuple(table.shape)}")
     idx = (scale_bytes.to(torch.int32) << 4).unsqueeze(-1) | codes.reshape(*codes.shape[:-1], -1, block)
     return table[idx].reshape(codes.shape)
+
+
+# ----------------------------------------------------------------------------------------- decode rules
+def decode_exact(x: torch.Tensor) -> torch.Tensor:
+    """The MXFP4 value itself, as float32 (``dequantize_mxfp4`` already computed it exactly, or overflowed)."""
+    return x.float()
+
+
+# What a weight decoder makes of e2m1 * 2**(b - 127) (``Recipe.weight_decode``): exact, FlashInfer's
+# flush-and-saturate, or DeepGEMM SM90 FP4's e4m3 round-to-nearest with subnormals.
+WEIGHT_DECODERS = {"exact": decode_exact, "e4m3_flush_saturate": e4m3_flush_saturate, "e4m3_rn": e4m3_satfinite}
+
+
+def _decoder(weight_decode: str):
+    try:
+        return WEIGHT_DECODERS[weight_decode]
+    except KeyError:
+        raise ValueError(f"weight_decode must be one of {tuple(WEIGHT_DECODERS)}, got {weight_decode!r}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def exact_scale_bytes(weight_decode: str) -> tuple[int, ...]:
+    """The E8M0 bytes b under which all 16 e2m1 codes decode exactly by the rule ``weight_decode``:
+    decode(e2m1(c) * 2**(b - 127)) == e2m1(c) * 2**(b - 127), the truth taken in float64.
+
+    Derived, not declared: FlashInfer's flush below 2**-6 and saturation above 448 leave 122..133;
+    e4m3 with subnormals (DeepGEMM SM90 FP4) 119..133; the exact float32 decode 0..252 (from byte 253,
+    4 * 2**126 overflows float32). Byte 0xFF is NaN and never decodes exactly.
+    """
+    table = mxfp4_decode_table(_decoder(weight_decode)).double().view(256, 16)
+    codes = torch.arange(16)
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[codes & 7]
+    signed = torch.where(codes >= 8, -mags, mags)  # code 8 is -0.0, equal to 0.0
+    exps = torch.arange(256, dtype=torch.float64) - E8M0_BIAS
+    truth = signed[None, :] * torch.exp2(exps)[:, None]
+    truth[E8M0_NAN] = float("nan")
+    ok = (table == truth).all(dim=1)
+    return tuple(int(b) for b in ok.nonzero().flatten())
+
+
+@functools.lru_cache(maxsize=None)
+def scale_byte_window(weight_decode: str) -> tuple[int, int]:
+    """(lowest, highest) byte of ``exact_scale_bytes``; every byte between them decodes exactly too."""
+    legal = exact_scale_bytes(weight_decode)
+    lo, hi = legal[0], legal[-1]
+    if legal != tuple(range(lo, hi + 1)):  # a rule with holes would need a set, not a window
+        raise AssertionError(f"the exact bytes of {weight_decode!r} are not one window: {legal}")
+    return lo, hi
 
 
 # ----------------------------------------------------------------------------------------- FP8 block

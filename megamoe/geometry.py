@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+from .validate import as_float, as_int
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -33,21 +35,25 @@ class Geometry:
     score_func: str = "sqrtsoftplus"  # or "softmax"
 
     def __post_init__(self) -> None:
-        checks = (
-            ("num_experts", self.num_experts, self.num_experts > 0, "> 0"),
-            ("num_topk", self.num_topk, 0 < self.num_topk <= self.num_experts, f"in [1, {self.num_experts}]"),
-            ("hidden", self.hidden, self.hidden > 0 and self.hidden % 128 == 0, "a positive multiple of 128"),
-            (
-                "intermediate",
-                self.intermediate,
-                self.intermediate > 0 and self.intermediate % 128 == 0,
-                "a positive multiple of 128",
-            ),
-            ("score_func", self.score_func, self.score_func in ("sqrtsoftplus", "softmax"), "'sqrtsoftplus' or 'softmax'"),
-        )
-        for arg, value, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"Geometry {self.name!r}: {arg} must be {expected}, got {value!r}")
+        """Every field checked (``megamoe.validate``): integers are ints (8.0 is refused, not read as 8),
+        clamp and routed_scaling finite and positive (a NaN clamp would reach the kernels as their
+        ``activation_clamp`` and make every output row NaN)."""
+        who = f"Geometry {self.name!r}"
+        if not isinstance(self.name, str):
+            raise TypeError(f"Geometry: name must be a str, got {type(self.name).__name__}")
+        e = as_int("num_experts", self.num_experts, lo=1, who=who)
+        as_int("num_topk", self.num_topk, lo=1, hi=e, who=who)
+        for arg in ("hidden", "intermediate"):
+            v = as_int(arg, getattr(self, arg), who=who)
+            if v <= 0 or v % 128:
+                raise ValueError(f"{who}: {arg} must be a positive multiple of 128, got {v!r}")
+        as_float("clamp", self.clamp, lo=0.0, lo_open=True, who=who)
+        as_float("routed_scaling", self.routed_scaling, lo=0.0, lo_open=True, who=who)
+        as_int("num_shared_experts", self.num_shared_experts, lo=0, who=who)
+        if not isinstance(self.norm_topk_prob, bool):
+            raise TypeError(f"{who}: norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        if self.score_func not in ("sqrtsoftplus", "softmax"):
+            raise ValueError(f"{who}: score_func must be 'sqrtsoftplus' or 'softmax', got {self.score_func!r}")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, name: str | None = None, **overrides) -> "Geometry":
@@ -97,6 +103,7 @@ class Geometry:
 
     def experts_per_rank(self, num_ranks: int) -> int:
         """E_l = E / R; raises when R does not divide E."""
+        num_ranks = as_int("num_ranks", num_ranks, who=f"Geometry {self.name!r}")
         if num_ranks <= 0 or self.num_experts % num_ranks:
             raise ValueError(
                 f"num_ranks must divide num_experts={self.num_experts}, got num_ranks={num_ranks}"

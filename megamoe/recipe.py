@@ -17,11 +17,13 @@ Pipeline stages and the recipe fields that steer them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-WEIGHT_DECODES = ("exact", "e4m3_flush_saturate", "e4m3_rn")
+from .formats import WEIGHT_DECODERS, scale_byte_window
+
+WEIGHT_DECODES = tuple(WEIGHT_DECODERS)  # ("exact", "e4m3_flush_saturate", "e4m3_rn")
 L2_SCALES = ("pow2_ceil", "continuous")
 MMA_MODELS = ("exact-block", "sm90-fp8-tc")
 ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
@@ -63,9 +65,11 @@ class Recipe:
     # accumulator), "rescale" / "rescale-ratio" (one running tensor-core accumulator, divided by each
     # block's scale before its MMAs: DeepGEMM SM90 FP8's kReuseAccumAsFinal configurations).
     accumulate: str = "promote"
-    # Legal E8M0 scale bytes for groups with nonzero codes (None: no limit). Checked, never clipped.
-    min_scale_byte: int | None = None
-    max_scale_byte: int | None = None
+    # Legal E8M0 scale bytes for groups with nonzero codes: derived from ``weight_decode`` (the bytes under
+    # which all 16 e2m1 codes decode exactly, ``formats.scale_byte_window``), not set by hand; None for
+    # FP8 block weights. Checked, never clipped.
+    min_scale_byte: int | None = field(default=None, init=False)
+    max_scale_byte: int | None = field(default=None, init=False)
     verified: str = "read from source"  # what on-hardware evidence backs this recipe
 
     def __post_init__(self) -> None:
@@ -83,6 +87,9 @@ class Recipe:
             raise ValueError(f"x_scale must be 'fp32' or 'ue8m0', got {self.x_scale!r}")
         if self.l2_group is not None and (self.l2_group <= 0 or 128 % self.l2_group and self.l2_group % 128):
             raise ValueError(f"l2_group must divide or be a multiple of 128, got {self.l2_group}")
+        window = scale_byte_window(self.weight_decode) if self.weight_format == "mxfp4" else (None, None)
+        object.__setattr__(self, "min_scale_byte", window[0])  # frozen: set once, here
+        object.__setattr__(self, "max_scale_byte", window[1])
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)
@@ -105,9 +112,7 @@ FLASHINFER_MXFP4 = Recipe(
     global_scales=True,
     l2_group=128,
     l2_scale="pow2_ceil",
-    min_scale_byte=127 - 5,  # 2**-5
-    max_scale_byte=127 + 6,  # 2**6
-)
+)  # scale bytes 122..133 (2**-5 .. 2**6)
 
 DEEPGEMM_SM90_FP4 = Recipe(
     name="deepgemm-sm90-fp4",
@@ -115,11 +120,8 @@ DEEPGEMM_SM90_FP4 = Recipe(
     weight_decode="e4m3_rn",
     l2_group=64,
     l2_scale="pow2_ceil",
-    # e4m3 RN of e2m1 x 2**(b-127) is exact for every code only for bytes 119..133: below, 0.5 x 2**-9
-    # falls under e4m3's smallest subnormal; above, 6 x 2**7 passes 448 (the kernel's table wraps there).
-    min_scale_byte=127 - 8,
-    max_scale_byte=127 + 6,
-)
+)  # scale bytes 119..133 (2**-8 .. 2**6), derived from e4m3_rn: below, 0.5 x 2**-9 falls under e4m3's
+# smallest subnormal; above, 6 x 2**7 passes 448 (the kernel's table wraps there; measured on the H200)
 
 DEEPGEMM_SM90_FP8 = Recipe(
     name="deepgemm-sm90-fp8",

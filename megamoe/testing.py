@@ -84,6 +84,11 @@ class MoEInputs:
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
 
+    def __post_init__(self) -> None:
+        from .validate import check_step_structure
+
+        check_step_structure(self.x, self.topk_idx, self.topk_weights)
+
     @property
     def num_tokens(self) -> int:
         return self.x.shape[0]

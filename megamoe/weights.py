@@ -21,15 +21,8 @@ import torch
 
 from .formats import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from .geometry import Geometry
-
-
-def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+from .validate import check_fp8_block_values, check_mxfp4_values
+from .validate import expect_tensor as _expect
 
 
 @dataclass
@@ -43,6 +36,9 @@ class MXFP4Weights:
     format = "mxfp4"
 
     def __post_init__(self) -> None:
+        """Shapes, dtypes, one device, and values that no decoder reads as a number: E8M0 byte 0xFF (NaN)
+        anywhere, non-finite or non-positive global scales (``validate.check_mxfp4_values``)."""
+        _expect("l1", self.l1)
         if self.l1.ndim != 3:
             raise ValueError(f"l1 must be 3-D [E, 2I, H/2], got shape {tuple(self.l1.shape)}")
         e, two_i, half_h = self.l1.shape
@@ -55,11 +51,11 @@ class MXFP4Weights:
             gs = getattr(self, name)
             if gs is not None:
                 _expect(name, gs, (e,), torch.float32)
-                if not (torch.isfinite(gs).all() and (gs > 0).all()):
-                    raise ValueError(f"{name} must be finite and positive")
         devices = {t.device for t in self.tensors()}
         if len(devices) != 1:
             raise ValueError(f"all weight tensors must be on one device, got {sorted(map(str, devices))}")
+        if self.l1.device.type != "meta":
+            check_mxfp4_values(self, "MXFP4Weights")
 
     # Shapes ------------------------------------------------------------------------------------
     @property
@@ -114,6 +110,8 @@ class FP8BlockWeights:
     format = "fp8_block"
 
     def __post_init__(self) -> None:
+        """Shapes, dtypes, one device; finite e4m3 values and block scales finite and > 0."""
+        _expect("l1", self.l1)
         if self.l1.ndim != 3:
             raise ValueError(f"l1 must be 3-D [E, 2I, H], got shape {tuple(self.l1.shape)}")
         e, two_i, h = self.l1.shape
@@ -122,6 +120,11 @@ class FP8BlockWeights:
         _expect("l1_scale", self.l1_scale, (e, 2 * i // 128, h // 128), torch.float32)
         _expect("l2", self.l2, (e, h, i), torch.float8_e4m3fn)
         _expect("l2_scale", self.l2_scale, (e, h // 128, i // 128), torch.float32)
+        devices = {t.device for t in self.tensors()}
+        if len(devices) != 1:
+            raise ValueError(f"all weight tensors must be on one device, got {sorted(map(str, devices))}")
+        if self.l1.device.type != "meta":
+            check_fp8_block_values(self, "FP8BlockWeights")
 
     num_experts = MXFP4Weights.num_experts
     device = MXFP4Weights.device

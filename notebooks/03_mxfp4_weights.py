@@ -75,7 +75,9 @@ figs.save(fig, "e2m1_grid")
 # `127 + log2 s`. We quantize one expert drawn at the real DeepSeek-V4-Flash size (Gaussian, std
 # 1/sqrt(K), rows spread over 2 octaves as in real checkpoints; its first 512 rows of each tensor, which
 # have the same statistics and keep the notebook fast) and look at the bytes. FlashInfer's decoder
-# accepts bytes 122..133 (2^-5 .. 2^6) for groups with nonzero codes; DeepGEMM's up to 133.
+# decodes bytes 122..133 (2^-5 .. 2^6) exactly for groups with nonzero codes, DeepGEMM SM90 FP4's
+# 119..133 (2^-8 .. 2^6): each window is derived from the decoder's rule (the bytes under which all
+# 16 e2m1 codes decode exactly, `megamoe.formats.scale_byte_window`). Byte 0xFF is NaN, never a scale.
 
 # %%
 flash = get_geometry("dsv4-flash")

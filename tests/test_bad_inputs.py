@@ -51,23 +51,25 @@ class BadCase:
 CASES = [
     BadCase("x-float32", lambda i: _with(i, x=i.x.float()), TypeError, "x must be bfloat16, got torch.float32"),
     BadCase("x-wrong-hidden", lambda i: _with(i, x=torch.randn(6, 384).bfloat16()), ValueError, r"x must be \[T, 256\], got \(6, 384\)"),
-    BadCase("x-1d", lambda i: _with(i, x=i.x[0]), ValueError, r"x must be \[T, 256\]"),
-    BadCase("x-on-meta", lambda i: _with(i, x=i.x.to("meta")), ValueError, "x is on meta but the weights are on cpu"),
+    BadCase("x-1d", lambda i: _with(i, x=i.x[0]), ValueError, r"MoEInputs: x must be 2-D, got shape \(256,\)"),
+    BadCase("x-on-meta", lambda i: i.to("meta"), ValueError, "x is on meta but the weights are on cpu"),
     BadCase("x-nan", lambda i: _set(i, "x", (2, 7), float("nan")), ValueError, "x contains NaN or Inf"),
     BadCase("x-inf", lambda i: _set(i, "x", (0, 0), float("inf")), ValueError, "x contains NaN or Inf"),
     BadCase("topk-idx-int32", lambda i: _with(i, topk_idx=i.topk_idx.int()), TypeError, "topk_idx must be int64, got torch.int32"),
-    BadCase("topk-idx-too-many-slots", lambda i: _with(i, topk_idx=torch.cat([i.topk_idx, i.topk_idx[:, :1]], 1)), ValueError,
-            r"topk_idx must be \[6, 2\], got \(6, 3\)"),
-    BadCase("topk-idx-fewer-tokens", lambda i: _with(i, topk_idx=i.topk_idx[:5]), ValueError, r"topk_idx must be \[6, 2\]"),
+    BadCase("topk-idx-too-many-slots", lambda i: _with(i, topk_idx=torch.cat([i.topk_idx, i.topk_idx[:, :1]], 1),
+                                                        topk_weights=torch.cat([i.topk_weights] * 2, 1)[:, :3]),
+            ValueError, r"topk_idx must be \[6, 2\], got \(6, 3\)"),
+    BadCase("topk-idx-fewer-tokens", lambda i: _with(i, topk_idx=i.topk_idx[:5]), ValueError,
+            r"MoEInputs: x, topk_idx and topk_weights must be \[T, H\], \[T, K\], \[T, K\], got \(6, 256\), \(5, 2\), \(6, 2\)"),
     BadCase("topk-idx-out-of-range-high", lambda i: _set(i, "topk_idx", (1, 0), 8), ValueError,
             r"topk_idx must be in \[-1, 7\] \(-1 = masked\), got values in \[\d+, 8\]"),
     BadCase("topk-idx-out-of-range-low", lambda i: _set(i, "topk_idx", (1, 0), -2), ValueError, r"topk_idx must be in \[-1, 7\]"),
     BadCase("topk-idx-duplicated", _dup, ValueError, r"topk_idx: token 3 routes to the same expert twice"),
     BadCase("topk-idx-on-meta", lambda i: _with(i, topk_idx=i.topk_idx.to("meta")), ValueError, "topk_idx is on meta but x is on cpu"),
     BadCase("topk-weights-shape", lambda i: _with(i, topk_weights=i.topk_weights[:, :1]), ValueError,
-            r"topk_weights must have shape \(6, 2\), got \(6, 1\)"),
+            r"MoEInputs: x, topk_idx and topk_weights .* got \(6, 256\), \(6, 2\), \(6, 1\)"),
     BadCase("topk-weights-bf16", lambda i: _with(i, topk_weights=i.topk_weights.bfloat16()), TypeError, "topk_weights must be float32"),
-    BadCase("topk-weights-nan", lambda i: _set(i, "topk_weights", (4, 1), float("nan")), ValueError, "topk_weights contain NaN or Inf"),
+    BadCase("topk-weights-nan", lambda i: _set(i, "topk_weights", (4, 1), float("nan")), ValueError, r"topk_weights contains NaN or Inf \(first at \[token, slot\] = \[4, 1\]"),
     BadCase("topk-weights-on-meta", lambda i: _with(i, topk_weights=i.topk_weights.to("meta")), ValueError,
             "topk_weights is on meta but x is on cpu"),
 ]
@@ -77,9 +79,8 @@ CASES = [
 @pytest.mark.parametrize("recipe", ["exact", "deepgemm-sm90-fp4"])
 def test_bad_input_rejected(case, recipe, weights_for):
     g, w = weights_for("tiny")
-    bad = case.mutate(_good(g))
-    with pytest.raises(case.error, match=case.match):
-        moe_forward(bad, w, recipe, g)
+    with pytest.raises(case.error, match=case.match):  # structural errors come from MoEInputs itself
+        moe_forward(case.mutate(_good(g)), w, recipe, g)
 
 
 def test_bad_input_names_the_rank(weights_for):

@@ -111,7 +111,8 @@ class FakeBackend:
 
     def run(self, inputs, num_tokens=None):
         t = inputs.num_tokens
-        m = stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, *self.buf.views(), num_tokens, backend="torch")
+        m = stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, *self.buf.views(), num_tokens,
+                       num_experts=self.g.num_experts, backend="torch")
         self.staged_counts.append(m)
         assert_bitwise_equal(self.buf.topk_weights[:t], inputs.topk_weights, "staged weights (no second scaling)")
         assert (self.buf.topk_idx[t:m] == -1).all()

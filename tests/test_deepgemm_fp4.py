@@ -14,7 +14,7 @@ from megamoe.fused.deepgemm_build import PIN, SourceError, verify_source
 from megamoe.fused.deepgemm_fp4 import KERNEL_NAME, TEMPLATE_PARAMS, parse_fp4_config_key
 from megamoe.fused.deepgemm_fp8 import parse_config_print, parse_template_args
 from megamoe.geometry import Geometry, get_geometry
-from megamoe.layouts.fp4_window import check_fp4_window, decode_loss, shift_into_window
+from megamoe.layouts.fp4_window import check_fp4_window, shift_into_window
 from megamoe.layouts.random import random_mxfp4_bytes
 from megamoe.recipe import DEEPGEMM_SM90_FP4
 
@@ -49,8 +49,8 @@ def test_below_window_refused_then_measured(byte, changed, to_zero):
     if not changed:
         assert check_fp4_window(w, R) is None
         return
-    with pytest.raises(ValueError, match=rf"expert 0 l2: 1 groups, bytes down to {byte}: {changed} of \d+ weights "
-                                         rf"change, {to_zero} to zero.*accept_lossy_scales=True"):
+    with pytest.raises(ValueError, match=rf"expert 0 l2: 1 groups, bytes down to {byte}: {changed} of [\d,]+ weights "
+                                         rf"decode differently \({to_zero} to zero.*accept_lossy_scales=True"):
         check_fp4_window(w, R, who="deepgemm-sm90-fp4")
     loss = check_fp4_window(w, R, accept_below=True)
     (t,) = loss["tensors"]
@@ -59,7 +59,7 @@ def test_below_window_refused_then_measured(byte, changed, to_zero):
     vals = dequantize_mxfp4(w.l2[0, 0, :16], w.l2_scale[0, 0, :1])
     kern = e4m3_satfinite(vals).float()
     assert int((kern != vals).sum()) == changed
-    assert t["max_abs_err"] == float((kern - vals).abs().max())
+    assert t["max_abs_error"] == float((kern - vals).abs().max())
 
 
 def test_above_window_and_nan_byte_always_refused():
@@ -67,7 +67,7 @@ def test_above_window_and_nan_byte_always_refused():
         check_fp4_window(_one_group_weights(134, [7]), R, accept_below=True)
     w = _one_group_weights(125, [3])
     w.l1_scale[1, 2, 0] = 0xFF  # on an all-zero group: still NaN
-    with pytest.raises(ValueError, match=r"expert 1 l1_scale: 1 byte\(s\) 0xFF \(E8M0 NaN\)"):
+    with pytest.raises(ValueError, match=r"weights.l1_scale holds 1 E8M0 byte\(s\) 0xFF.*first at \[1, 2, 0\]"):
         check_fp4_window(w, R, accept_below=True)
 
 
@@ -83,19 +83,6 @@ def test_shift_into_window_moves_each_tensor_by_one_power_of_two():
     assert torch.equal(s.l1, w.l1) and torch.equal(s.l2, w.l2)
     with pytest.raises(ValueError, match="span more than"):
         shift_into_window(random_mxfp4_bytes(g, seed=5, scale_bytes=(100, 130)), R)
-
-
-def test_decode_loss_counts_match_an_elementwise_decode():
-    g = Geometry("k1024", num_experts=2, num_topk=1, hidden=1024, intermediate=256)
-    w = random_mxfp4_bytes(g, seed=6, scale_bytes=(112, 121))
-    got = {(x["expert"], x["tensor"]): x for x in decode_loss(w, R)}
-    for e in range(2):
-        for name in ("l1", "l2"):
-            vals = dequantize_mxfp4(getattr(w, name)[e], getattr(w, f"{name}_scale")[e])
-            kern = e4m3_satfinite(vals).float()
-            n = int((kern != vals).sum())
-            assert got[(e, name)]["changed"] == n and n > 0
-            assert got[(e, name)]["to_zero"] == int(((kern == 0) & (vals != 0)).sum())
 
 
 PRINTOUT = (
@@ -144,7 +131,6 @@ def test_decode_probe_layer_reads_the_decode_table_through_the_reference():
 
     g = get_geometry("small")
     w, inp, pairs = decode_probe_layer(g)
-    w.l2_scale[w.l2_scale == 255] = 254
     res = moe_forward(inp, w, R, g, keep_stages=True)
     st = res.ranks[0]
     a = (st.l2_in.float() * st.l2_in_sf.repeat_interleave(R.l2_group, dim=1)).unique()

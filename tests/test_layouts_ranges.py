@@ -114,8 +114,9 @@ def test_fold_global_scales_is_exact(realistic):
         fold_global_scales(replace(fixed, l1_global_scale=torch.full((G.num_experts,), 3.0)))
 
 
-def test_no_limit_recipes_pass_anything():
-    w = random_mxfp4_bytes(G, seed=54, num_experts=2, scale_bytes=(0, 254))
+def test_exact_decode_recipes_pass_every_float32_byte():
+    """The exact (float32) decode holds bytes 0..252; 253 and 254 overflow float32 for the larger codes."""
+    w = random_mxfp4_bytes(G, seed=54, num_experts=2, scale_bytes=(0, 252))
     assert analyze_ranges(w, "deepgemm-sm100-fp4").ok
     assert repair_ranges(w, "exact") is w
 

@@ -27,7 +27,8 @@ CASES = default_cases()
 
 def _stage(case: StagingCase, backend: str = "torch", device="cpu", **kw):
     x, idx, w, bufs = make_case(case, device)
-    a = stage_into(x, idx, w, *bufs.views(), case.agreed, backend=backend, **kw)
+    a = stage_into(x, idx, w, *bufs.views(), case.agreed, num_experts=PRESETS[case.preset].num_experts,
+                   backend=backend, **kw)
     return a, x, idx, w, bufs
 
 
@@ -100,19 +101,19 @@ def test_rows_past_agreed_untouched():
 
 def test_returns_agreed_default_is_t():
     x, idx, w, bufs = make_case(StagingCase("tiny", 3), "cpu")
-    assert stage_into(x, idx, w, *bufs.views(), backend="torch") == 3
+    assert stage_into(x, idx, w, *bufs.views(), num_experts=8, backend="torch") == 3
 
 
 def test_nonfinite_raises_torch():
     out = check_nonfinite(backend="torch", device="cpu")
-    assert out == {"nan": "raised", "inf": "raised"}
+    assert out == {"nan": "raised", "inf": "raised", "route": "raised"}
 
 
 # ------------------------------------------------------------------------------ validation
 def _args(**over):
     x, idx, w, bufs = make_case(StagingCase("tiny", 3), "cpu")
     d = dict(x=x, topk_idx=idx, topk_weights=w, out_x=bufs.x, out_x_sf=bufs.x_sf, out_topk_idx=bufs.topk_idx,
-             out_topk_weights=bufs.topk_weights)
+             out_topk_weights=bufs.topk_weights, num_experts=8)
     d.update(over)
     return d
 
@@ -186,7 +187,7 @@ def test_triton_interpreter_bitwise():
     rows = _interpret("--backend", "triton", "--cast", "bits")
     bad = [f"{r['case']}: {r['error']}" for r in rows if "case" in r and not r["ok"]]
     assert not bad, "\n".join(bad)
-    assert rows[-1]["nonfinite"] == {"nan": "raised", "inf": "raised", "flag": "set"}
+    assert rows[-1]["nonfinite"] == {"nan": "raised", "inf": "raised", "route": "raised", "flag": "set", "route_flag": "set"}
 
 
 @pytest.mark.slow
@@ -217,7 +218,8 @@ def test_triton_cuda_bitwise(cast):
 @pytest.mark.gpu
 @gpu
 def test_triton_cuda_nonfinite():
-    assert check_nonfinite(backend="triton", device="cuda") == {"nan": "raised", "inf": "raised", "flag": "set"}
+    assert check_nonfinite(backend="triton", device="cuda") == {"nan": "raised", "inf": "raised", "route": "raised",
+                                                                "flag": "set", "route_flag": "set"}
 
 
 @pytest.mark.gpu
@@ -226,7 +228,7 @@ def test_triton_cuda_matches_cpu_reference():
     """The GPU kernel against the reference run on the CPU (the multiply form is device-independent)."""
     case = StagingCase("dsv4-flash", 129, edge=True)
     x, idx, w, bufs = make_case(case, "cuda")
-    stage_into(x, idx, w, *bufs.views(), case.agreed, backend="triton")
+    stage_into(x, idx, w, *bufs.views(), case.agreed, num_experts=PRESETS[case.preset].num_experts, backend="triton")
     ref = stage_reference(x.cpu(), idx.cpu(), w.cpu(), case.agreed)
     for got, want, name in zip(bufs.views(), ref, ("x", "x_sf", "topk_idx", "topk_weights")):
         assert_bitwise_equal(got[: case.agreed].cpu(), want, f"cuda vs cpu reference {name}")

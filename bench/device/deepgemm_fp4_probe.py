@@ -98,6 +98,7 @@ def lut_probe(log):
     kernel = (y.reshape(-1) / a)[pairs.reshape(-1).argsort()].view(256, 16)  # [byte, code]
     exact = (e2m1_decode(torch.arange(16, dtype=torch.uint8))[None, :] * torch.exp2(torch.arange(256.0)[:, None] - E8M0_BIAS))
     exact[255] = float("nan")
+    kernel[255] = float("nan")  # byte 0xFF is not handed to the kernel (decode_probe_layer): not measured
     model = e4m3_satfinite(exact).float()
 
     def same(u, v):

@@ -8,7 +8,7 @@
     has it, and without its finiteness sync) vs the Triton kernel (no check / flag check / bits cast),
     timed by the harness's own instruments (megamoe.bench.timing: events queued behind a spin, and CUDA-graph
     replays), L2 flushed, inputs rotated, median of >= 50; bytes it must move, GB/s, fraction of the
-    device-copy bandwidth measured in the same run; a launch-shape sweep; the cost of check_finite.
+    device-copy bandwidth measured in the same run; a launch-shape sweep; the cost of the input checks (check=True).
 (c) with a fused backend (megamoe.fused): the block end to end (moe_block_fused) vs the reference block
     (same recipe), the kernel launch alone, stage_into into the backend's own buffer (bitwise same y as the
     backend's staging) and the staging share of the routed step.
@@ -128,7 +128,8 @@ def part_a():
         dg = []
         for case in [StagingCase("dsv4-flash", t) for t in (1, 37, 129, 4096)] + [StagingCase("dsv4-pro", 37, edge=True)]:
             x, idx, w, bufs = make_case(case, DEV)
-            stage_into(x, idx, w, *bufs.views(), case.agreed, backend="triton")
+            stage_into(x, idx, w, *bufs.views(), case.agreed, num_experts=PRESETS[case.preset].num_experts,
+                       backend="triton")
             try:
                 q, sf = dg_cast(x, use_ue8m0=False)
             except TypeError:
@@ -177,7 +178,7 @@ def staging_bytes(t: int, h: int, k: int, idx_bytes: int = 8) -> int:
 @part("b_speed")
 def part_b(tokens, repeats):
     g = PRESETS["dsv4-flash"]
-    h, k = g.hidden, g.num_topk
+    h, k, E = g.hidden, g.num_topk, g.num_experts
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw['GBps']:.0f} GB/s (read + written)", flush=True)
     cap = max(tokens)
@@ -190,11 +191,12 @@ def part_b(tokens, repeats):
             inp = make_inputs(g, t, seed=100 * t + s, device=DEV, outlier_channels=4)
             sets.append((inp.x, inp.topk_idx, inp.topk_weights))
         fns = {
-            "eager": lambda a: stage_into(*a, *bufs.views(), backend="torch"),
+            "eager": lambda a: stage_into(*a, *bufs.views(), num_experts=E, backend="torch"),
             "eager_nocheck": lambda a: eager_nocheck(*a, bufs, t),
-            "triton": lambda a: stage_into(*a, *bufs.views(), backend="triton", check_finite=False),
-            "triton_flag": lambda a: stage_into(*a, *bufs.views(), backend="triton", check_finite=True),
-            "triton_bits": lambda a: stage_into(*a, *bufs.views(), backend="triton", check_finite=False, cast="bits"),
+            "triton": lambda a: stage_into(*a, *bufs.views(), num_experts=E, backend="triton", check=False),
+            "triton_flag": lambda a: stage_into(*a, *bufs.views(), num_experts=E, backend="triton", check=True),
+            "triton_bits": lambda a: stage_into(*a, *bufs.views(), num_experts=E, backend="triton", check=False,
+                                                cast="bits"),
             "isfinite_all": lambda a: bool(torch.isfinite(a[0]).all()),
         }
         nbytes = staging_bytes(t, h, k)
@@ -216,7 +218,7 @@ def part_b(tokens, repeats):
         row["speedup_vs_eager_nocheck"] = row["eager_nocheck_us"] / row["triton_us"]
         # The kernel staged the last set: its bytes must still be the reference's.
         x, idx, w = sets[-1]
-        stage_into(x, idx, w, *bufs.views(), backend="triton")
+        stage_into(x, idx, w, *bufs.views(), num_experts=E, backend="triton")
         check_staged_rows = first_mismatch(bufs.x[:t], per_token_cast_to_fp8(x)[0])
         row["bitwise_ok"] = not check_staged_rows
         rows.append(row)
@@ -243,7 +245,8 @@ def part_sweep(repeats):
         sets = [(i.x, i.topk_idx, i.topk_weights) for i in (make_inputs(g, t, seed=7 * t + s, device=DEV) for s in range(2))]
         row = {"T": t, "default": list(default_blocks(t, g.hidden // 128))}
         for cfg in configs:
-            r = graph_us(lambda a: stage_into(*a, *bufs.views(), backend="triton", check_finite=False, blocks=cfg),
+            r = graph_us(lambda a: stage_into(*a, *bufs.views(), num_experts=g.num_experts, backend="triton",
+                                              check=False, blocks=cfg),
                          sets, repeats=repeats)
             row[str(cfg)] = r["median_us"]
         best = min(configs, key=lambda c: row[str(c)])
@@ -306,7 +309,7 @@ def part_c(tokens, repeats, deadline, preset="dsv4-flash"):
             y_be = be.run(inputs).clone()
             # stage_into straight into the backend's buffer, then the kernel alone: same y bit for bit?
             a = stage_into(x, inputs.topk_idx, inputs.topk_weights, as_e4m3(buf.x), buf.x_sf, buf.topk_idx,
-                           buf.topk_weights, t, backend="triton")
+                           buf.topk_weights, t, num_experts=g.num_experts, backend="triton")
             if commit is not None:
                 commit(a)
             y_ours = be.launch(a)[:t].clone()
@@ -314,7 +317,7 @@ def part_c(tokens, repeats, deadline, preset="dsv4-flash"):
 
             def stage(_):
                 stage_into(x, inputs.topk_idx, inputs.topk_weights, as_e4m3(buf.x), buf.x_sf, buf.topk_idx,
-                           buf.topk_weights, t, backend="triton", check_finite=False)
+                           buf.topk_weights, t, num_experts=g.num_experts, backend="triton", check=False)
                 if commit is not None:
                     commit(t)
 

@@ -7,14 +7,14 @@
     check_ranks, bench_ranks               check.py      what ``megamoe check/bench --ranks N`` call
 """
 
-from .agreement import SetupMismatchError, StepAgreement, agree_on_step, check_same_setup, pad_inputs, setup_fingerprint
+from .agreement import RankInputError, SetupMismatchError, StepAgreement, agree_on_step, check_same_setup, pad_inputs, setup_fingerprint
 from .check import DistBenchReport, DistCheckReport, bench_ranks, check_ranks
 from .fused import EPBackend, FusedEPLauncher, ReferenceEPBackend, check_ep_ranks, check_fused_ranks, check_hopper
 from .launch import LaunchTimeout, RankError, guarded, init_from_env, spawn
 from .reference import SCHEMES, moe_forward_dist
 
 __all__ = [
-    "SetupMismatchError", "StepAgreement", "agree_on_step", "check_same_setup", "pad_inputs", "setup_fingerprint",
+    "RankInputError", "SetupMismatchError", "StepAgreement", "agree_on_step", "check_same_setup", "pad_inputs", "setup_fingerprint",
     "DistBenchReport", "DistCheckReport", "bench_ranks", "check_ranks", "LaunchTimeout", "RankError", "guarded",
     "init_from_env", "spawn", "SCHEMES", "moe_forward_dist", "EPBackend", "FusedEPLauncher", "ReferenceEPBackend",
     "check_ep_ranks", "check_fused_ranks", "check_hopper",

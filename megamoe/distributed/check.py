@@ -223,6 +223,7 @@ def bench_ranks(num_ranks: int, preset: str = "tiny", tokens_per_rank: "list[int
     """Wall time of the distributed reference per scheme (slowest rank per iteration, median) and of
     the agreement all-reduce, over num_ranks spawned gloo ranks."""
     g = get_geometry(preset)
+    g.experts_per_rank(num_ranks)  # refused here, before any rank starts
     tokens = list(tokens_per_rank) if tokens_per_rank is not None else default_tokens(num_ranks)
     weights = fast_random_weights(g, seed=seed)
     inputs = rank_inputs(g, tokens, seed)

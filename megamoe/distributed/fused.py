@@ -26,7 +26,8 @@ import torch.distributed as dist
 from ..geometry import Geometry, get_geometry
 from ..recipe import get_recipe
 from ..testing import MoEInputs
-from .agreement import StepAgreement, agree_on_step, check_same_setup, pad_inputs, setup_fingerprint
+from ..validate import as_int, check_step, check_weights
+from .agreement import StepAgreement, agree_on_step, check_same_setup, local_check, pad_inputs, setup_fingerprint
 
 MAX_EP_RANKS = 8  # one NVLink domain of an H200 node
 
@@ -105,22 +106,40 @@ class FusedEPLauncher:
         self.group = group if group is not None else dist.group.WORLD
         self.num_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        check_ep_ranks(self.num_ranks, max_ranks)
-        g.experts_per_rank(self.num_ranks)
-        if require_hopper:
-            check_hopper(torch.cuda.current_device() if torch.cuda.is_available() else None)
         self.backend, self.g, self.max_tokens_per_rank = backend, g, max_tokens_per_rank
-        fp = setup_fingerprint(g, getattr(backend, "recipe", None), weights,
-                               backend=getattr(backend, "name", type(backend).__name__), num_ranks=self.num_ranks,
-                               max_tokens_per_rank=max_tokens_per_rank)
-        check_same_setup(self.group, fp)
+        # This rank's own checks are told to every rank in the same exchange as the setup (a rank that
+        # raised here alone would leave the others waiting in check_same_setup's collective).
+        error = local_check(self._check_here, weights, max_ranks, require_hopper)
+        fp = {} if error is not None else setup_fingerprint(
+            g, getattr(backend, "recipe", None), weights, backend=getattr(backend, "name", type(backend).__name__),
+            num_ranks=self.num_ranks, max_tokens_per_rank=max_tokens_per_rank)
+        check_same_setup(self.group, fp, error)
         backend.prepare(weights)
         backend.allocate(self.group)
         self.last: StepAgreement | None = None
 
+    def _check_here(self, weights, max_ranks: int, require_hopper: bool) -> None:
+        check_ep_ranks(self.num_ranks, max_ranks)
+        self.g.experts_per_rank(self.num_ranks)
+        if require_hopper:
+            check_hopper(torch.cuda.current_device() if torch.cuda.is_available() else None)
+        if self.max_tokens_per_rank is not None:
+            as_int("max_tokens_per_rank", self.max_tokens_per_rank, lo=1)
+        check_weights(weights, f"rank {self.rank}: weights")
+
+    def _check_step(self, inputs: MoEInputs) -> None:
+        if not isinstance(inputs, MoEInputs):
+            raise TypeError(f"inputs must be MoEInputs, got {type(inputs).__name__}")
+        g = self.g
+        check_step(inputs.x, inputs.topk_idx, inputs.topk_weights, hidden=g.hidden, num_topk=g.num_topk,
+                   num_experts=g.num_experts, device=inputs.x.device, who=f"rank {self.rank}")
+
     def step(self, inputs: MoEInputs) -> tuple[torch.Tensor, StepAgreement]:
-        """Collective: this rank's x [T, H] -> (y [T, H], the step's agreement). T may differ per rank."""
-        a = agree_on_step(self.group, inputs.num_tokens)
+        """Collective: this rank's x [T, H] -> (y [T, H], the step's agreement). T may differ per rank.
+        Each rank checks its own step first; a refusal on any rank is known to all in the agreement's
+        all-reduce, and every rank raises (``RankInputError``) before the launch."""
+        error = local_check(self._check_step, inputs)
+        a = agree_on_step(self.group, inputs.num_tokens if error is None else 0, error)
         if self.max_tokens_per_rank is not None and a.agreed > self.max_tokens_per_rank:
             raise ValueError(f"agreed token count {a.agreed} (per-rank counts {list(a.counts)}) exceeds "
                              f"max_tokens_per_rank={self.max_tokens_per_rank} the buffer was sized for")

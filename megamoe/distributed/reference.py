@@ -31,16 +31,29 @@ import torch.distributed as dist
 from ..geometry import Geometry
 from ..recipe import Recipe, get_recipe
 from ..reference.dispatch import build_layout, dispatch, dispatch_slot_values
-from ..reference.pipeline import combine, expert_forward, stage_activations, validate_rank_inputs
+from ..reference.pipeline import OVERFLOW_HINT, combine, expert_forward, stage_activations, validate_rank_inputs
 from ..testing import MoEInputs
+from ..validate import as_int, check_output, check_weights
+from ..weights import FP8BlockWeights, MXFP4Weights
+from .agreement import check_same_setup, local_check, setup_fingerprint
 from .comm import FieldSpec, _reduce_scatter_single, all_gather_counts, all_gather_ragged, all_to_all_ragged, comm_device, pack_rows, unpack_rows
 
 SCHEMES = ("allgather_reducescatter", "all_to_all")
 
 
-def _validate_local(inputs: MoEInputs, weights, g: Geometry, rank: int, world: int) -> int:
+def _validate_local(inputs: MoEInputs, weights, recipe, g: Geometry, scheme: str, block_m, rank: int, world: int) -> None:
+    """This rank's own arguments, by the single-process reference's checks (``megamoe.validate``)."""
+    get_recipe(recipe)
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if not isinstance(g, Geometry):
+        raise TypeError(f"g must be a Geometry, got {type(g).__name__}")
+    if not isinstance(weights, (MXFP4Weights, FP8BlockWeights)):
+        raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
     el = g.experts_per_rank(world)
     what = f"rank {rank}"
+    as_int("block_m", block_m, lo=1, who=what)
+    check_weights(weights, f"{what}: weights")
     validate_rank_inputs(inputs, g, weights.device, what)
     if weights.hidden != g.hidden or weights.intermediate != g.intermediate:
         raise ValueError(f"{what}: weights are (H, I) = {(weights.hidden, weights.intermediate)} but geometry "
@@ -48,7 +61,20 @@ def _validate_local(inputs: MoEInputs, weights, g: Geometry, rank: int, world: i
     if weights.num_experts not in (g.num_experts, el):
         raise ValueError(f"{what}: weights must hold all {g.num_experts} experts or this rank's {el}, "
                          f"got {weights.num_experts}")
-    return el
+
+
+def agree_on_setup(inputs: MoEInputs, weights, recipe, g: Geometry, scheme: str, block_m, group) -> None:
+    """Before the first collective: every rank checks its own arguments, then one exchange says whether
+    every rank passed and holds the same geometry, recipe, scheme and weights (bytes too when every rank
+    holds all E experts). Raises RankInputError / SetupMismatchError on every rank alike."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    error = local_check(_validate_local, inputs, weights, recipe, g, scheme, block_m, rank, world)
+    fp = {}
+    if error is None:
+        full = weights.num_experts == g.num_experts
+        fp = setup_fingerprint(g, recipe, weights, weight_bytes=full, scheme=scheme,
+                               weights_held="all experts" if full else "this rank's experts only")
+    check_same_setup(group, fp, error)
 
 
 def _token_specs(g: Geometry, recipe: Recipe) -> list[FieldSpec]:
@@ -110,13 +136,14 @@ def moe_forward_dist(
     """This rank's step through the distributed reference: inputs x [T, H] -> y [T, H].
 
     weights: all E experts (every rank the same) or only this rank's E_l experts. Collective: every
-    rank of ``group`` must call it, each with its own T (0 allowed), the same geometry and recipe.
+    rank of ``group`` must call it, each with its own T (0 allowed), the same geometry, recipe, scheme and
+    weights: ``agree_on_setup`` checks that first, and every rank raises the same error otherwise. A NaN /
+    Inf in y from finite inputs raises ``validate.NonFiniteOutputError`` on the ranks that hold it.
     """
+    agree_on_setup(inputs, weights, recipe, g, scheme, block_m, group)  # before the first collective
     recipe = get_recipe(recipe)
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    el = _validate_local(inputs, weights, g, rank, world)
+    el = g.experts_per_rank(world)
     rec = _token_records(inputs, recipe)  # [T, B]
     t, k, h = inputs.num_tokens, g.num_topk, g.hidden
     out_dtype = torch.bfloat16 if recipe.slot_output_bf16 else recipe.accum
@@ -137,7 +164,7 @@ def moe_forward_dist(
         mine = torch.empty(t_max, k, h, dtype=out_dtype, device=dev)
         _reduce_scatter_single(mine, slots_all.view(world * t_max, k, h), op=dist.ReduceOp.SUM, group=group)
         slots = mine[:t].to(inputs.x.device)
-        return combine(slots, filled, recipe)
+        return _checked(combine(slots, filled, recipe), recipe, rank)
 
     # all_to_all: send rank d the tokens with a slot on its experts, with their token ids.
     tok_ids = torch.arange(t, dtype=torch.int64, device=inputs.x.device)
@@ -169,4 +196,10 @@ def moe_forward_dist(
         seen[tok, slot] = True
     if not torch.equal(seen, filled):
         raise AssertionError(f"rank {rank}: {int((seen != filled).sum())} routed slots did not come back")
-    return combine(slots, filled, recipe)
+    return _checked(combine(slots, filled, recipe), recipe, rank)
+
+
+def _checked(y: torch.Tensor, recipe: Recipe, rank: int) -> torch.Tensor:
+    """y, unless it holds NaN / Inf from the finite inputs every rank accepted (an overflow)."""
+    check_output(f"y of rank {rank}", y, f"distributed reference ({recipe.name})", OVERFLOW_HINT)
+    return y

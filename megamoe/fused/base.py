@@ -19,6 +19,7 @@ CUDA graphs: capture only after ``build`` has built every plan the graph will la
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -26,8 +27,8 @@ import torch
 
 from ..geometry import Geometry
 from ..recipe import Recipe
-from ..reference.dispatch import validate_topk
 from ..testing import MoEInputs
+from ..validate import as_int, check_output, check_step
 
 
 class BackendUnavailable(RuntimeError):
@@ -74,8 +75,31 @@ def cuda_hopper_reason() -> str:
     return ""
 
 
+def _checked_launch(launch):
+    """``launch`` with its token count checked first (an int in [0, capacity]: 6.9 is refused, not run as
+    6). Host-side only, so a launch stays free of syncs and capturable in a CUDA graph."""
+
+    @functools.wraps(launch)
+    def checked(self, num_tokens: int) -> torch.Tensor:
+        return launch(self, as_int("num_tokens", num_tokens, lo=0, hi=self.capacity, who=f"{self.name} launch"))
+
+    checked.checks_token_count = True
+    return checked
+
+
 class FusedBackend:
-    """Base class; subclasses set the class attributes and implement the ``_`` hooks."""
+    """Base class; subclasses set the class attributes and implement the ``_`` hooks.
+
+    Every subclass's ``launch`` is wrapped (``__init_subclass__``) so that its token count is checked
+    the same way whichever backend it is: the documented ``stage_into`` + ``launch`` path never hands a
+    kernel a truncated or out-of-capacity count.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("launch")
+        if own is not None and not getattr(own, "checks_token_count", False):
+            cls.launch = _checked_launch(own)
 
     name: str = ""
     recipe: Recipe
@@ -96,11 +120,11 @@ class FusedBackend:
         from ..geometry import get_geometry
 
         capacity = capacity if capacity is not None else num_max_tokens_per_rank
-        if capacity is None or int(capacity) <= 0:
-            raise ValueError(f"capacity (max tokens per rank) must be a positive int, got {capacity!r}")
+        if capacity is None:
+            raise ValueError("capacity (max tokens per rank) must be a positive int, got None")
         force_block_m = force_block_m if force_block_m is not None else block_m
         self.g = get_geometry(geometry)
-        self.capacity = int(capacity)
+        self.capacity = as_int("capacity (max tokens per rank)", capacity, lo=1, who=self.name)
         self.group = group
         self._prepared = False
         self._allocated = False
@@ -145,6 +169,8 @@ class FusedBackend:
         raise NotImplementedError
 
     def set_force_block_m(self, block_m: int | None) -> None:
+        if block_m is not None:
+            block_m = as_int("force_block_m", block_m, who=self.name)
         if block_m is not None and block_m not in self.legal_block_ms():
             raise ValueError(
                 f"{self.name}: force_block_m must be one of {self.legal_block_ms()} (or None), got {block_m}"
@@ -230,33 +256,17 @@ class FusedBackend:
         return 0 if self.group is None else self.group.rank()
 
     def check_inputs(self, inputs: MoEInputs, num_tokens: int | None = None) -> int:
-        """Shapes, dtypes, device, routing and capacity, checked before anything runs. Returns the
-        token count the launch will use (``num_tokens`` or T)."""
+        """Shapes, dtypes, device, routing (ids in range, no expert twice in a token, finite weights),
+        finite x and the token count (an int, T <= m <= capacity), checked before anything runs by the
+        one check the reference and ``stage_into`` use too (``megamoe.validate.check_step``). Returns
+        the token count the launch will use (``num_tokens`` or T)."""
+        if not isinstance(inputs, MoEInputs):
+            raise TypeError(f"{self.name}: inputs must be MoEInputs, got {type(inputs).__name__}")
         g = self.g
-        x, idx, w = inputs.x, inputs.topk_idx, inputs.topk_weights
-        if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[1] != g.hidden:
-            raise ValueError(f"{self.name}: x must be [T, {g.hidden}], got {tuple(getattr(x, 'shape', ()))}")
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"{self.name}: x must be bfloat16, got {x.dtype}")
-        t = x.shape[0]
-        if idx.shape != (t, g.num_topk):
-            raise ValueError(f"{self.name}: topk_idx must be [{t}, {g.num_topk}], got {tuple(idx.shape)}")
-        dev = self.device
-        for name, tensor in (("x", x), ("topk_idx", idx), ("topk_weights", w)):
-            if tensor.device != dev:
-                raise ValueError(f"{self.name}: {name} must be on {dev}, got {tensor.device}")
-        validate_topk(idx, w, g.num_experts, self.name)
-        m = t if num_tokens is None else int(num_tokens)
-        if m < t:
-            raise ValueError(f"{self.name}: num_tokens={m} is below the staged token count T={t}")
-        if m > self.capacity:
-            raise ValueError(f"{self.name}: token count {m} exceeds the buffer capacity {self.capacity}")
-        if m == 0 and not self.allows_zero_tokens:
-            raise ValueError(f"{self.name}: the kernel needs at least one token (got 0)")
-        if x.numel() and not torch.isfinite(x).all():
-            bad = (~torch.isfinite(x)).nonzero()[0].tolist()
-            raise ValueError(f"{self.name}: x contains NaN or Inf (first at [token, channel] = {bad})")
-        return m
+        return check_step(inputs.x, inputs.topk_idx, inputs.topk_weights, hidden=g.hidden, num_topk=g.num_topk,
+                          num_experts=g.num_experts, device=self.device, who=self.name,
+                          device_label="the backend runs on", num_tokens=num_tokens, capacity=self.capacity,
+                          allow_zero=self.allows_zero_tokens)
 
     allows_zero_tokens = False
 
@@ -279,8 +289,13 @@ class FusedBackend:
         raise NotImplementedError
 
     def run(self, inputs: MoEInputs, num_tokens: int | None = None) -> torch.Tensor:
+        """stage + launch -> y [T, H]; a NaN / Inf in y (from inputs check_inputs accepted) raises
+        ``validate.NonFiniteOutputError`` instead of being returned (one more host sync)."""
         m = self.stage(inputs, num_tokens)
-        return self.launch(m)[: inputs.num_tokens]
+        y = self.launch(m)[: inputs.num_tokens]
+        check_output("y", y, self.name, "the kernel's FP32 accumulators overflowed (activations near the bf16 "
+                     "maximum) or the kernel misbehaved; the reference says which (megamoe.reference)")
+        return y
 
     def intermediates(self) -> dict | None:
         """What the kernel left in its buffer: {'pool_x': e4m3 [P, H], 'l2_in': e4m3 [P, I],
@@ -307,12 +322,12 @@ class FusedBackend:
         """Default for the fused kernels, whose symmetric buffer exposes x / x_sf / topk_idx /
         topk_weights views: one pass over x straight into them (megamoe.staging: Triton on CUDA),
         bit-exact with per_token_cast_to_fp8; rows T..m-1 become padding routed to -1. check_inputs
-        already rejected NaN/Inf, so the staging kernel skips its flag (no host sync)."""
+        already checked every value (``validate.check_step``), so staging skips its checks (no host sync)."""
         from ..staging import stage_into
 
         b = self.buf
         stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights, m,
-                   check_finite=False)
+                   num_experts=self.g.num_experts, check=False)
 
     def _padding_inputs(self) -> MoEInputs:
         """A step of zero tokens on this device: staged to m rows it is m padding rows (warm-up launches)."""

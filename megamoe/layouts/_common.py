@@ -8,28 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..validate import expect_tensor  # noqa: F401 (the converters' shared check, re-exported)
+
 GATE_UP_GRAN = 8  # rows per gate / up run after the interleave
-
-
-def expect_tensor(
-    name: str,
-    t,
-    shape: tuple[int, ...] | None = None,
-    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
-    device: torch.device | str | None = None,
-) -> None:
-    """Raise a TypeError / ValueError naming ``name``, the expected and the actual property."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
-        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-        if t.dtype not in dtypes:
-            want = " or ".join(str(d) for d in dtypes)
-            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != torch.device(device):
-        raise ValueError(f"{name} must be on device {torch.device(device)}, got {t.device}")
 
 
 def expect_multiple(name: str, value: int, of: int, why: str = "") -> None:

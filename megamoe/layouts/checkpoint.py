@@ -15,12 +15,14 @@ all as uint8 (a bit-preserving view of the int8 / e8m0 storage).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..formats import MXFP4_BLOCK
+from ..validate import as_int, check_scale_bytes
 from ..weights import MXFP4Weights
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,10 +121,18 @@ class CheckpointIndex:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
-                raise ValueError(f"{index}: not a safetensors index (need a 'weight_map' object): {exc}") from None
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index (need a 'weight_map' object): {exc!r}") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a dict with non-string entries"
+                raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name, "
+                                 f"got {got}")
             return cls(directory, dict(weight_map))
         files = sorted(directory.glob("*.safetensors"))
+        for path in files:
+            if not path.is_file():
+                raise ValueError(f"{path}: named like a safetensors shard but is not a regular file (a directory?)")
         if not files:
             raise FileNotFoundError(f"no *.safetensors files and no {INDEX_FILE} in {str(directory)!r}")
         weight_map = {}
@@ -148,6 +158,8 @@ def _read(handles: dict, index: CheckpointIndex, name: str, dtype: torch.dtype, 
     if path not in handles:
         if not path.exists():
             raise FileNotFoundError(f"{path}: shard listed for tensor {name!r} does not exist")
+        if not path.is_file():
+            raise ValueError(f"{path}: shard listed for tensor {name!r} is not a regular file (a directory?)")
         try:
             handles[path] = safe_open(str(path), framework="pt")
         except SafetensorError as exc:
@@ -160,7 +172,28 @@ def _read(handles: dict, index: CheckpointIndex, name: str, dtype: torch.dtype, 
         raise TypeError(f"{name} in {path.name} must have dtype {dtype}, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} in {path.name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype == E8M0:
+        check_scale_bytes(f"{name} in {path}", t.view(torch.uint8))  # 0xFF is NaN: refused at the file
     return t
+
+
+def _expert_ids(index: CheckpointIndex, layer: int) -> list[int]:
+    """The expert numbers of layer ``layer``'s tensors; any other tensor under its experts prefix (an
+    ``...experts.bias``, a ``w4``) is refused, naming the tensor and its file."""
+    prefix = f"layers.{layer}.ffn.experts."
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.(w1|w2|w3)\.(weight|scale)")
+    ids = set()
+    for name, file in index.weight_map.items():
+        if not name.startswith(prefix):
+            continue
+        m = pattern.fullmatch(name)
+        if m is None:
+            raise ValueError(f"tensor {name!r} in {index.directory / file} is not a routed-expert tensor of layer "
+                             f"{layer}: expected {prefix}{{e}}.w{{1,2,3}}.{{weight,scale}}")
+        ids.add(int(m.group(1)))
+    if not ids:
+        raise KeyError(f"no tensors named {prefix}* (layer {layer}) in {str(index.directory)!r}")
+    return sorted(ids)
 
 
 def load_layer(directory, layer: int, *, experts: range | list[int] | None = None, device="cpu") -> MXFP4Weights:
@@ -171,16 +204,15 @@ def load_layer(directory, layer: int, *, experts: range | list[int] | None = Non
     requested expert's w1 ([I, H/2]) and every other tensor is checked against them.
     Raises KeyError (missing tensor), TypeError (wrong dtype), ValueError (wrong shape, truncated file).
     """
+    layer = as_int("layer", layer, lo=0, who="load_layer")
     index = CheckpointIndex.open(directory)
     if experts is None:
-        prefix = f"layers.{layer}.ffn.experts."
-        ids = {int(n[len(prefix):].split(".")[0]) for n in index.weight_map if n.startswith(prefix)}
-        if not ids:
-            raise KeyError(f"no tensors named {prefix}* (layer {layer}) in {str(index.directory)!r}")
-        experts = range(max(ids) + 1)
-    experts = list(experts)
+        experts = range(max(_expert_ids(index, layer)) + 1)
+    experts = [as_int("experts[i]", e, lo=0, who="load_layer") for e in experts]
     if not experts:
         raise ValueError("experts must name at least one expert")
+    if len(set(experts)) != len(experts):
+        raise ValueError(f"load_layer: experts must be distinct, got {experts}")
     handles: dict = {}
     try:
         first = _read(handles, index, tensor_name(layer, experts[0], "w1", "weight"), torch.int8, None)

@@ -41,13 +41,19 @@ def utccp_rows_inverse(sf: torch.Tensor) -> torch.Tensor:
 
 
 def to_deepgemm_sm100_fp4(weights: MXFP4Weights):
-    """MXFP4Weights -> ((l1, l1_sf), (l2, l2_sf)) in the SM100 layout above (no range limit on SM100)."""
+    """MXFP4Weights -> ((l1, l1_sf), (l2, l2_sf)) in the SM100 layout above. SM100 decodes MXFP4 in
+    hardware (recipe ``deepgemm-sm100-fp4``, the exact decode): bytes 0..252 are exact, 0xFF (NaN) and the
+    float32 overflows of 253 / 254 on nonzero groups are refused (``ranges.check_ranges``)."""
+    from ..recipe import DEEPGEMM_SM100_FP4
+    from .ranges import check_ranges
+
     if not isinstance(weights, MXFP4Weights):
         raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
     for name, n in (("hidden", weights.hidden), ("intermediate", weights.intermediate)):
         if n % 128:
             raise ValueError(f"{name} must be a multiple of 128, got {n}")
     require_no_global_scales(weights, "DeepGEMM SM100 FP4")
+    check_ranges(weights, DEEPGEMM_SM100_FP4)
     l1_sf = utccp_rows(pack_ue8m0_x4(interleave_gate_up(weights.l1_scale)))
     l2_sf = utccp_rows(pack_ue8m0_x4(weights.l2_scale))
     return (interleave_gate_up(weights.l1), l1_sf), (weights.l2.contiguous(), l2_sf)

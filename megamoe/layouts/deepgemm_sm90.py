@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import MXFP4_BLOCK, pack_ue8m0_x4, quantize_fp8_block, unpack_ue8m0_x4
+from ..validate import check_fp8_block_values, check_mxfp4_values
 from ..weights import FP8BlockWeights, MXFP4Weights
 from ._common import deinterleave_gate_up, expect_tensor, interleave_gate_up, require_no_global_scales
 
@@ -37,6 +38,10 @@ def to_fp8_block(weights: MXFP4Weights) -> FP8BlockWeights:
     for name, n in (("hidden", weights.hidden), ("intermediate", weights.intermediate)):
         if n % FP8_BLOCK:
             raise ValueError(f"{name} must be a multiple of {FP8_BLOCK} for 128x128 FP8 blocks, got {n}")
+    from ..recipe import EXACT
+    from .ranges import check_ranges
+
+    check_ranges(weights, EXACT)  # the values requantized must be the exact ones (no 0xFF, no float32 overflow)
     parts = []
     for e in range(weights.num_experts):
         w1, w2 = weights.dequantize_expert(e)
@@ -78,17 +83,20 @@ def to_deepgemm_sm90_fp4(
 
     Layout read from DeepGEMM PR #323 (not installable anywhere; unverified on hardware).
     This kernel has no global scales: power-of-two ones must be folded first
-    (``ranges.fold_global_scales``). ``check`` raises when a nonzero group's byte exceeds 133 (2**6),
-    above which its decode table is wrong.
+    (``ranges.fold_global_scales``). ``check`` raises when a nonzero group's byte is outside 119..133
+    (2**-8 .. 2**6), where its decode table is not exact (``ranges.check_ranges``: the message counts
+    the weights that would change). ``check=False`` lets such bytes through (a lossy decode the caller
+    chose); byte 0xFF (NaN) is refused either way.
     """
+    from ..recipe import DEEPGEMM_SM90_FP4
+    from .ranges import check_ranges
+
     if not isinstance(weights, MXFP4Weights):
         raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
     _check_fp4_dims(weights)
     require_no_global_scales(weights, "DeepGEMM SM90 FP4")
+    check_mxfp4_values(weights, "to_deepgemm_sm90_fp4")
     if check:
-        from ..recipe import DEEPGEMM_SM90_FP4
-        from .ranges import check_ranges
-
         check_ranges(weights, DEEPGEMM_SM90_FP4)
     l1 = interleave_gate_up(weights.l1)
     l1_sf = pack_ue8m0_x4(interleave_gate_up(weights.l1_scale))
@@ -121,13 +129,12 @@ def from_deepgemm_sm90_fp4(
 
 def fp8_block_weights_for_kernel(weights, who: str):
     """What a DeepGEMM FP8 backend's ``prepare`` takes: MXFP4Weights (converted, lossy, by to_fp8_block) or
-    FP8BlockWeights; NaN / Inf anywhere raise before anything reaches a kernel (the GEMMs would spread them
-    through every output row of the expert silently)."""
+    FP8BlockWeights. NaN / Inf values and block scales that are not > 0 raise before anything reaches a
+    kernel (the GEMMs would spread NaN through every output row of the expert, and a scale <= 0 zeroes or
+    flips a whole 128 x 128 block, silently)."""
     if isinstance(weights, MXFP4Weights):
         weights = to_fp8_block(weights)
     if not isinstance(weights, FP8BlockWeights):
         raise TypeError(f"{who}: weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
-    for name, t in (("l1", weights.l1), ("l1_scale", weights.l1_scale), ("l2", weights.l2), ("l2_scale", weights.l2_scale)):
-        if not torch.isfinite(t.float()).all():
-            raise ValueError(f"{who}: FP8 block weights {name} contain NaN or Inf")
+    check_fp8_block_values(weights, who)  # again: the tensors may have been changed in place since construction
     return weights

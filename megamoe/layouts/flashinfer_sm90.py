@@ -32,6 +32,7 @@ import torch
 from einops import rearrange
 
 from ..formats import MXFP4_BLOCK, pack_e2m1
+from ..validate import check_mxfp4_values
 from ..weights import MXFP4Weights
 from ._common import deinterleave_gate_up, expect_multiple, expect_tensor, interleave_gate_up
 
@@ -158,15 +159,17 @@ def to_flashinfer_sm90(weights: MXFP4Weights, *, check: bool = True) -> tuple[to
 
     ``check`` (default) raises ValueError when a scale group with nonzero codes falls outside the
     decoder's bytes 122..133 (``ranges.check_ranges``); call ``ranges.repair_ranges`` first, or use
-    ``prepare_flashinfer_sm90``. Global scales travel separately (``flashinfer_global_scales``).
+    ``prepare_flashinfer_sm90``. Byte 0xFF (NaN) is refused even with ``check=False``. Global scales
+    travel separately (``flashinfer_global_scales``).
     """
+    from ..recipe import FLASHINFER_MXFP4
+    from .ranges import check_ranges
+
     if not isinstance(weights, MXFP4Weights):
         raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
     _check_dims(weights.hidden, weights.intermediate)
+    check_mxfp4_values(weights, "to_flashinfer_sm90")
     if check:
-        from ..recipe import FLASHINFER_MXFP4
-        from .ranges import check_ranges
-
         check_ranges(weights, FLASHINFER_MXFP4)
     l1 = _braid_from_checkpoint(interleave_gate_up(weights.l1))  # steps 1, 2, 4
     l1_sf = interleave_gate_up(weights.l1_scale)

@@ -8,70 +8,25 @@ shift, out-of-window bytes have no exact repair, so:
 
     check_fp4_window(w, recipe)                      raises, naming expert, tensor, bytes, weights changed
     check_fp4_window(w, recipe, accept_below=True)   accepts bytes below the window and returns their loss
-    decode_loss(w, recipe)                           per (expert, tensor): weights changed, to zero, errors
+                                                     (measured by megamoe.layouts.decode_loss)
     shift_into_window(w, recipe)                     synthetic weights only: each tensor x 2**s into the window
+    decode_probe_layer(g)                            a layer that reads a kernel's decode table off its output
 
 Byte 0xFF is NaN in E8M0 and is refused everywhere, all-zero groups included.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
-from ..formats import E8M0_BIAS, dequantize_mxfp4_lookup, mxfp4_decode_table
-from ..recipe import Recipe, get_recipe
+from ..formats import E8M0_BIAS
+from ..recipe import get_recipe
+from ..validate import check_mxfp4_values
 from ..weights import MXFP4Weights
+from .decode_loss import decode_loss, describe_loss
 from .ranges import TENSORS, _shift_bytes, analyze_ranges
-
-E8M0_NAN = 0xFF
-
-
-def decode_tables(recipe: Recipe, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel, exact) float32 [4096]: entry 16 * byte + code, as the recipe's decoder and as exact values."""
-    from ..reference.pipeline import _E4M3_DECODERS
-
-    kernel = mxfp4_decode_table(_E4M3_DECODERS[recipe.weight_decode], device)
-    exact = mxfp4_decode_table(lambda v: v, device)
-    return kernel, exact
-
-
-def _nan_bytes(weights: MXFP4Weights) -> list[str]:
-    bad = []
-    for name in TENSORS:
-        s = getattr(weights, f"{name}_scale")
-        hit = (s == E8M0_NAN).flatten(1).any(1)
-        for e in hit.nonzero().flatten().tolist():
-            n = int((s[e] == E8M0_NAN).sum())
-            bad.append(f"expert {e} {name}_scale: {n} byte(s) 0xFF (E8M0 NaN)")
-    return bad
-
-
-def decode_loss(weights: MXFP4Weights, recipe, experts=None) -> list[dict]:
-    """Per (expert, tensor) with any weight the recipe's decoder changes: {'expert', 'tensor', 'weights',
-    'changed', 'to_zero', 'max_abs_err', 'max_rel_err', 'min_byte'} (errors relative to the exact value)."""
-    recipe = get_recipe(recipe)
-    dev = weights.device
-    kern, exact = decode_tables(recipe, dev)
-    finite = torch.isfinite(kern) & torch.isfinite(exact)
-    changed_t = ((kern != exact) & finite).float()
-    zero_t = ((kern == 0) & (exact != 0)).float()
-    abs_t = torch.where(finite, (kern - exact).abs(), torch.zeros_like(kern))
-    rel_t = torch.where(finite & (exact != 0), abs_t / exact.abs(), torch.zeros_like(kern))
-    out = []
-    for e in range(weights.num_experts) if experts is None else experts:
-        for name in TENSORS:
-            packed, scale = getattr(weights, name)[e], getattr(weights, f"{name}_scale")[e]
-            n = int(dequantize_mxfp4_lookup(packed, scale, changed_t).sum())
-            if not n:
-                continue
-            out.append({"expert": e, "tensor": name, "weights": packed.numel() * 2, "changed": n,
-                        "to_zero": int(dequantize_mxfp4_lookup(packed, scale, zero_t).sum()),
-                        "max_abs_err": float(dequantize_mxfp4_lookup(packed, scale, abs_t).max()),
-                        "max_rel_err": float(dequantize_mxfp4_lookup(packed, scale, rel_t).max()),
-                        "min_byte": int(scale.min())})
-    return out
 
 
 def check_fp4_window(weights: MXFP4Weights, recipe, *, accept_below: bool = False, who: str = "") -> dict | None:
@@ -79,12 +34,10 @@ def check_fp4_window(weights: MXFP4Weights, recipe, *, accept_below: bool = Fals
 
     Above the window (codes wrap into negative / NaN bytes) and 0xFF bytes are always refused. Below it,
     ``accept_below=True`` accepts the weights and returns {'summary', 'weights_changed', 'weights_to_zero',
-    'weights_total', 'max_abs_err', 'max_rel_err', 'tensors'} (``decode_loss``) for the caller to report."""
+    'weights_total', 'max_abs_err', 'max_rel_err', 'tensors'} (``layouts.decode_loss``) for the caller to report."""
     recipe = get_recipe(recipe)
     prefix = f"{who}: " if who else ""
-    nan = _nan_bytes(weights)
-    if nan:
-        raise ValueError(f"{prefix}{len(nan)} scale tensor(s) hold E8M0 byte 0xFF, which is NaN: {'; '.join(nan[:4])}")
+    check_mxfp4_values(weights, who)
     report = analyze_ranges(weights, recipe)
     lo, hi = recipe.min_scale_byte, recipe.max_scale_byte
     above = [t for t in report.entries if t.above]
@@ -98,25 +51,24 @@ def check_fp4_window(weights: MXFP4Weights, recipe, *, accept_below: bool = Fals
     below = [t for t in report.entries if t.below]
     if not below:
         return None
-    loss = decode_loss(weights, recipe, experts=sorted({t.expert for t in below}))
+    loss = [x for x in decode_loss(weights, recipe, experts=sorted({t.expert for t in below})) if not x.lossless]
     total = 2 * sum(getattr(weights, n).numel() for n in TENSORS)
-    changed = sum(x["changed"] for x in loss)
+    changed, to_zero = sum(x.changed for x in loss), sum(x.to_zero for x in loss)
     summary = (f"{changed} of {total} weights ({changed / total:.3%}) in {len(loss)} expert tensor(s) decode "
-               f"differently (scale bytes below {lo}); {sum(x['to_zero'] for x in loss)} become 0; largest error "
-               f"{max((x['max_abs_err'] for x in loss), default=0.0):.3g}")
+               f"differently (scale bytes below {lo}); {to_zero} become 0; largest error "
+               f"{max((x.max_abs_error for x in loss), default=0.0):.3g}")
     if not accept_below:
-        first = next((x for x in loss if x["expert"] == below[0].expert and x["tensor"] == below[0].tensor), None)
         t = below[0]
-        detail = (f"{first['changed']} of {first['weights']} weights change, {first['to_zero']} to zero"
-                  if first else "no weight changes value")
+        first = next((x for x in loss if (x.expert, x.tensor) == (t.expert, t.tensor)), None)
         raise ValueError(
             f"{prefix}{len(below)} expert tensor(s) have nonzero scale groups below byte {lo} "
             f"(2**{lo - E8M0_BIAS}), which {recipe.name}'s decode table rounds; first: expert {t.expert} {t.tensor}: "
-            f"{t.below} groups, bytes down to {t.min_byte}: {detail}. In all: {summary}. The kernel has no global "
-            "scale, so no exact repair exists: pass accept_lossy_scales=True to run them and record this loss")
-    return {"summary": summary, "weights_changed": changed, "weights_to_zero": sum(x["to_zero"] for x in loss),
-            "weights_total": total, "max_abs_err": max(x["max_abs_err"] for x in loss),
-            "max_rel_err": max(x["max_rel_err"] for x in loss), "tensors": loss}
+            f"{t.below} groups, bytes down to {t.min_byte}: {describe_loss(first) if first else 'no weight changes'}. "
+            f"In all: {summary}. The kernel has no global scale, so no exact repair exists: pass "
+            "accept_lossy_scales=True to run them and record this loss")
+    return {"summary": summary, "weights_changed": changed, "weights_to_zero": to_zero, "weights_total": total,
+            "max_abs_err": max(x.max_abs_error for x in loss), "max_rel_err": max(x.max_rel_error for x in loss),
+            "tensors": [asdict(x) for x in loss]}
 
 
 def shift_into_window(weights: MXFP4Weights, recipe) -> MXFP4Weights:
@@ -151,7 +103,8 @@ def decode_probe_layer(g, device="cpu"):
     value and every L2 input channel gets the same FP8 value a. Row h of expert t's L2 holds pair
     p = 512 t + h (byte p // 16, code p % 16) at K = 0 and zeros elsewhere, so
     ``y[t, h] = bf16(a * decode(byte, code))``: a product of two values of at most 4 significant bits, exact
-    in bf16. Returns (weights, inputs, pairs [8, H] int64); the decode table is y / a, reshaped [256, 16]."""
+    in bf16. Byte 0xFF is left out (refused as NaN): its rows read 0. Returns (weights, inputs, pairs [8, H]
+    int64); the decode table is y / a, reshaped [256, 16] (row 255 not measured)."""
     from ..testing import MoEInputs
 
     e, h, i, k = g.num_experts, g.hidden, g.intermediate, g.num_topk
@@ -163,6 +116,9 @@ def decode_probe_layer(g, device="cpu"):
     l2_scale = torch.full((e, h, i // 32), 127, dtype=torch.uint8)
     pairs = torch.arange(8 * h).view(8, h)
     byte, code = pairs // 16, pairs % 16
+    # Byte 0xFF (NaN) cannot be handed over (MXFP4Weights refuses it): its 16 rows carry byte 127, code 0.
+    nan_rows = byte == 0xFF
+    byte, code = byte.masked_fill(nan_rows, 127), code.masked_fill(nan_rows, 0)
     l2[:8, :, 0] = code.to(torch.uint8)  # low nibble = K 0, high nibble (K 1) = code 0
     l2_scale[:8, :, 0] = byte.to(torch.uint8)
     w = MXFP4Weights(l1, torch.full((e, 2 * i, h // 32), 127, dtype=torch.uint8), l2, l2_scale)

@@ -1,9 +1,14 @@
 """Scale-range analysis and exact repair: no out-of-range weight scale reaches a kernel silently.
 
 The SM90 FP4 decoders turn e2m1 * 2**(b - 127) into one e4m3 byte, which is exact only for a window
-of scale bytes b (``Recipe.min_scale_byte`` .. ``Recipe.max_scale_byte``; FlashInfer 122..133,
-DeepGEMM SM90 FP4 <= 133). No kernel checks. A *scale group* (32 K values sharing one byte) counts
-only when one of its codes is nonzero: an all-zero group decodes to 0 whatever its scale.
+of scale bytes b (``Recipe.min_scale_byte`` .. ``Recipe.max_scale_byte``, derived from the recipe's
+decode rule: FlashInfer 122..133, DeepGEMM SM90 FP4 119..133, the exact float32 decode 0..252). No
+kernel checks. A *scale group* (32 K values sharing one byte) counts only when one of its codes is
+nonzero: an all-zero group decodes to 0 whatever its scale. Byte 0xFF is NaN, not a scale: every
+function here refuses it, on any group, and never repairs it.
+
+``decode_loss`` measures, per expert and tensor, what a recipe's decoder does to the weights outside its
+window (weights changed, how many to zero, largest absolute and relative error); the refusals quote it.
 
 Repair (``repair_ranges``) is exact: per expert and tensor it adds one integer shift s to every
 scale byte and multiplies the expert's global scale by 2**-s, so decode(codes, b + s) * gs * 2**-s
@@ -20,7 +25,9 @@ import torch
 
 from ..formats import E8M0_BIAS, MXFP4_BLOCK
 from ..recipe import Recipe, get_recipe
+from ..validate import check_mxfp4_values
 from ..weights import MXFP4Weights
+from .decode_loss import DecodeLoss, decode_loss, describe_loss, tensor_loss  # noqa: F401 (re-exported)
 
 TENSORS = ("l1", "l2")
 
@@ -160,6 +167,7 @@ def analyze_ranges(weights: MXFP4Weights, recipe) -> RangeReport:
     recipe = get_recipe(recipe)
     if not isinstance(weights, MXFP4Weights):
         raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
+    check_mxfp4_values(weights, f"scale ranges for {recipe.name}")  # 0xFF is NaN: no window holds it
     lo, hi = _window(recipe)
     entries = []
     for e in range(weights.num_experts):
@@ -168,29 +176,44 @@ def analyze_ranges(weights: MXFP4Weights, recipe) -> RangeReport:
     return RangeReport(recipe.name, recipe.min_scale_byte, recipe.max_scale_byte, recipe.global_scales, tuple(entries))
 
 
-def _refusal(t: TensorRange, recipe: Recipe, why: str) -> str:
+def _offending_bytes(weights: MXFP4Weights, t: TensorRange, lo: int, hi: int) -> list[int]:
+    """The distinct bytes of tensor t's nonzero groups that lie outside [lo, hi]."""
+    packed, scale = getattr(weights, t.tensor)[t.expert], getattr(weights, f"{t.tensor}_scale")[t.expert]
+    b = scale[nonzero_groups(packed)].to(torch.int16)
+    return sorted(int(v) for v in b[(b < lo) | (b > hi)].unique())
+
+
+def _refusal(weights: MXFP4Weights, t: TensorRange, recipe: Recipe, why: str) -> str:
+    """expert, tensor, the offending bytes and how many weights the recipe's decoder would change."""
     lo, hi = _window(recipe)
+    gs = getattr(weights, f"{t.tensor}_global_scale")
+    loss = tensor_loss(t.expert, t.tensor, getattr(weights, t.tensor)[t.expert],
+                       getattr(weights, f"{t.tensor}_scale")[t.expert], recipe.weight_decode,
+                       1.0 if gs is None else float(gs[t.expert]))
     return (
         f"expert {t.expert} {t.tensor}: {t.below} scale groups below byte {lo} and {t.above} above byte {hi} "
-        f"(nonzero-group bytes {t.min_byte}..{t.max_byte} = 2**{t.min_byte - E8M0_BIAS}..2**{t.max_byte - E8M0_BIAS}); "
-        f"{recipe.name} decodes only bytes {lo}..{hi}; {why}"
+        f"(offending bytes {_offending_bytes(weights, t, lo, hi)}; nonzero-group bytes {t.min_byte}..{t.max_byte} "
+        f"= 2**{t.min_byte - E8M0_BIAS}..2**{t.max_byte - E8M0_BIAS}); {recipe.name} decodes only bytes "
+        f"{lo}..{hi} exactly ({describe_loss(loss)}); {why}"
     )
 
 
-def _explain(t: TensorRange, recipe: Recipe) -> str:
+def _explain(weights: MXFP4Weights, t: TensorRange, recipe: Recipe) -> str:
     lo, hi = _window(recipe)
     span, width = t.max_byte - t.min_byte + 1, hi - lo + 1
     if recipe.global_scales:
-        return _refusal(t, recipe, f"the span is {span} binades but the window is {width}: {span - width} binade(s) "
-                                   "too wide for any exact power-of-two rebase (requantize the expert instead)")
+        return _refusal(weights, t, recipe, f"the span is {span} binades but the window is {width}: {span - width} "
+                        "binade(s) too wide for any exact power-of-two rebase (requantize the expert instead)")
     over = max(t.max_byte - hi, 0)
     under = max(lo - t.min_byte, 0)
-    return _refusal(t, recipe, f"{over + under} binade(s) out ({over} over, {under} under) and this kernel has "
-                               "no per-expert global scale to absorb them, so no exact repair exists")
+    return _refusal(weights, t, recipe, f"{over + under} binade(s) out ({over} over, {under} under) and this "
+                    "kernel has no per-expert global scale to absorb them, so no exact repair exists")
 
 
 def check_ranges(weights: MXFP4Weights, recipe) -> None:
-    """Raise ValueError (naming expert, tensor, bytes and binades) if any nonzero group is out of range."""
+    """Raise ValueError if any nonzero group's byte is out of ``recipe``'s window (or any byte is 0xFF),
+    naming the expert, the tensor (l1 / l2), the offending bytes and how many weights would decode
+    differently (``decode_loss``), and whether an exact rebase exists."""
     recipe = get_recipe(recipe)
     report = analyze_ranges(weights, recipe)
     bad = report.bad()
@@ -199,11 +222,11 @@ def check_ranges(weights: MXFP4Weights, recipe) -> None:
     hopeless = [t for t in bad if t.shift is None or not recipe.global_scales]
     if hopeless:  # the tensors no rebase can fix come first: they are the real problem
         raise ValueError(f"{len(bad)} expert tensor(s) out of range for {recipe.name}; first without an exact "
-                         f"repair: {_explain(hopeless[0], recipe)}")
+                         f"repair: {_explain(weights, hopeless[0], recipe)}")
     first = bad[0]
     raise ValueError(
         f"{len(bad)} expert tensor(s) out of range for {recipe.name}; first: "
-        f"{_refusal(first, recipe, f'an exact rebase by {first.shift} binade(s) exists')}; "
+        f"{_refusal(weights, first, recipe, f'an exact rebase by {first.shift} binade(s) exists')}; "
         "call megamoe.layouts.ranges.repair_ranges (or prepare_flashinfer_sm90) first"
     )
 
@@ -222,6 +245,7 @@ def fold_global_scales(weights: MXFP4Weights) -> MXFP4Weights:
 
     Raises ValueError when a global scale is not a power of two or the folded byte leaves 0..254.
     """
+    check_mxfp4_values(weights, "fold_global_scales")
     out = {}
     for name in TENSORS:
         gs = getattr(weights, f"{name}_global_scale")
@@ -264,7 +288,7 @@ def repair_ranges(weights: MXFP4Weights, recipe) -> MXFP4Weights:
     refused = [t for t in report.entries if t.shift is None]
     if refused:
         raise ValueError(f"cannot rebase {len(refused)} expert tensor(s) for {recipe.name}; first: "
-                         f"{_explain(refused[0], recipe)}")
+                         f"{_explain(weights, refused[0], recipe)}")
     ones = torch.ones(weights.num_experts, dtype=torch.float32, device=weights.device)
     new = {}
     for name in TENSORS:
@@ -272,7 +296,20 @@ def repair_ranges(weights: MXFP4Weights, recipe) -> MXFP4Weights:
         packed, scale = getattr(weights, name), getattr(weights, f"{name}_scale")
         new[f"{name}_scale"] = torch.stack([_shift_bytes(scale[e], packed[e], s, lo, hi) for e, s in enumerate(shifts)])
         gs = getattr(weights, f"{name}_global_scale")
-        gs = ones if gs is None else gs
-        factor = torch.tensor([2.0 ** -s for s in shifts], dtype=torch.float32, device=weights.device)
-        new[f"{name}_global_scale"] = gs * factor  # exact: a power of two times a float32
+        new[f"{name}_global_scale"] = _rebased_global_scale(name, ones if gs is None else gs, shifts)
     return replace(weights, **new)
+
+
+def _rebased_global_scale(name: str, gs: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """gs * 2**-s per expert, refused unless exact in float32: a power of two times a float32 is exact
+    unless the product leaves the normal range (a subnormal loses bits, a huge one overflows)."""
+    want = gs.double() * torch.tensor([2.0 ** -s for s in shifts], dtype=torch.float64, device=gs.device)
+    got = want.float()
+    bad = (got.double() != want) | ~torch.isfinite(got) | (got == 0) | (got.abs() < torch.finfo(torch.float32).tiny)
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{name}_global_scale[{e}] = {gs[e].item()!r} times 2**{-shifts[e]} (the rebase of expert {e} {name}) is "
+            f"{want[e].item()!r}, which float32 holds only as {got[e].item()!r} (a subnormal, zero or overflow): "
+            "the repair would change the expert's values, so it is refused")
+    return got

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validate import as_int, check_topk
+
 
 @dataclass
 class DispatchLayout:
@@ -56,28 +58,9 @@ class DispatchLayout:
 
 
 def validate_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int, what: str = "") -> None:
-    """Shapes, dtypes and ranges of one rank's routing, checked before anything runs."""
-    p = f"{what}: " if what else ""
-    if topk_idx.dtype != torch.int64:
-        raise TypeError(f"{p}topk_idx must be int64, got {topk_idx.dtype}")
-    if topk_idx.ndim != 2:
-        raise ValueError(f"{p}topk_idx must be [T, K], got shape {tuple(topk_idx.shape)}")
-    if topk_idx.numel():
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"{p}topk_idx must be in [-1, {num_experts - 1}] (-1 = masked), got values in [{lo}, {hi}]")
-        valid = topk_idx >= 0
-        s = torch.where(valid, topk_idx, -1 - torch.arange(topk_idx.shape[1], device=topk_idx.device))
-        if (s.sort(dim=1).values.diff(dim=1) == 0).any():
-            t = int(((s.sort(dim=1).values.diff(dim=1) == 0).any(dim=1)).nonzero()[0])
-            raise ValueError(f"{p}topk_idx: token {t} routes to the same expert twice: {topk_idx[t].tolist()}")
-    if topk_weights is not None:
-        if topk_weights.dtype != torch.float32:
-            raise TypeError(f"{p}topk_weights must be float32, got {topk_weights.dtype}")
-        if topk_weights.shape != topk_idx.shape:
-            raise ValueError(f"{p}topk_weights must have shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
-        if topk_weights.numel() and not torch.isfinite(topk_weights).all():
-            raise ValueError(f"{p}topk_weights contain NaN or Inf")
+    """Shapes, dtypes and ranges of one rank's routing, checked before anything runs
+    (``megamoe.validate.check_topk``: int64 ids in [-1, E), no expert twice in a token, finite weights)."""
+    check_topk(topk_idx, topk_weights, num_experts, what)
 
 
 def build_layout(
@@ -88,7 +71,7 @@ def build_layout(
     topk_idx_per_rank[s]: int64 [T_s, K] of source rank s. Masked slots (-1) and slots routed to
     other ranks' experts are skipped.
     """
-    if block_m <= 0:
+    if as_int("block_m", block_m) <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
     device = topk_idx_per_rank[0].device
     num_local = expert_hi - expert_lo

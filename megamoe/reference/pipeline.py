@@ -18,16 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import (
-    dequantize_mxfp4_lookup, e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, mxfp4_decode_table,
-    unpack_ue8m0_x4,
-)
+from ..formats import WEIGHT_DECODERS, dequantize_mxfp4_lookup, e8m0_to_float, mxfp4_decode_table, unpack_ue8m0_x4
 from ..geometry import Geometry
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
 from ..testing import MoEInputs
 from ..weights import FP8BlockWeights, MXFP4Weights
-from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch, validate_topk
+from ..validate import as_int, check_output, check_step, check_weights
+from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch
 from .gemm import exact_gemm, promoted_gemm
 from .swiglu import requant_fp8, swiglu
 
@@ -74,12 +72,9 @@ def decode_expert(weights, e: int, recipe: Recipe):
     return tuple(None if t is None else t[0] for t in decode_experts(weights, [e], recipe))
 
 
-_E4M3_DECODERS = {"e4m3_flush_saturate": e4m3_flush_saturate, "e4m3_rn": e4m3_satfinite}
-
-
 @functools.lru_cache(maxsize=None)
 def _decode_table(weight_decode: str, device: torch.device) -> torch.Tensor:
-    return mxfp4_decode_table(_E4M3_DECODERS[weight_decode], device)
+    return mxfp4_decode_table(WEIGHT_DECODERS[weight_decode], device)
 
 
 def decode_experts(weights, experts: list[int], recipe: Recipe):
@@ -107,7 +102,9 @@ def decode_experts(weights, experts: list[int], recipe: Recipe):
     if has_gs and not recipe.global_scales:
         raise ValueError(f"recipe {recipe.name!r} has no per-expert global scales but the weights carry them")
     # The FP4 decoders: e2m1 * 2**(byte - 127) rounded to e4m3 by the recipe's rule, the global scales
-    # left out (the kernel applies them to the accumulators).
+    # left out (the kernel applies them to the accumulators). Outside the recipe's window this models the
+    # kernel's lossy decode on purpose (what the kernel would compute); the paths that hand weights to a
+    # kernel refuse such bytes or repair them exactly (megamoe.layouts.ranges), and 0xFF never gets here.
     idx = torch.tensor(experts, device=weights.device)
     table = _decode_table(recipe.weight_decode, weights.device)
     w1 = dequantize_mxfp4_lookup(weights.l1[idx], weights.l1_scale[idx], table)
@@ -218,11 +215,15 @@ def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe) -> torch.
     return acc.to(torch.bfloat16) if recipe.combine_bf16 else acc
 
 
-def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int) -> None:
+def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int, block_m) -> None:
+    if not isinstance(g, Geometry):
+        raise TypeError(f"g must be a Geometry, got {type(g).__name__}")
     if not isinstance(weights, (MXFP4Weights, FP8BlockWeights)):
         raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
     weights.check_geometry(g)
+    check_weights(weights, "reference")  # in place changes since construction too: 0xFF, NaN, scales <= 0
     g.experts_per_rank(num_ranks)
+    as_int("block_m", block_m, lo=1)
     if len(inputs) != num_ranks:
         raise ValueError(f"expected one MoEInputs per rank ({num_ranks}), got {len(inputs)}")
     for r, inp in enumerate(inputs):
@@ -230,24 +231,18 @@ def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int) -> 
 
 
 def validate_rank_inputs(inp: MoEInputs, g: Geometry, device: torch.device, what: str) -> None:
-    """One rank's step, checked before anything runs: x bf16 [T, H] on ``device``, topk_idx int64 /
-    topk_weights fp32 [T, K] on x's device and in range, no NaN/Inf in x. Errors start with ``what``."""
-    x = inp.x
-    if x.ndim != 2 or x.shape[1] != g.hidden:
-        raise ValueError(f"{what}: x must be [T, {g.hidden}], got {tuple(x.shape)}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{what}: x must be bfloat16, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{what}: x is on {x.device} but the weights are on {device}")
-    if inp.topk_idx.shape != (x.shape[0], g.num_topk):
-        raise ValueError(f"{what}: topk_idx must be [{x.shape[0]}, {g.num_topk}], got {tuple(inp.topk_idx.shape)}")
-    for name in ("topk_idx", "topk_weights"):
-        t = getattr(inp, name)
-        if t.device != x.device:
-            raise ValueError(f"{what}: {name} is on {t.device} but x is on {x.device}")
-    validate_topk(inp.topk_idx, inp.topk_weights, g.num_experts, what)
-    if x.numel() and not torch.isfinite(x).all():
-        raise ValueError(f"{what}: x contains NaN or Inf")
+    """One rank's step, checked before anything runs (``megamoe.validate.check_step``): x bf16 [T, H] on
+    ``device``, finite; topk_idx int64 / topk_weights fp32 [T, K] on x's device, ids in range, no
+    expert twice in a token, finite weights. Errors start with ``what``."""
+    if not isinstance(inp, MoEInputs):
+        raise TypeError(f"{what}: inputs must be MoEInputs, got {type(inp).__name__}")
+    check_step(inp.x, inp.topk_idx, inp.topk_weights, hidden=g.hidden, num_topk=g.num_topk,
+               num_experts=g.num_experts, device=device, who=what, device_label="the weights are on")
+
+
+# Where a NaN / Inf in a result can come from when every input was finite and accepted.
+OVERFLOW_HINT = ("an FP32 accumulator or the SwiGLU overflowed: activations near the bf16 maximum times "
+                 "the weights exceed float32 (the kernels would overflow the same way); scale x down")
 
 
 def moe_forward_ep(
@@ -265,8 +260,8 @@ def moe_forward_ep(
     Rank r owns experts [r * E_l, (r + 1) * E_l). Returns y[r] [T_r, H] for every source rank.
     """
     recipe = get_recipe(recipe)
-    num_ranks = num_ranks or len(inputs)
-    _validate(g, weights, inputs, num_ranks)
+    num_ranks = len(inputs) if num_ranks is None else as_int("num_ranks", num_ranks, lo=1)
+    _validate(g, weights, inputs, num_ranks, block_m)
     el = g.experts_per_rank(num_ranks)
     staged = [stage_activations(inp.x, recipe) for inp in inputs]
     idx = [inp.topk_idx for inp in inputs]
@@ -309,6 +304,7 @@ def moe_forward_ep(
     for r, inp in enumerate(inputs):
         slots, filled = undispatch(outs, layouts, r, inp.num_tokens, g.num_topk)
         ys.append(combine(slots, filled, recipe))
+        check_output(f"y of rank {r}", ys[-1], f"reference ({recipe.name})", OVERFLOW_HINT)
     return MoEResult(ys, stages)
 
 

@@ -14,15 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from ..geometry import Geometry
+from ..validate import check_finite, check_output, expect_tensor
 
 
 def _check_logits(logits: torch.Tensor, num_experts: int) -> None:
+    expect_tensor("router logits", logits, who="route")
     if logits.ndim != 2 or logits.shape[1] != num_experts:
         raise ValueError(f"router logits must be [T, {num_experts}], got {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"router logits must be floating, got {logits.dtype}")
-    if logits.numel() and not torch.isfinite(logits).all():
-        raise ValueError("router logits contain NaN or Inf")
+    check_finite("router logits", logits, "route", "[token, expert]")
 
 
 def route(logits: torch.Tensor, g: Geometry, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +35,13 @@ def route(logits: torch.Tensor, g: Geometry, bias: torch.Tensor | None = None) -
     else:
         scores = F.softplus(logits).sqrt()
     if bias is not None:
+        expect_tensor("bias", bias, who="route")
         if bias.shape != (g.num_experts,):
             raise ValueError(f"bias must be [{g.num_experts}], got {tuple(bias.shape)}")
+        if not bias.is_floating_point() or bias.device != logits.device:
+            raise TypeError(f"route: bias must be a floating tensor on {logits.device}, got {bias.dtype} on {bias.device}")
+        # A NaN bias would win every top-k comparison and route every token to that expert.
+        check_finite("bias", bias, "route", "[expert]")
         select_on = scores + bias.float()
     else:
         select_on = scores
@@ -46,6 +52,8 @@ def route(logits: torch.Tensor, g: Geometry, bias: torch.Tensor | None = None) -
     if g.norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)
     w = w * g.routed_scaling
+    check_output("topk_weights", w, "route", "the selected scores sum to 0 in float32 (softplus or softmax "
+                 "underflowed: logits far below zero), so normalizing divides 0 by 0")
     return idx.to(torch.int64), w.to(torch.float32)
 
 

@@ -41,7 +41,8 @@ def run_cases(cases, *, backend: str, device: str, cast: str = "auto") -> list[d
         t0 = time.perf_counter()
         try:
             x, idx, w, bufs = make_case(case, device)
-            got = stage_into(x, idx, w, *bufs.views(), case.agreed, backend=backend, cast=cast)
+            got = stage_into(x, idx, w, *bufs.views(), case.agreed, num_experts=PRESETS[case.preset].num_experts,
+                             backend=backend, cast=cast)
             if got != case.agreed:
                 raise AssertionError(f"stage_into returned {got}, expected the agreed count {case.agreed}")
             check_staged(bufs, x, idx, w, case.agreed, case.id)
@@ -54,22 +55,34 @@ def run_cases(cases, *, backend: str, device: str, cast: str = "auto") -> list[d
 
 
 def check_nonfinite(*, backend: str, device: str) -> dict:
-    """NaN and Inf in x must raise, and a caller's flag must be set without a raise."""
+    """NaN and Inf in x and a bad expert id (999) must raise, and a caller's error flag must get the
+    matching bits (validate.X_NONFINITE, ROUTE_ID_OUT_OF_RANGE) without a raise."""
+    from ..validate import ROUTE_ID_OUT_OF_RANGE, X_NONFINITE
+
+    e = PRESETS["tiny"].num_experts
     out = {}
-    for name, val in (("nan", float("nan")), ("inf", float("inf"))):
+    for name, val in (("nan", float("nan")), ("inf", float("inf")), ("route", 999)):
         x, idx, w, bufs = make_case(StagingCase("tiny", 3), device)
-        x[1, 7] = val
+        if name == "route":
+            idx[1, 0] = val
+        else:
+            x[1, 7] = val
         try:
-            stage_into(x, idx, w, *bufs.views(), backend=backend)
+            stage_into(x, idx, w, *bufs.views(), num_experts=e, backend=backend)
             out[name] = "no error (BAD)"
-        except ValueError as e:
-            out[name] = "raised" if "NaN or Inf" in str(e) else f"wrong error: {e}"
+        except ValueError as err:
+            want = "topk_idx must be in" if name == "route" else "NaN or Inf"
+            out[name] = "raised" if want in str(err) else f"wrong error: {err}"
     if backend == "triton":
-        x, idx, w, bufs = make_case(StagingCase("tiny", 3), device)
-        x[2, 100] = float("-inf")
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        stage_into(x, idx, w, *bufs.views(), backend=backend, nonfinite_flag=flag)
-        out["flag"] = "set" if int(flag.item()) == 1 else "not set (BAD)"
+        for name, bit in (("flag", X_NONFINITE), ("route_flag", ROUTE_ID_OUT_OF_RANGE)):
+            x, idx, w, bufs = make_case(StagingCase("tiny", 3), device)
+            if name == "flag":
+                x[2, 100] = float("-inf")
+            else:
+                idx[2, 1] = -7
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+            stage_into(x, idx, w, *bufs.views(), num_experts=e, backend=backend, error_flag=flag)
+            out[name] = "set" if int(flag.item()) == bit else f"{int(flag.item())} (BAD: want {bit})"
     return out
 
 

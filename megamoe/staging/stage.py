@@ -25,7 +25,10 @@ from __future__ import annotations
 import torch
 
 from ..layouts.staging import AMAX_FLOOR, _INV_448_FP32, per_token_cast_to_fp8
+from ..validate import as_int, check_topk, expect_tensor, routing_error_bits
 
+WHO = "stage_into"
+IDX_DTYPES = (torch.int64, torch.int32)
 GROUP = 128
 BACKENDS = ("auto", "triton", "torch")
 CASTS = ("auto", "hw", "bits")
@@ -48,51 +51,48 @@ def padding_scale(device="cpu") -> torch.Tensor:
 
 
 def _expect(name: str, t, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"stage_into: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"stage_into: {name} must have dtype {want}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"stage_into: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    expect_tensor(name, t, shape, dtypes, who=WHO)
     if t.device != device:
-        raise ValueError(f"stage_into: {name} is on {t.device} but x is on {device}")
+        raise ValueError(f"{WHO}: {name} is on {t.device} but x is on {device}")
 
 
 def validate_stage_args(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_topk_weights,
-                        num_tokens_agreed: int | None) -> int:
-    """Check every shape, dtype, device and the capacity before anything runs; returns A."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"stage_into: x must be a torch.Tensor, got {type(x).__name__}")
+                        num_tokens_agreed: int | None, num_experts: int) -> int:
+    """Check every shape, dtype, device, the capacity and the expert count before anything runs; returns A.
+    (The routing's values are checked by ``stage_into`` itself: ``megamoe.validate.check_topk``.)"""
+    expect_tensor("x", x, who=WHO)
     if x.ndim != 2:
-        raise ValueError(f"stage_into: x must be 2-D [T, H], got shape {tuple(x.shape)}")
+        raise ValueError(f"{WHO}: x must be 2-D [T, H], got shape {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"stage_into: x must have dtype torch.bfloat16, got {x.dtype}")
+        raise TypeError(f"{WHO}: x must have dtype torch.bfloat16, got {x.dtype}")
     t, h = x.shape
     if h % GROUP:
-        raise ValueError(f"stage_into: x hidden size must be a multiple of {GROUP}, got H={h}")
+        raise ValueError(f"{WHO}: x hidden size must be a multiple of {GROUP}, got H={h}")
     if not isinstance(out_x, torch.Tensor) or out_x.ndim != 2:
-        raise ValueError(f"stage_into: out_x must be a 2-D tensor [C, {h}], got "
+        raise ValueError(f"{WHO}: out_x must be a 2-D tensor [C, {h}], got "
                          f"{tuple(out_x.shape) if isinstance(out_x, torch.Tensor) else type(out_x).__name__}")
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2:
-        raise ValueError("stage_into: topk_idx must be a 2-D tensor [T, K]")
+        raise ValueError(f"{WHO}: topk_idx must be a 2-D tensor [T, K]")
     c, k = out_x.shape[0], topk_idx.shape[1]
     dev = x.device
-    _expect("topk_idx", topk_idx, (t, k), (torch.int64, torch.int32), dev)
+    _expect("topk_idx", topk_idx, (t, k), IDX_DTYPES, dev)
     _expect("topk_weights", topk_weights, (t, k), (torch.float32,), dev)
     _expect("out_x", out_x, (c, h), (torch.float8_e4m3fn,), dev)
     _expect("out_x_sf", out_x_sf, (c, h // GROUP), (torch.float32,), dev)
-    _expect("out_topk_idx", out_topk_idx, (c, k), (torch.int64, torch.int32), dev)
+    _expect("out_topk_idx", out_topk_idx, (c, k), IDX_DTYPES, dev)
     _expect("out_topk_weights", out_topk_weights, (c, k), (torch.float32,), dev)
     for name, ten in (("x", x), ("out_x", out_x)):
         if ten.shape[0] > 1 and ten.shape[1] > 1 and ten.stride(1) != 1:
-            raise ValueError(f"stage_into: {name} must be contiguous along H (stride(1) == 1), got strides {ten.stride()}")
+            raise ValueError(f"{WHO}: {name} must be contiguous along H (stride(1) == 1), got strides {ten.stride()}")
+    as_int("num_experts", num_experts, lo=1, who=WHO)
+    if num_tokens_agreed is not None and (isinstance(num_tokens_agreed, (bool, float)) or
+                                          not isinstance(num_tokens_agreed, int)):
+        raise TypeError(f"{WHO}: num_tokens_agreed must be an int or None, got {type(num_tokens_agreed).__name__} "
+                        f"{num_tokens_agreed!r}")
     a = t if num_tokens_agreed is None else num_tokens_agreed
-    if not isinstance(a, int) or isinstance(a, bool):
-        raise TypeError(f"stage_into: num_tokens_agreed must be an int or None, got {type(a).__name__}")
     if not t <= a <= c:
         raise ValueError(
-            f"stage_into: need T <= num_tokens_agreed <= capacity, got T={t}, num_tokens_agreed={a}, "
+            f"{WHO}: need T <= num_tokens_agreed <= capacity, got T={t}, num_tokens_agreed={a}, "
             f"capacity C={c} (the buffer's rows)"
         )
     return a
@@ -101,7 +101,7 @@ def validate_stage_args(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx
 def _raise_nonfinite(x: torch.Tensor) -> None:
     bad = (~torch.isfinite(x)).nonzero()
     where = bad[0].tolist() if bad.numel() else "?"
-    raise ValueError(f"stage_into: x contains NaN or Inf (first at [token, channel] = {where}); "
+    raise ValueError(f"{WHO}: x contains NaN or Inf (first at [token, channel] = {where}); "
                      "FP8 staging would corrupt it (the buffer rows were written)")
 
 
@@ -134,7 +134,7 @@ def triton_next_pow2(n: int) -> int:
 
 
 def _stage_triton(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_topk_weights, a: int, *,
-                  cast: str, check_finite: bool, nonfinite_flag, blocks) -> None:
+                  cast: str, check: bool, error_flag, blocks) -> None:
     from . import triton_stage
 
     t, h = x.shape
@@ -152,14 +152,10 @@ def _stage_triton(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_
     # Under the interpreter every program is a Python call: take the biggest tiles (same code, masks included).
     interp_blocks = (16, triton_next_pow2(ng), 4) if interpret else None
     block_t, block_g, num_warps = blocks or interp_blocks or default_blocks(a, ng)
-    flag = nonfinite_flag
-    if check_finite and flag is None:
-        if not interpret and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("stage_into: check_finite=True reads a flag on the host, which a CUDA graph "
-                               "capture cannot do; pass check_finite=False or a nonfinite_flag tensor")
+    flag = error_flag
+    if check and flag is None:
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if flag is not None:
-        _expect("nonfinite_flag", flag, (1,), (torch.int32,), x.device)
+    x_in = x
     if t == 0:  # nothing to read, but the kernel still wants valid pointers (every load is masked off)
         x = torch.zeros(1, h, dtype=x.dtype, device=x.device)
         topk_idx = torch.zeros(1, k, dtype=topk_idx.dtype, device=x.device)
@@ -181,13 +177,13 @@ def _stage_triton(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_
         NG=ng, K=k, K_PAD=triton_next_pow2(k), BLOCK_T=block_t, BLOCK_G=block_g,
         HW_CAST=hw_cast, CHECK_FINITE=flag is not None, **kwargs,
     )
-    if check_finite and nonfinite_flag is None and int(flag.item()):
-        _raise_nonfinite(x)
+    if check and error_flag is None and int(flag.item()):
+        _raise_nonfinite(x_in)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"stage_into: backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"{WHO}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton" and not triton_available():
@@ -205,9 +201,10 @@ def stage_into(
     out_topk_weights: torch.Tensor,
     num_tokens_agreed: int | None = None,
     *,
+    num_experts: int,
     backend: str = "auto",
-    check_finite: bool = True,
-    nonfinite_flag: torch.Tensor | None = None,
+    check: bool = True,
+    error_flag: torch.Tensor | None = None,
     cast: str = "auto",
     blocks: tuple[int, int, int] | None = None,
 ) -> int:
@@ -215,26 +212,46 @@ def stage_into(
 
     x bf16 [T, H]; topk_idx int64 (or int32) [T, K], -1 = masked; topk_weights fp32 [T, K] (routed
     scaling already in); out_x e4m3 [C, H]; out_x_sf fp32 [C, H/128] (any strides);
-    out_topk_idx int64 (or int32) [C, K]; out_topk_weights fp32 [C, K]. See the module docstring for
-    what rows [0, T), [T, A) and [A, C) receive.
+    out_topk_idx int64 (or int32) [C, K]; out_topk_weights fp32 [C, K]; ``num_experts`` E, the layer's
+    expert count (the ids must lie in [-1, E)). See the module docstring for what rows [0, T), [T, A)
+    and [A, C) receive.
 
-    Every argument is checked before anything is launched. NaN / Inf in x raise ``ValueError``
-    (after the rows were written): the torch path always checks; the triton path checks when
-    ``check_finite`` (the kernel sets a flag, read back on the host: one sync per call), or, with a
-    caller's ``nonfinite_flag`` int32 [1] tensor, the kernel sets it to 1 and nobody waits (the way
-    to check under a CUDA graph). ``cast``: ``"hw"`` (Triton's fp8 conversion), ``"bits"`` (integer
-    RTNE), ``"auto"`` (hw on CUDA, bits under the interpreter). ``blocks`` = (BLOCK_T, BLOCK_G,
-    num_warps) overrides the launch heuristic.
+    Every argument is checked with the backends' own check (``megamoe.validate``) before anything is
+    launched: shapes, dtypes, devices, capacity, and with ``check`` (default) the routing's values too
+    (ids in [-1, E), no expert twice in a token, finite weights: one host sync) and NaN / Inf in x. The
+    torch path raises on NaN / Inf in x before writing; the triton path finds it in the kernel (a flag,
+    read back after the rows were written: one more sync). With a caller's ``error_flag`` (int32 [1],
+    zeroed) the triton path neither syncs nor raises: the routing checks and the kernel set bits of the
+    flag (``validate.X_NONFINITE``, ``ROUTE_ID_OUT_OF_RANGE``, ``ROUTE_ID_DUPLICATED``,
+    ``ROUTE_WEIGHT_NONFINITE``), the way to check under a CUDA graph; read it before the launch. (The
+    eager torch path syncs anyway: it checks on the host and raises, flag or not.)
+    ``check=False`` skips the value checks (the backends' ``stage``, after ``check_inputs`` did them).
+    ``cast``: ``"hw"`` (Triton's fp8 conversion), ``"bits"`` (integer RTNE), ``"auto"`` (hw on CUDA,
+    bits under the interpreter). ``blocks`` = (BLOCK_T, BLOCK_G, num_warps) overrides the launch heuristic.
     """
     a = validate_stage_args(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_topk_weights,
-                            num_tokens_agreed)
+                            num_tokens_agreed, num_experts)
     if cast not in CASTS:
-        raise ValueError(f"stage_into: cast must be one of {CASTS}, got {cast!r}")
-    if resolve_backend(backend, x.device) == "torch":
+        raise ValueError(f"{WHO}: cast must be one of {CASTS}, got {cast!r}")
+    which = resolve_backend(backend, x.device)
+    if error_flag is not None:
+        _expect("error_flag", error_flag, (1,), (torch.int32,), x.device)
+    graph = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if check and error_flag is None:
+        if graph:
+            raise RuntimeError(f"{WHO}: check=True reads the routing and a flag on the host, which a CUDA graph "
+                               "capture cannot do; pass an error_flag tensor (or check=False for inputs "
+                               "already checked)")
+        check_topk(topk_idx, topk_weights, num_experts, WHO, IDX_DTYPES)  # before anything is written
+    if which == "torch":
+        if error_flag is not None and check:
+            check_topk(topk_idx, topk_weights, num_experts, WHO, IDX_DTYPES)  # the eager path syncs anyway
         _stage_torch(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_topk_weights, a)
     else:
         _stage_triton(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx, out_topk_weights, a,
-                      cast=cast, check_finite=check_finite, nonfinite_flag=nonfinite_flag, blocks=blocks)
+                      cast=cast, check=check, error_flag=error_flag if check else None, blocks=blocks)
+        if check and error_flag is not None and topk_idx.numel():
+            error_flag.bitwise_or_(routing_error_bits(topk_idx, topk_weights, num_experts))  # no sync
     return a
 
 
