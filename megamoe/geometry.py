@@ -36,8 +36,8 @@ class Geometry:
 
     def __post_init__(self) -> None:
         """Every field checked (``megamoe.validate``): integers are ints (8.0 is refused, not read as 8),
-        clamp and routed_scaling finite and positive (a NaN clamp would reach the kernels as their
-        ``activation_clamp`` and make every output row NaN)."""
+        clamp positive (+inf: no clamp, the kernels' own default) and routed_scaling finite and positive (a
+        NaN clamp would reach the kernels as their ``activation_clamp`` and make every output row NaN)."""
         who = f"Geometry {self.name!r}"
         if not isinstance(self.name, str):
             raise TypeError(f"Geometry: name must be a str, got {type(self.name).__name__}")
@@ -47,7 +47,7 @@ class Geometry:
             v = as_int(arg, getattr(self, arg), who=who)
             if v <= 0 or v % 128:
                 raise ValueError(f"{who}: {arg} must be a positive multiple of 128, got {v!r}")
-        as_float("clamp", self.clamp, lo=0.0, lo_open=True, who=who)
+        as_float("clamp", self.clamp, lo=0.0, lo_open=True, allow_inf=True, who=who)  # +inf: no clamp
         as_float("routed_scaling", self.routed_scaling, lo=0.0, lo_open=True, who=who)
         as_int("num_shared_experts", self.num_shared_experts, lo=0, who=who)
         if not isinstance(self.norm_topk_prob, bool):

@@ -60,14 +60,15 @@ def as_int(name: str, value, *, lo: int | None = None, hi: int | None = None, wh
     return v
 
 
-def as_float(name: str, value, *, lo: float | None = None, lo_open: bool = False, who: str = "") -> float:
+def as_float(name: str, value, *, lo: float | None = None, lo_open: bool = False, allow_inf: bool = False,
+             who: str = "") -> float:
     """``value`` as a finite float (ints allowed, bools not), ValueError for NaN / Inf or below ``lo``
-    (``lo_open``: strictly above it)."""
+    (``lo_open``: strictly above it). ``allow_inf``: +inf is a value too (e.g. "no clamp"); NaN never is."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{_p(who)}{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{_p(who)}{name} must be finite, got {v!r}")
+    if not math.isfinite(v) and not (allow_inf and v == math.inf):
+        raise ValueError(f"{_p(who)}{name} must be finite{' or +inf' if allow_inf else ''}, got {v!r}")
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise ValueError(f"{_p(who)}{name} must be {'>' if lo_open else '>='} {lo:g}, got {v!r}")
     return v

@@ -119,12 +119,13 @@ def _geom(**kw):
 
 GEOMETRY = [
     Case("geometry", "NaN clamp", lambda wf: _geom(clamp=float("nan")),
-         Refused(ValueError, r"Geometry 'tiny': clamp must be finite, got nan"), "5"),
+         Refused(ValueError, r"Geometry 'tiny': clamp must be finite or \+inf, got nan"), "5"),
     Case("geometry", "negative clamp", lambda wf: _geom(clamp=-10.0),
          Refused(ValueError, r"Geometry 'tiny': clamp must be > 0, got -10.0"), "5"),
     Case("geometry", "zero clamp", lambda wf: _geom(clamp=0.0), Refused(ValueError, r"clamp must be > 0, got 0.0"), "5"),
-    Case("geometry", "infinite clamp", lambda wf: _geom(clamp=float("inf")),
-         Refused(ValueError, r"clamp must be finite, got inf"), "5"),
+    # +inf is "no clamp" (the kernels' own default; DeepSeek-V3 configs have no swiglu_limit): a value, not an error
+    Case("geometry", "infinite clamp is no clamp", lambda wf: fwd(W_TINY, "exact", g=_geom(clamp=float("inf"))),
+         Correct(close_to(dense_exact(inputs(), W_TINY, g=_geom(clamp=float("inf"))))), "5"),
     Case("geometry", "negative routed_scaling", lambda wf: _geom(routed_scaling=-1.5),
          Refused(ValueError, r"Geometry 'tiny': routed_scaling must be > 0, got -1.5"), "5"),
     Case("geometry", "NaN routed_scaling", lambda wf: _geom(routed_scaling=float("nan")),

@@ -36,7 +36,7 @@ import re
 import torch
 
 from ..recipe import DEEPGEMM_SM90_FP4
-from .base import FusedBackend, Plan, cuda_hopper_reason
+from .base import FusedBackend, Plan, kernel_availability
 from .deepgemm_build import JIT_CACHE
 from .deepgemm_fp8 import capture_stdout_fd, find_kernel_args, parse_config_print
 
@@ -102,19 +102,11 @@ class DeepGEMMFP4(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        why = cuda_hopper_reason()
-        if why:
-            return False, why
-        try:
-            dg = _import()
-        except Exception as exc:  # noqa: BLE001
-            return False, f"package missing: deep_gemm not importable ({type(exc).__name__}: {exc})"
-        missing = sm90_fp4_missing(dg)
-        if missing:
-            return False, (f"kernel missing: deep_gemm {getattr(dg, '__version__', '?')} ({dg.__file__}) lacks "
-                           f"{', '.join(missing)}: build DeepGEMM PR #323 with scripts/build_deepgemm.sh and put "
-                           "it first on PYTHONPATH")
-        return True, ""
+        ok, why = kernel_availability(_import, "deep_gemm", SM90_FP4_ENTRY_POINTS)
+        if not ok and why.startswith("kernel missing"):
+            why += (" (the SM90 FP8 x FP4 Mega MoE is DeepGEMM PR #323: build it with scripts/build_deepgemm.sh "
+                    "and put it first on PYTHONPATH)")
+        return ok, why
 
     @classmethod
     def synthetic_weights(cls, weights):
