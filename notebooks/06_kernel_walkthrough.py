@@ -282,10 +282,10 @@ def dg8(t):
 
 
 def dg4(t):
-    """The recorded FP4 plan; only first_decode_assist_warp (not recorded) from the restated heuristic."""
+    """The recorded FP4 plan; first_decode_assist_warp, where the record lacks it, from the restated heuristic."""
     rec, restated = fp4_plans[t], deepgemm_sm90_fp4_config(g, t, num_max_tokens_per_rank=buffer_tokens_per_rank(T_MAX))
     assert all(restated[k] == v for k, v in rec.items() if k not in JIT_SOURCE_FLAGS), t
-    return deepgemm_fp4_anatomy({**rec, "first_decode_assist_warp": restated["first_decode_assist_warp"]}, g)
+    return deepgemm_fp4_anatomy({"first_decode_assist_warp": restated["first_decode_assist_warp"], **rec}, g)
 
 
 kernels = {"FlashInfer T=1": fi(1), "FlashInfer T=512": fi(512), "FlashInfer T=8192": fi(8192),

@@ -14,8 +14,10 @@ records configurations in two forms:
 
 The JIT-source flags are not a launch's own printout: the backend finds the cached kernel whose template
 arguments match the printed configuration, and kernels that differ only in these flags (DeepSeek-V4-Flash
-T = 8 and T = 16, for one) match alike, so one of them is read for both. ``kernel_family`` names the fields
-that match compares; records of one family and capacity may carry a sibling's flags.
+T = 8 and T = 16, for one) match alike. Results recorded before the backend checked that (the 2026-12-03
+H200 run) took the first match, so one kernel's flags were read for both; ``kernel_family`` names the
+fields that match compared, and records of one family and capacity may carry a sibling's flags. Later
+records leave such flags out and list them in ``ambiguous_template_args``.
 
 A record names the launch's geometry, the capacity the backend was built for (DeepGEMM rounds it up:
 ``megamoe.layouts.deepgemm_configs.buffer_tokens_per_rank``), the launch token count and the
@@ -31,13 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Decode options the plan takes from the JIT source (not from the launch's printout).
-JIT_SOURCE_FLAGS = ("wide_load_decode", "math_wg_participates_in_decode", "l2_arrival_counter", "ss_nsplit")
+JIT_SOURCE_FLAGS = ("wide_load_decode", "math_wg_participates_in_decode", "num_math_wg_decode_warps",
+                    "first_decode_assist_warp", "l2_arrival_counter", "ss_nsplit")
 # What ``find_kernel_args`` compares to pick the cached kernel (plus the capacity).
 KERNEL_FAMILY_FIELDS = ("block_m", "block_n", "block_k", "num_max_pool_tokens", "num_padded_sf_pool_tokens",
                         "num_stages", "num_experts_per_wave", "num_dispatch_threads", "num_non_epilogue_threads",
                         "num_epilogue_threads")
 _NOT_CONFIG = {"tokens", "tokens_per_expert", "launches", "differing_from_first", "max_rows_differing", "source",
-               "decode_loss"}
+               "decode_loss", "ambiguous_template_args"}
 _SUMMARY = re.compile(r"BLOCK_M (\d+); block_n=(\d+), num_experts_per_wave=(\d+), num_stages=(\d+), swap_ab=(True|False)")
 
 
