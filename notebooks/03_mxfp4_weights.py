@@ -19,9 +19,12 @@
 # silently corrupts the output. This notebook measures each piece with `megamoe.formats`.
 #
 # Ladder: (3.1) the e2m1 grid, (3.2) E8M0 scales of real-like weights and the quantization error,
-# (3.3) the decoders' legal range, (3.4) what an out-of-range scale does to the layer, and the repair.
+# (3.3) the decoders' legal range, and DeepGEMM's decode table as the H200 runs it, (3.4) what an
+# out-of-range scale does to the layer, and the repair.
 
 # %%
+import json
+
 import torch
 import matplotlib.pyplot as plt
 
@@ -30,12 +33,13 @@ from megamoe.formats import (
     E2M1_MAGNITUDES, dequantize_mxfp4, e2m1_decode, e2m1_encode,
     e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, quantize_mxfp4,
 )
+from megamoe.palette import backend_colour
 from megamoe.recipe import DEEPGEMM_SM90_FP4, FLASHINFER_MXFP4
 from megamoe.reference import moe_forward
 from megamoe.testing import make_inputs, rel_l2
 from megamoe.weights import MXFP4Weights, random_dense_expert
 
-from _nb import Figures
+from _nb import Figures, cited
 
 figs = Figures("03_mxfp4_weights")
 
@@ -77,7 +81,8 @@ figs.save(fig, "e2m1_grid")
 # have the same statistics and keep the notebook fast) and look at the bytes. FlashInfer's decoder
 # decodes bytes 122..133 (2^-5 .. 2^6) exactly for groups with nonzero codes, DeepGEMM SM90 FP4's
 # 119..133 (2^-8 .. 2^6): each window is derived from the decoder's rule (the bytes under which all
-# 16 e2m1 codes decode exactly, `megamoe.formats.scale_byte_window`). Byte 0xFF is NaN, never a scale.
+# 16 e2m1 codes decode exactly, `megamoe.formats.scale_byte_window`), and DeepGEMM's was measured on the
+# H200 for every byte and code (3.3). Byte 0xFF is NaN, never a scale.
 
 # %%
 flash = get_geometry("dsv4-flash")
@@ -112,8 +117,9 @@ figs.save(fig, "scale_bytes")
 # The decoded value is `e2m1 * 2^(b - 127)`, written as e4m3. FlashInfer's SM90 decoder keeps it
 # exact when 2^-6 <= |v| <= 448, flushes smaller values to 0 (no subnormals) and saturates larger ones
 # to 448 (`e4m3_flush_saturate`). DeepGEMM's table keeps e4m3 subnormals (down to 2^-9,
-# `e4m3_satfinite`) but is garbage for scales >= 2^7 (not modelled: the recipe forbids it).
-# Below: each e2m1 magnitude's decoded / exact ratio over the scale byte.
+# `e4m3_satfinite`) and wraps for scales >= 2^7 (not modelled: the recipe refuses those bytes; the
+# table as the H200 decodes it is below). Below: each e2m1 magnitude's decoded / exact ratio over the
+# scale byte.
 
 # %%
 scale_bytes = torch.arange(112, 142, dtype=torch.uint8)
@@ -144,10 +150,58 @@ for ax, ratio, recipe, title in ((axes[0], ratio_fi, FLASHINFER_MXFP4, "FlashInf
     ax.axvspan(r_lo - 0.5, recipe.max_scale_byte + 0.5, color="tab:green", alpha=0.12, label="recipe's legal bytes")
     ax.set(xlabel="E8M0 scale byte", title=title)
 axes[1].axvspan(127 + 6.5, 141.5, color="tab:red", alpha=0.12)
-axes[1].text(137.5, 1.25, "scale >= 2^7: garbage\n(not modelled)", ha="center", fontsize=8)
+axes[1].text(137.5, 1.25, "scale >= 2^7: wraps\n(not modelled)", ha="center", fontsize=8)
 axes[0].set(ylabel="decoded / exact")
 axes[0].legend(fontsize=7, ncol=2)
 figs.save(fig, "decoder_range")
+
+# %% [markdown]
+# DeepGEMM's SM90 FP4 kernel does this decode with a constant table (scale byte x code -> e4m3 byte).
+# The table as the H200 runs it was read back for all 256 bytes x 16 codes through a crafted layer
+# (`megamoe.layouts.fp4_window.decode_probe_layer`: each output element is 0.75 x one decoded weight,
+# exact in bf16) and committed with the kernel's H200 results (`bench/results/CITED.json` names the
+# folder). Plotted as it was recorded: per scale byte, how many of the 16 codes the kernel decodes to
+# the exact value e2m1 x 2^(b-127), and how many to the e4m3 round-to-nearest of it (the recipe's
+# `e4m3_rn`, what the reference models).
+
+# %%
+lut = json.loads((cited("deepgemm_fp4") / "probe-lut-checkpoint.json").read_text())["lut"]
+kernel = torch.tensor([[float("nan") if v is None else v for v in row] for row in lut["kernel_table"]])  # [256 bytes, 16 codes]
+all_bytes_u8 = torch.arange(256, dtype=torch.uint8)
+exact_table = e2m1_decode(torch.arange(16, dtype=torch.uint8))[None, :] * e8m0_to_float(all_bytes_u8)[:, None]  # byte 255: NaN
+
+
+def same(a, b):
+    return (a == b) | (a.isnan() & b.isnan())
+
+
+n_exact = same(kernel, exact_table).sum(1)  # [256] codes decoded exactly
+n_rn = same(kernel, e4m3_satfinite(exact_table).float()).sum(1)  # [256] codes equal to the recipe's model
+assert [b for b in range(256) if n_exact[b] == 16] == lut["bytes_all_codes_exact"]  # what the probe reported
+assert [b for b in range(256) if n_rn[b] == 16] == lut["bytes_matching_e4m3_rn_model"]
+w_lo, w_hi = lut["window_measured"]
+print(f"every code exact for scale bytes {w_lo}..{w_hi} (the recipe's legal bytes: "
+      f"{DEEPGEMM_SM90_FP4.min_scale_byte}..{DEEPGEMM_SM90_FP4.max_scale_byte})")
+print(f"kernel = e4m3 RN of the exact value for bytes {min(lut['bytes_matching_e4m3_rn_model'])}.."
+      f"{max(lut['bytes_matching_e4m3_rn_model'])}; all 16 codes decode to 0 for bytes "
+      f"{min(lut['all_zero_bytes'])}..{max(lut['all_zero_bytes'])}")
+print("codes exact per byte around the window:", {b: int(n_exact[b]) for b in range(112, 140)})
+print(f"byte 255 (E8M0 NaN) decodes to finite values: {bool(torch.isfinite(kernel[255]).all())}")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), gridspec_kw={"width_ratios": [1.4, 1]})
+dg_colour, model_colour = backend_colour("deepgemm-sm90-fp4"), backend_colour("reference")
+for ax, (b0, b1) in zip(axes, ((0, 256), (108, 146))):
+    bb = torch.arange(b0, b1)
+    ax.bar(bb.numpy(), n_exact[b0:b1].numpy(), width=1.0, color=dg_colour, label="kernel = exact e2m1 x 2^(b-127)")
+    ax.step(bb.numpy(), n_rn[b0:b1].numpy(), where="mid", color=model_colour, lw=1.8, ls="--", zorder=3,
+            label="kernel = e4m3 RN of exact (recipe's model)")
+    ax.axvspan(w_lo - 0.5, w_hi + 0.5, color=dg_colour, alpha=0.15, label=f"exact window {w_lo}..{w_hi}")
+    ax.set(xlim=(b0 - 0.5, b1 - 0.5), ylim=(0, 17), xlabel="E8M0 scale byte (127 = 2^0)", ylabel="codes of 16")
+axes[0].set_title("DeepGEMM SM90 FP4 decode table, measured on the H200: all 256 bytes")
+axes[1].set_title("around the window")
+axes[0].legend(fontsize=7, loc="center right")
+figs.save(fig, "decode_table_measured")
 
 # %% [markdown]
 # ## 3.4 What an out-of-range scale does to the layer, and the repair

@@ -20,13 +20,14 @@
 # `megamoe.geometry`, `megamoe.bench.roofline`); the ceilings and timings are the H200 sweep the README
 # cites (`bench/results/CITED.json` names it). Then it opens one CTA: which warps do what, how shared
 # memory holds the TMA -> WGMMA pipeline, how a routed row travels between ranks, and how the persistent
-# kernel hands tasks to the SMs, all drawn from the plans the kernels printed (`megamoe.anatomy`,
-# `megamoe.plans_viz`).
+# kernel hands tasks to the SMs, all drawn from the plans the kernels printed on the H200
+# (`megamoe.anatomy`, `megamoe.plans_viz`). Last, the three SM90 kernels side by side: how each
+# decodes, requantizes and plans, and whether it repeats itself.
 #
 # Ladder: (6.1) the plan for a token count, (6.2) tiles per expert per wave, (6.3) bytes and FLOPs
 # per stage, (6.4) the roofline and the floor, (6.5) measured timings, (6.6) warps and their roles,
 # (6.7) shared memory and the TMA -> WGMMA pipeline, (6.8) dispatch and combine over symmetric memory,
-# (6.9) the persistent schedule.
+# (6.9) the persistent schedule, (6.10) the three kernels side by side.
 
 # %%
 import json
@@ -248,19 +249,27 @@ figs.save(fig, "roofline")
 #   the pool for L2, and after L2 the bf16 rows written straight into the source rank's combine
 #   buffer; at the end they sum each token's top-k slots.
 #
-# The FlashInfer and DeepGEMM FP8 rows are the plans the H200 printed in the cited sweep; the
-# DeepGEMM FP4 rows are its heuristic restated (`megamoe.layouts.deepgemm_configs`): that kernel is in
-# no installable package and has not run here.
+# Every row is a plan recorded on the H200: FlashInfer and DeepGEMM FP8 from the cited sweep, DeepGEMM
+# SM90 FP4 (pull request #323, a source build) from its own H200 run (`bench/results/CITED.json` names
+# both), each launch's configuration as the kernel's heuristic printed it plus the decode options of its
+# JIT source. One FP4 field is not in the record: whether the two TMA warps also decode
+# (`first_decode_assist_warp`); it comes from the restated heuristic
+# (`megamoe.layouts.deepgemm_configs`), which reproduces every field the H200 printed
+# (tests/test_deepgemm_fp4_recorded_configs.py).
 
 # %%
 from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, flashinfer_anatomy  # noqa: E402
-from megamoe.layouts.deepgemm_configs import deepgemm_sm90_fp4_config  # noqa: E402
+from megamoe.fused.fp4_records import JIT_SOURCE_FLAGS, recorded_fp4_configs  # noqa: E402
+from megamoe.layouts.deepgemm_configs import buffer_tokens_per_rank, deepgemm_sm90_fp4_config  # noqa: E402
 from megamoe.plans_viz import (  # noqa: E402
     draw_dispatch_combine, draw_pipeline, draw_schedule, draw_smem, draw_warps, interleaved_schedule,
     static_schedule,
 )
 
 recorded = {(r["backend"], r["tokens"]): r["plan"] for r in rows if r["backend"] != "reference"}
+FP4 = cited("deepgemm_fp4")  # DeepGEMM SM90 FP4 on the H200: every sweep count at capacity 8192
+fp4_plans = {r.tokens: r.fields for r in recorded_fp4_configs(FP4) if r.source == "probe-plans-lossy.json: plans"}
+print(f"DeepGEMM SM90 FP4 plans recorded on the H200 ({FP4.relative_to(REPO)}): T = {sorted(fp4_plans)}")
 
 
 def fi(t):
@@ -273,12 +282,15 @@ def dg8(t):
 
 
 def dg4(t):
-    return deepgemm_fp4_anatomy(deepgemm_sm90_fp4_config(g, t), g)
+    """The recorded FP4 plan; first_decode_assist_warp, where the record lacks it, from the restated heuristic."""
+    rec, restated = fp4_plans[t], deepgemm_sm90_fp4_config(g, t, num_max_tokens_per_rank=buffer_tokens_per_rank(T_MAX))
+    assert all(restated[k] == v for k, v in rec.items() if k not in JIT_SOURCE_FLAGS), t
+    return deepgemm_fp4_anatomy({"first_decode_assist_warp": restated["first_decode_assist_warp"], **rec}, g)
 
 
 kernels = {"FlashInfer T=1": fi(1), "FlashInfer T=512": fi(512), "FlashInfer T=8192": fi(8192),
            "DeepGEMM FP8 T=1": dg8(1), "DeepGEMM FP8 T=8192": dg8(8192),
-           "DeepGEMM FP4 T=1 (model)": dg4(1), "DeepGEMM FP4 T=8192 (model)": dg4(8192)}
+           "DeepGEMM FP4 T=1": dg4(1), "DeepGEMM FP4 T=8192": dg4(8192)}
 for label, a in kernels.items():
     print(f"{label:28s} BLOCK_M {a.block_m:3d} x BLOCK_N {a.block_n}, {a.num_stages} stages, swap-AB {str(a.swap_ab):5s} "
           f"{a.threads} threads: " + ", ".join(f"{r.name} {r.warps}" for r in a.roles))
@@ -309,12 +321,13 @@ figs.save(fig, "smem_stages")
 # The mainloop below is a model with unit steps, not a trace: a load arrives 4 steps after it is
 # issued (an assumed latency), a decode takes one step, one step of WGMMA consumes a K block. With S
 # stages at most S loads are in flight, so a 3-stage plan with a decode step leaves the WGMMA waiting
-# where an 8-stage plan does not. The L1 mainloop of DeepSeek-V4-Flash has H / 128 = 32 K blocks; 12
+# where an 8-stage plan does not; DeepGEMM FP4's recorded 5 stages at T = 1, with its decode warps
+# between the loads and the WGMMA, still leave it waiting once per turn of the ring. The L1 mainloop of DeepSeek-V4-Flash has H / 128 = 32 K blocks; 12
 # are drawn.
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(14, 3.2))
-for ax, label in zip(axes, ("FlashInfer T=1", "FlashInfer T=512", "DeepGEMM FP8 T=1")):
+fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+for ax, label in zip(axes, ("FlashInfer T=1", "FlashInfer T=512", "DeepGEMM FP8 T=1", "DeepGEMM FP4 T=1")):
     draw_pipeline(ax, kernels[label], 12, f"{label}: {kernels[label].num_stages} stages")
 figs.save(fig, "tma_wgmma_pipeline")
 
@@ -356,6 +369,117 @@ for row, t in enumerate((512, 8192)):
                   f"DeepGEMM FP8 T={t}, {dg8(t).block_m}x{dg8(t).block_n} tiles, waves of {dg8(t).num_experts_per_wave}")
 fig.suptitle("tasks per SM over steps: L1 (olive), L2 (purple), waiting (white)", fontsize=9)
 figs.save(fig, "persistent_schedule")
+
+# %% [markdown]
+# ## 6.10 The three SM90 kernels side by side
+#
+# What each kernel does to the numbers and how it plans, each fact marked with where it comes from:
+# **measured** on the H200, **recorded** (the plans the kernel printed on the H200), or **recipe** (the
+# rounding points `megamoe.recipe` models; docs/kernel-numerics.md says how each was measured). The
+# DeepGEMM SM90 FP4 column is read from its H200 results folder: the decode table of all 256 scale
+# bytes x 16 codes read back through a crafted layer (notebook 3 plots it), the reference variants that
+# pin its L2 requant, the plan of every sweep token count, and a race probe that relaunched every count
+# 20-60 times and compared the outputs bit for bit. FlashInfer and DeepGEMM FP8 were never relaunched
+# that way: their determinism is not known.
+
+# %%
+from megamoe.recipe import DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, FLASHINFER_MXFP4  # noqa: E402
+
+
+def fp4_probe(name):
+    return json.loads((FP4 / name).read_text())
+
+
+lut = fp4_probe("probe-lut-checkpoint.json")["lut"]
+variants = [v for v in fp4_probe("probe-determinism-variants.json")["variants"] if "code_match" in v["base-tc"]]
+race = fp4_probe("probe-race.json")["race"]
+
+
+def span(values):
+    """A contiguous run of ints -> 'a..b' (checked: a gap would be hidden)."""
+    lo, hi = min(values), max(values)
+    assert sorted(values) == list(range(lo, hi + 1)), values
+    return f"{lo}..{hi}"
+
+
+def by_tokens(pairs):
+    """[(T, value)] by T -> 'value (T a..b), ...' over the recorded counts."""
+    runs = []
+    for t, v in sorted(pairs):
+        if runs and runs[-1][0] == v:
+            runs[-1][2] = t
+        else:
+            runs.append([v, t, t])
+    return ", ".join(f"{v} (T {a}..{b})" if a != b else f"{v} (T {a})" for v, a, b in runs)
+
+
+def codes_identical(reference, digits=0):
+    """Range over the probe's cases of the L2-input FP8 codes identical to a reference variant's, in %."""
+    vals = [100 * v[reference]["code_match"] for v in variants]
+    return f"{min(vals):.{digits}f}-{max(vals):.{digits}f}%"
+
+
+plans_of = {
+    "flashinfer-mxfp4": {t: {"block_m": p["block_m"], **p["detail"]} for (b, t), p in recorded.items() if b == "flashinfer-mxfp4"},
+    "deepgemm-sm90-fp4": fp4_plans,
+    "deepgemm-sm90-fp8": {t: {**p["detail"], "block_m": p["block_m"]} for (b, t), p in recorded.items() if b == "deepgemm-sm90-fp8"},
+}
+names = ("FlashInfer MXFP4", "DeepGEMM SM90 FP4", "DeepGEMM SM90 FP8")  # the columns, in plans_of's order
+racy = [(r["tokens"], r["differing_from_first"], r["launches"]) for r in race if r["differing_from_first"]]
+steady = [r["tokens"] for r in race if not r["differing_from_first"]]
+lo, hi = lut["window_measured"]
+assert (DEEPGEMM_SM90_FP4.min_scale_byte, DEEPGEMM_SM90_FP4.max_scale_byte) == (lo, hi)  # the recipe uses the measured window
+fi, dg = FLASHINFER_MXFP4, DEEPGEMM_SM90_FP8
+table = {
+    "weights": ("MXFP4: e2m1 + one E8M0 byte per 32", "MXFP4: e2m1 + one UE8M0 byte per 32",
+                "e4m3 + one FP32 scale per 128 x 128 block"),
+    "FP4 -> e4m3 decode": (
+        "e4m3, flushed to 0 below 2^-6, saturated at 448 [recipe: e4m3_flush_saturate]",
+        f"a table: e4m3 round-to-nearest of e2m1 x 2^(b-127) for bytes {span(lut['bytes_matching_e4m3_rn_model'])} "
+        f"(all codes 0 for bytes {span(lut['all_zero_bytes'])}), wraps into negative / NaN above {hi} [measured]",
+        "none"),
+    "exact scale bytes": (
+        f"{fi.min_scale_byte}..{fi.max_scale_byte}, the rest moved into per-expert global scales [recipe]",
+        f"{span(lut['bytes_all_codes_exact'])}: every code of every byte exact; no global scales [measured]", "-"),
+    "L2 requant group, scale": (
+        f"{fi.l2_group} channels, power of two (ceil) [recipe, measured]",
+        f"64 channels, power of two (ceil): {codes_identical('base-tc', 2)} of L2-input codes identical; "
+        f"group 128 gives {codes_identical('group128')}, a continuous scale {codes_identical('continuous')} [measured]",
+        f"{dg.l2_group} channels, continuous amax / 448 [recipe, measured]"),
+}
+for row, key in (("BLOCK_M", "block_m"), ("stages", "num_stages"), ("swap-AB", "swap_ab")):
+    table[f"{row} (DeepSeek-V4-Flash, one H200)"] = tuple(
+        by_tokens((t, p[key]) for t, p in plans_of[b].items()) + " [recorded]" for b in plans_of)
+table["identical relaunches"] = (
+    "not checked", "differ at T " + ", ".join(f"{t} ({n}/{m} launches)" for t, n, m in racy)
+    + f"; bit-identical at T {', '.join(map(str, steady))} [measured]", "not checked")
+for row, cells in table.items():
+    print(row)
+    for name, cell in zip(names, cells):
+        print(f"  {name:18s} {cell}")
+
+# %% [markdown]
+# The same plans drawn over T, and the FP4 kernel's relaunches: at T = 96 (2.25 rows per expert, the
+# one count with early-B decode) 59 of 60 launches differ from the first; every racy count runs
+# BLOCK_M 64 with swap-AB and 5 stages. A layer that must give the same bits twice cannot use those
+# counts; `megamoe check` reports such a case `nondeterministic`, a failure.
+
+# %%
+fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 3.6))
+for b, label in zip(plans_of, names):
+    ts = sorted(plans_of[b])
+    for ax, key in ((ax0, "block_m"), (ax1, "num_stages")):
+        ax.step(ts, [plans_of[b][t][key] for t in ts], where="post", marker=".", color=backend_colour(b), label=label)
+ax0.set(xscale="log", xlabel="tokens per rank T", ylabel="BLOCK_M", title="BLOCK_M, recorded on the H200")
+ax1.set(xscale="log", xlabel="tokens per rank T", ylabel="pipeline stages", title="stages, recorded on the H200")
+ax0.legend(fontsize=8)
+ts = [r["tokens"] for r in race]
+ax2.bar(range(len(ts)), [100 * r["differing_from_first"] / r["launches"] for r in race],
+        color=backend_colour("deepgemm-sm90-fp4"))
+ax2.set_xticks(range(len(ts)), ts, rotation=60, fontsize=7)
+ax2.set(xlabel="tokens per rank T", ylabel="% of launches differing from the first",
+        title="DeepGEMM SM90 FP4: relaunches of one input (H200)")
+figs.save(fig, "kernels_side_by_side")
 
 # %% [markdown]
 # **Takeaway.** Up to a few hundred tokens the layer is bound by reading the touched experts'

@@ -161,3 +161,35 @@ def test_fp8_backends_refuse_the_source_build(monkeypatch, tmp_path):
     assert "DeepGEMM PR #323 at 8ddf7f9" in source_build_reason("deepgemm-sm90-fp8")
     (pkg / "BUILD.json").unlink()
     assert source_build_reason("deepgemm-sm90-fp8") == ""
+
+
+def test_decode_options_the_printout_does_not_name_are_kept_only_where_every_cached_match_agrees(tmp_path):
+    """DeepSeek-V4-Flash T = 8 and T = 16 print the same configuration and options; their kernels differ
+    in wide_load_decode and l2_arrival_counter only. With both cached, neither may be reported as T = 16's."""
+    from megamoe.fused.deepgemm_fp4 import PRINTED_OPTIONS, agreed_template_args
+    from megamoe.fused.deepgemm_fp8 import find_all_kernel_args
+
+    base = dict(zip(TEMPLATE_PARAMS, ["8448", "4096", "2048", "256", "6", "16", "64", "128", "128", "99840",
+                                      "1597440", "5", "64", "320", "256", "132", "1", "10.0f", "true", "false",
+                                      "false", "0", "2", "false", "true", "false", "false", "true", "false"]))
+    kernels = {"t8": base, "t16": {**base, "wide_load_decode": "true", "l2_arrival_counter": "true"},
+               "early_b": {**base, "early_b_decode": "true"}}  # another printed option: never a match here
+    for name, args in kernels.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kernel.cu").write_text(
+            f"auto ptr = reinterpret_cast<void*>(&{KERNEL_NAME}<\n    " + ",\n    ".join(args[k] for k in TEMPLATE_PARAMS)
+            + "\n>);")
+    cfg = parse_config_print(PRINTOUT.replace("98304", "99840").replace("1572864", "1597440"))
+    key = parse_fp4_config_key(PRINTOUT)
+    printed = {k: key[k] for k in PRINTED_OPTIONS}
+    found = find_all_kernel_args(cfg, str(tmp_path), KERNEL_NAME, TEMPLATE_PARAMS,
+                                 {"num_max_tokens_per_rank": 8448, **printed})
+    assert len(found) == 2  # t8 and t16; the early-B kernel differs in a printed option
+    agreed = agreed_template_args(found)
+    assert agreed["ambiguous"] == ["l2_arrival_counter", "wide_load_decode"]
+    assert "wide_load_decode" not in agreed and agreed["first_decode_assist_warp"] == 2 and agreed["swap_ab"] is True
+    (tmp_path / "t16" / "kernel.cu").unlink()
+    alone = agreed_template_args(find_all_kernel_args(cfg, str(tmp_path), KERNEL_NAME, TEMPLATE_PARAMS,
+                                                      {"num_max_tokens_per_rank": 8448, **printed}))
+    assert "ambiguous" not in alone and alone["wide_load_decode"] is False
+    assert agreed_template_args([]) is None

@@ -70,9 +70,10 @@ def test_sdist_has_what_its_own_tests_read(sdist_files):
     need = {"LICENSE", "README.md", "pyproject.toml", "tests/test_notebooks.py", "notebooks/_nb.py",
             "notebooks/06_kernel_walkthrough.py", "docs/kernel-contract.md", "docs/quickstart.md",
             "bench/results/CITED.json", "bench/results/2026-12-02-h200-dg-probe.json", "scripts/test.sh"}
-    if cited.exists():
-        need |= {f"bench/results/{run}/results.json" for run in json.loads(cited.read_text()).values()
-                 if isinstance(run, str) and (REPO / "bench" / "results" / run).is_dir()}
+    if cited.exists():  # the JSON of every cited results folder (notebooks and tests read them)
+        for run in json.loads(cited.read_text()).values():
+            if isinstance(run, str) and (REPO / "bench" / "results" / run).is_dir():
+                need |= {f"bench/results/{run}/{p.name}" for p in (REPO / "bench" / "results" / run).glob("*.json")}
     assert not sorted(need - sdist_files), f"sdist lacks {sorted(need - sdist_files)}"
     assert not [p for p in sdist_files if p.endswith((".pyc", ".ipynb")) or p.startswith("notebooks/figures/")]
 

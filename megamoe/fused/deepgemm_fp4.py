@@ -19,8 +19,10 @@ is given, which accepts bytes BELOW the window (never above: those wrap), measur
 Plans: chosen in C++ from the token count (no override). With ``DG_PRINT_CONFIGS=1`` the heuristic prints
 ``MegaMoESM90FP4Config(..., swap_ab=.., ...): MegaMoESM90Config(block_m=.., block_n=.., num_stages=..)`` once
 per configuration; ``build`` launches each token count once with file descriptor 1 captured and keeps that
-printout plus the kernel's template arguments from the JIT source (``find_kernel_args``), so ``plan(T)``
-reports BLOCK_M, BLOCK_N, stages, swap-AB and the FP4 decode options of the launch.
+printout plus the kernel's template arguments from the JIT source (``find_all_kernel_args``), so ``plan(T)``
+reports BLOCK_M, BLOCK_N, stages, swap-AB and the FP4 decode options of the launch. Options the printout does
+not name are known only where every cached kernel matching the printout agrees on them; the others are
+listed in ``ambiguous_template_args`` (``agreed_template_args``).
 
 Intermediates: the buffer exposes ``l1_acts`` (pool e4m3 [P, H]), ``l2_acts`` (L2 input e4m3 [P, I]) and
 ``l2_acts_sf`` (fp32, MN-major storage seen through a [P_sf, I/64] view; the scale of pool row r is row r).
@@ -38,7 +40,7 @@ import torch
 from ..recipe import DEEPGEMM_SM90_FP4
 from .base import FusedBackend, Plan, kernel_availability
 from .deepgemm_build import JIT_CACHE
-from .deepgemm_fp8 import capture_stdout_fd, find_kernel_args, parse_config_print
+from .deepgemm_fp8 import capture_stdout_fd, find_all_kernel_args, parse_config_print
 
 SM90_FP4_ENTRY_POINTS = ("fp8_fp4_mega_moe", "transform_weights_for_mega_moe_sm90_fp4",
                          "get_symm_buffer_for_sm90_mega_moe")
@@ -54,7 +56,28 @@ TEMPLATE_PARAMS = (
 )
 
 
+# Options the heuristic's printout names for each launch; the kernel's other decode options are read from
+# the JIT source of the cached kernel that matches the printout.
+PRINTED_OPTIONS = ("early_b_decode", "decode_done_mbarrier", "swap_ab", "swap_ab_fast_amax")
+JIT_ONLY_OPTIONS = ("wide_load_decode", "math_wg_participates_in_decode", "num_math_wg_decode_warps",
+                    "first_decode_assist_warp", "l2_arrival_counter", "ss_nsplit")
+
 _SEEN_CONFIGS: dict = {}  # (E, H, I, K, ranks, capacity, tokens, swap-AB switch) -> what the heuristic printed
+
+
+def agreed_template_args(matches: list[dict]) -> dict | None:
+    """The template arguments every matching cached kernel agrees on; None without a match.
+
+    The match compares the printed configuration and options only, so kernels that differ in an option
+    the printout does not name (DeepSeek-V4-Flash T = 8 and T = 16 differ in ``wide_load_decode`` and
+    ``l2_arrival_counter`` alone) match alike. Such arguments are left out and listed under
+    ``"ambiguous"`` rather than read from whichever kernel the cache walk met first."""
+    if not matches:
+        return None
+    first, rest = matches[0], matches[1:]
+    out = {k: v for k, v in first.items() if all(m.get(k) == v for m in rest)}
+    ambiguous = sorted(k for k in first if k not in out)
+    return {**out, "ambiguous": ambiguous} if ambiguous else out
 
 
 def sm90_fp4_missing(dg) -> list[str]:
@@ -151,10 +174,10 @@ class DeepGEMMFP4(FusedBackend):
             return Plan(block_m=0, detail={"source": "deep_gemm C++ heuristic (not yet built)", **loss})
         args = cfg.get("template_args") or {}
         detail = {k: v for k, v in cfg["config"].items() if k != "block_m"}
-        detail.update({k: v for k, v in cfg["key"].items() if k in ("swap_ab", "swap_ab_fast_amax", "early_b_decode",
-                                                                     "decode_done_mbarrier")})
-        detail.update({k: args[k] for k in ("wide_load_decode", "math_wg_participates_in_decode", "l2_arrival_counter",
-                                            "ss_nsplit") if k in args})
+        detail.update({k: v for k, v in cfg["key"].items() if k in PRINTED_OPTIONS})
+        detail.update({k: args[k] for k in JIT_ONLY_OPTIONS if k in args})
+        if args.get("ambiguous"):
+            detail["ambiguous_template_args"] = args["ambiguous"]
         detail.update(source="DG_PRINT_CONFIGS" + (" + JIT source" if args else ""), **loss)
         return Plan(block_m=int(cfg["config"].get("block_m", 0)), detail=detail)
 
@@ -170,8 +193,10 @@ class DeepGEMMFP4(FusedBackend):
         shape = (self.g.num_experts, self.g.hidden, self.g.intermediate, self.g.num_topk, self.num_ranks,
                  self.buf.num_max_tokens_per_rank, int(num_tokens), os.environ.get("DG_SM90_FP4_SWAP_AB", "1"))
         if cfg:
-            args = find_kernel_args(cfg, kernel=KERNEL_NAME, params=TEMPLATE_PARAMS,
-                                    extra={"num_max_tokens_per_rank": self.buf.num_max_tokens_per_rank})
+            printed = {k: key[k] for k in PRINTED_OPTIONS if k in key}
+            args = agreed_template_args(find_all_kernel_args(
+                cfg, kernel=KERNEL_NAME, params=TEMPLATE_PARAMS,
+                extra={"num_max_tokens_per_rank": self.buf.num_max_tokens_per_rank, **printed}))
             _SEEN_CONFIGS[shape] = {"config": cfg, "key": key, "template_args": args}
         if shape in _SEEN_CONFIGS:
             self.__dict__.setdefault("_configs", {})[int(num_tokens)] = _SEEN_CONFIGS[shape]

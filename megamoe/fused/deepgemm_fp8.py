@@ -117,13 +117,14 @@ def parse_template_args(src: str, kernel: str = "sm90_fp8_mega_moe_impl",
     return {k: val(a) for k, a in zip(params, args)}
 
 
-def find_kernel_args(config: dict, cache_dir: str | None = None, kernel: str = "sm90_fp8_mega_moe_impl",
-                     params: tuple[str, ...] = TEMPLATE_PARAMS, extra: dict | None = None) -> dict | None:
-    """Template arguments of the JIT-built ``kernel`` that matches a printed config (and ``extra``
-    template arguments, e.g. the token capacity) in DeepGEMM's kernel cache; None if not found."""
+def find_all_kernel_args(config: dict, cache_dir: str | None = None, kernel: str = "sm90_fp8_mega_moe_impl",
+                         params: tuple[str, ...] = TEMPLATE_PARAMS, extra: dict | None = None) -> list[dict]:
+    """Template arguments of every JIT-built ``kernel`` in DeepGEMM's kernel cache that matches a printed
+    config (and ``extra`` template arguments, e.g. the token capacity), in the order the cache is walked."""
     root = cache_dir or os.environ.get("DG_JIT_CACHE_DIR") or os.path.expanduser("~/.deep_gemm")
     keys = ("block_m", "block_n", "block_k", "num_max_pool_tokens", "num_padded_sf_pool_tokens", "num_stages",
             "num_experts_per_wave", "num_dispatch_threads", "num_non_epilogue_threads", "num_epilogue_threads")
+    found = []
     for d, _, files in os.walk(root):
         for f in files:
             if not f.endswith((".cu", ".cuh", ".cpp")):
@@ -134,8 +135,15 @@ def find_kernel_args(config: dict, cache_dir: str | None = None, kernel: str = "
                 continue
             if (args and all(args.get(k) == config.get(k) for k in keys if k in config)
                     and all(args.get(k) == v for k, v in (extra or {}).items())):
-                return args
-    return None
+                found.append(args)
+    return found
+
+
+def find_kernel_args(config: dict, cache_dir: str | None = None, kernel: str = "sm90_fp8_mega_moe_impl",
+                     params: tuple[str, ...] = TEMPLATE_PARAMS, extra: dict | None = None) -> dict | None:
+    """The first of ``find_all_kernel_args``; None if no cached kernel matches."""
+    found = find_all_kernel_args(config, cache_dir, kernel, params, extra)
+    return found[0] if found else None
 
 
 def capture_stdout_fd(fn):

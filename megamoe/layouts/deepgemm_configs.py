@@ -2,16 +2,19 @@
 
     deepgemm_sm90_fp8_config(g, T, ...)   the ``MegaMoESM90Config`` of ``fp8_mega_moe`` for T tokens
     deepgemm_sm90_fp4_config(g, T, ...)   the same for the FP8 x FP4 kernel (DeepGEMM PR #323), plus
-                                          the decode defaults its Python entry point passes
+                                          the decode options its API passes to the kernel
                                           (who decodes FP4 -> e4m3: loader warps, assist warps,
-                                          the math warpgroups; swap-AB)
+                                          the math warpgroups; swap-AB; the pipeline's extra barriers)
+    buffer_tokens_per_rank(capacity)      the token capacity DeepGEMM's buffer really holds (aligned to 384),
+                                          which is what the heuristics read as ``num_max_tokens_per_rank``
 
 Read from DeepGEMM PR #323's ``csrc/jit_kernels/heuristics/sm90_mega_moe.hpp`` and
 ``csrc/apis/sm90_mega.hpp`` (DeepGEMM at 8ddf7f9). The FP8 function reproduces every configuration the
 H200 printed for sgl-deep-gemm 0.1.5.post1 (``DG_PRINT_CONFIGS``: the ``plan`` of each row of the cited
 sweep, and ``bench/results/2026-12-02-h200-dg-probe.json``), block shape, stages and shared-memory bytes
-alike (tests/test_kernel_anatomy.py). The FP4 kernel is in no installable package, so its function is
-checked against configurations worked by hand from the same source, not against a run.
+alike (tests/test_kernel_anatomy.py). The FP4 function is checked against every configuration the FP4
+kernel printed on the H200 (``bench/results/2026-12-03_nvidia-h200_deepgemm-fp4/``: both geometries, every
+token count and capacity recorded there; tests/test_deepgemm_fp4_recorded_configs.py).
 
 The dict keys are the C++ field names. Legend: T tokens on one rank, R ranks, E experts,
 E_l = E / R, K top-k, H hidden, I intermediate.
@@ -26,6 +29,7 @@ from ..geometry import Geometry, get_geometry
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory one H100 / H200 CTA may use
 H200_NUM_SMS = 132
 CANDIDATE_BLOCK_M = (8, 16, 32, 64, 96, 128, 192)
+TOKEN_ALIGNMENT = 384  # lcm of the candidate BLOCK_Ms: DeepGEMM rounds a buffer's token capacity up to it
 
 
 def _align(x: int, a: int) -> int:
@@ -36,6 +40,19 @@ def pool_tokens(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num
     """Rows of the dispatched pool: align(R * T_max * min(K, E_l) + E_l * 191, 384)."""
     rows = num_ranks * num_max_tokens_per_rank * min(num_topk, num_experts_per_rank)
     return _align(rows + num_experts_per_rank * (max(CANDIDATE_BLOCK_M) - 1), 384)
+
+
+def buffer_tokens_per_rank(capacity: int) -> int:
+    """The ``num_max_tokens_per_rank`` of a DeepGEMM SM90 buffer asked for ``capacity`` tokens: sgl_deep_gemm's
+    ``get_symm_buffer_for_sm90_mega_moe`` rounds it up to ``TOKEN_ALIGNMENT`` (8192 -> 8448, 128 -> 384)."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be a positive token count, got {capacity}")
+    return _align(capacity, TOKEN_ALIGNMENT)
+
+
+def padded_sf_pool_tokens(num_pool_tokens: int) -> int:
+    """Rows of the scale pools: the largest ``(P / BLOCK_M) * align(BLOCK_M, 128)`` over the candidates."""
+    return max((num_pool_tokens // bm) * _align(bm, 128) for bm in CANDIDATE_BLOCK_M)
 
 
 def _wave_pool_tokens(num_ranks, num_topk, t_max, experts_per_wave, block_m) -> int:
@@ -145,30 +162,48 @@ def _in(e, lo, hi, lo_inc, hi_inc=False) -> bool:
     return (e >= lo if lo_inc else e > lo) and (e <= hi if hi_inc else e < hi)
 
 
-def _fp4_decode_defaults(e: float, flash: bool, pro: bool) -> dict:
-    """``get_fp4_sm90_api_defaults``: who decodes FP4 -> e4m3 (only the fields the pictures use)."""
-    lookahead, bigband = 3.0 <= e <= 6.0, 12.0 <= e <= 24.0
-    shared_assist = (0 < e < 0.375 or (flash and 0.375 <= e < 0.5) or 0.5 <= e < 1.0 or lookahead
-                     or (flash and 0.75 <= e < 64) or (pro and 6 <= e < 12) or (pro and 24 <= e < 64) or bigband or e >= 64)
-    math_decodes = not (shared_assist or 1.0 <= e < 2.0 or (pro and 1.5 <= e < 3.0))
-    loaders_skip = shared_assist or (pro and 1.0 <= e < 1.5) or 1.5 <= e < 3.0
+def _fp4_decode_defaults(e: float, e_local: int, flash: bool, pro: bool, swap_ab_enabled: bool = True) -> dict:
+    """``get_fp4_sm90_api_defaults``: who decodes FP4 -> e4m3 and which pipeline options the kernel gets,
+    band by band (e = mean rows per local expert; the names are the C++ ones without ``fp4_`` / ``_shape_band``).
+    ``swap_ab_enabled``: the ``DG_SM90_FP4_SWAP_AB`` switch (default on)."""
     middle = not flash and not pro
-    early_b = ((1.5 <= e <= 3.0 and not (pro and e < 3.0) and not (flash and e < 2.0)) or e >= 64)
-    done_mbarrier = ((pro and 0 < e < 64) or (flash and (0.75 <= e < 64 or 0 < e < 0.5))
-                     or (middle and (lookahead or bigband)) or e >= 64)
-    return {"math_wg_participates_in_decode": math_decodes, "first_decode_assist_warp": 2 if loaders_skip else 0,
-            "swap_ab": (flash or pro) and 0 < e <= 24.0, "swap_ab_fast_amax": pro and 12.0 <= e <= 24.0,
-            "early_b_decode": early_b, "decode_done_mbarrier": done_mbarrier}
+    lookahead, bigband = 3.0 <= e <= 6.0, 12.0 <= e <= 24.0
+    b4_skip_decode = 0.5 <= e < 1.0
+    pro_single_token = pro and 1.0 <= e < 1.5 and e_local % 8 == 0
+    pro_split_n_mbarrier, pro_two_tokens = pro and 0 < e < 64, pro and 1.5 <= e < 3.0
+    pro_mid_assist, pro_large_assist = pro and 6.0 <= e < 12.0, pro and 24.0 <= e < 64
+    flash_two_tokens, flash_half_token = flash and 1.5 <= e < 2.0, flash and 0.375 <= e < 0.5
+    flash_lookahead, flash_wide_load = flash and 3.0 <= e < 6.0, flash and 6.0 <= e < 64
+    flash_split_n_mbarrier, flash_small_mbarrier = flash and 0.75 <= e < 64, flash and 0 < e < 0.5
+    offload = e >= 64.0  # the BLOCK_M 128, 2-warpgroup decode-offload band
+    shared_assist = (0 < e < 0.375 or flash_half_token or b4_skip_decode or lookahead or flash_split_n_mbarrier
+                     or pro_mid_assist or pro_large_assist or bigband or offload)
+    math_decodes = not (shared_assist or 1.0 <= e < 2.0 or pro_two_tokens)
+    loaders_skip = shared_assist or pro_single_token or 1.5 <= e < 3.0
+    return {
+        "math_wg_participates_in_decode": math_decodes, "num_math_wg_decode_warps": 4 if math_decodes else 0,
+        "first_decode_assist_warp": 2 if loaders_skip else 0,
+        "wide_load_decode": pro_split_n_mbarrier or flash_half_token or flash_two_tokens or flash_wide_load,
+        "early_b_decode": ((1.5 <= e <= 3.0 and not pro_two_tokens and not flash_two_tokens and not flash_lookahead)
+                           or offload),
+        "decode_done_mbarrier": (pro_split_n_mbarrier or flash_split_n_mbarrier or flash_small_mbarrier
+                                 or (middle and (lookahead or bigband)) or offload),
+        "l2_arrival_counter": (flash and 0.375 <= e < 0.75) or (pro and 0.25 <= e < 0.375),
+        "ss_nsplit": offload,
+        "swap_ab": swap_ab_enabled and (flash or pro) and 0 < e <= 24.0,
+        "swap_ab_fast_amax": swap_ab_enabled and pro and 12.0 <= e <= 24.0,
+    }
 
 
 def deepgemm_sm90_fp4_config(geometry, num_tokens: int, *, num_ranks: int = 1, num_max_tokens_per_rank: int = 8448,
-                             num_sms: int = H200_NUM_SMS) -> dict:
+                             num_sms: int = H200_NUM_SMS, swap_ab_enabled: bool = True) -> dict:
     """``get_mega_moe_config_sm90_fp4`` with the API's decode defaults, for T = num_tokens per rank.
 
     BLOCK_N is always 128; BLOCK_M 128 once the mean expert gets >= 64 rows, else 64 with two math
     warpgroups splitting N. The non-epilogue warps are two TMA loaders plus, in the small-batch bands,
-    decode-assist warps (192 or 320 threads); stages are capped per band. ``num_experts_per_wave`` is
-    None where the generic rule needs more than this model has (a middle shape outside every band)."""
+    decode-assist warps (192 or 320 threads); stages are capped per band. ``num_max_tokens_per_rank`` is
+    the buffer's aligned capacity (``buffer_tokens_per_rank``); ``swap_ab_enabled`` is the
+    ``DG_SM90_FP4_SWAP_AB`` switch."""
     g = get_geometry(geometry)
     _check(g, num_tokens, num_ranks, num_max_tokens_per_rank)
     e_local = g.num_experts // num_ranks
@@ -200,7 +235,7 @@ def deepgemm_sm90_fp4_config(geometry, num_tokens: int, *, num_ranks: int = 1, n
             if _in(e, lo, hi, lo_inc, hi_inc) and {"any": True, "flash": flash, "pro": pro, "not-pro": not pro}[shape]:
                 cap = c
                 break
-    decode = _fp4_decode_defaults(e, flash, pro)
+    decode = _fp4_decode_defaults(e, e_local, flash, pro, swap_ab_enabled)
     swap = decode["swap_ab"]
     epi = wgs * 128
     cd = max(block_m * block_n // 2, block_m * block_n * 2,
@@ -212,7 +247,8 @@ def deepgemm_sm90_fp4_config(geometry, num_tokens: int, *, num_ranks: int = 1, n
     per_stage = (block_m * 128 + block_n * 128 + block_n * 64 + _align(128 // sf_gran * block_m * 4, 128)
                  + _align(block_n * 4, 128) + 16 + 8 * decode["early_b_decode"] + 8 * decode["decode_done_mbarrier"])
     stages, smem = _stages(fixed, per_stage, cap)
-    return {"block_m": block_m, "block_n": block_n, "block_k": 128, "num_max_pool_tokens": ring,
-            "num_experts_per_wave": epw, "num_stages": stages, "smem_size": smem, "num_stages_cap": cap,
-            "num_dispatch_threads": dispatch, "num_non_epilogue_threads": non_epi, "num_epilogue_threads": epi,
-            **decode}
+    return {"block_m": block_m, "block_n": block_n, "block_k": 128, "cluster_size": 1, "num_max_pool_tokens": ring,
+            "num_padded_sf_pool_tokens": padded_sf_pool_tokens(ring), "swizzle_acts_mode": 128,
+            "swizzle_weights_mode": 0, "num_experts_per_wave": epw, "num_stages": stages, "smem_size": smem,
+            "num_stages_cap": cap, "num_dispatch_threads": dispatch, "num_non_epilogue_threads": non_epi,
+            "num_epilogue_threads": epi, **decode}
