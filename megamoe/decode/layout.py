@@ -10,14 +10,15 @@ so that ``h = ((w << 3p) & 0x0E000E00) | ((w << p) & 0x80008000)`` is two fp16 n
 pair costs two shifts and two masks (pair 0: one mask), and the fp16 -> fp32 conversion. No nibble
 layout does it with one shift per pair (an exhaustive search over the 4-bit placements finds none).
 
-Tile order (K-major inside a tile, rows fastest, so one 16-byte load is one word of 4 rows):
+Tile order (groups fastest: the lanes of a warp take consecutive groups of the same row, so that each
+lane keeps one group's x values for the several rows it owns):
 
-    L1 words   int32 [E, I/BN, H/BK, 2, 4, G, BN]     half 0 gate, 1 up; then word-in-group, group, row
-    L1 scales  uint8 [E, I/BN, H/BK, 2, G, BN]
-    L2 words   int32 [E, H/BN2, I/BK2, 4, G2, BN2]
-    L2 scales  uint8 [E, H/BN2, I/BK2, G2, BN2]
+    L1 words   int32 [E, I/BN, H/BK, 2, 4, BN, G]     half 0 gate, 1 up; then word-in-group, row, group
+    L1 scales  uint8 [E, I/BN, H/BK, 2, BN, G]
+    L2 words   int32 [E, H/BN2, I/BK2, 4, BN2, G2]
+    L2 scales  uint8 [E, H/BN2, I/BK2, BN2, G2]
 
-with BK = 32 G (G groups of 32 K per K-iteration). Word (half, wig, g, r) of tile (t, i) holds row
+with BK = 32 G (G groups of 32 K per K-iteration). Word (half, wig, r, g) of tile (t, i) holds row
 half * I + t * BN + r (L1), K = i * BK + g * 32 + wig * 8 + (0..7).
 
 ``prepare_decode_weights`` refuses what the kernel cannot compute exactly: an E8M0 byte 0xFF (NaN) in a
@@ -99,8 +100,8 @@ class TileShape:
 class DecodeWeights:
     """The prepared experts (module docstring for the layouts), on one device.
 
-    l1_words int32 [E, I/bn1, H/bk1, 2, 4, g1, bn1]; l1_scales uint8 [E, I/bn1, H/bk1, 2, g1, bn1];
-    l2_words int32 [E, H/bn2, I/bk2, 4, g2, bn2]; l2_scales uint8 [E, H/bn2, I/bk2, g2, bn2]."""
+    l1_words int32 [E, I/bn1, H/bk1, 2, 4, bn1, g1]; l1_scales uint8 [E, I/bn1, H/bk1, 2, bn1, g1];
+    l2_words int32 [E, H/bn2, I/bk2, 4, bn2, g2]; l2_scales uint8 [E, H/bn2, I/bk2, bn2, g2]."""
 
     l1_words: torch.Tensor
     l1_scales: torch.Tensor
@@ -163,9 +164,9 @@ def _tile(codes: torch.Tensor, scales: torch.Tensor, halves: int, tile: TileShap
     if n % bn or k % tile.bk:
         raise ValueError(f"rows {n} must be a multiple of bn={bn} and K={k} of bk={tile.bk}")
     words = pack_words(codes)  # [E, rows, K/8]
-    # [E, H, T, BN, I, G, WIG] -> [E, T, I, H, WIG, G, BN]
-    w = words.view(e, halves, n // bn, bn, k // tile.bk, g, WIG).permute(0, 2, 4, 1, 6, 5, 3)
-    s = scales.view(e, halves, n // bn, bn, k // tile.bk, g).permute(0, 2, 4, 1, 5, 3)
+    # [E, H, T, BN, I, G, WIG] -> [E, T, I, H, WIG, BN, G]
+    w = words.view(e, halves, n // bn, bn, k // tile.bk, g, WIG).permute(0, 2, 4, 1, 6, 3, 5)
+    s = scales.view(e, halves, n // bn, bn, k // tile.bk, g).permute(0, 2, 4, 1, 3, 5)
     if halves == 1:
         w, s = w.squeeze(3), s.squeeze(3)
     return w.contiguous(), s.contiguous()
@@ -174,9 +175,9 @@ def _tile(codes: torch.Tensor, scales: torch.Tensor, halves: int, tile: TileShap
 def _untile(words: torch.Tensor, scales: torch.Tensor, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
     if halves == 1:
         words, scales = words.unsqueeze(3), scales.unsqueeze(3)
-    e, nt, ni, h, wig, g, bn = words.shape
-    w = words.permute(0, 3, 1, 6, 2, 5, 4).reshape(e, h * nt * bn, ni * g * wig)
-    s = scales.permute(0, 3, 1, 5, 2, 4).reshape(e, h * nt * bn, ni * g)
+    e, nt, ni, h, wig, bn, g = words.shape
+    w = words.permute(0, 3, 1, 5, 2, 6, 4).reshape(e, h * nt * bn, ni * g * wig)
+    s = scales.permute(0, 3, 1, 4, 2, 5).reshape(e, h * nt * bn, ni * g)
     return unpack_words(w), s.contiguous()
 
 

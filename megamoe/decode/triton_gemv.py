@@ -29,21 +29,34 @@ import triton.language as tl
 from ..staging.triton_stage import _e4m3_rtne_bits
 from .routing import e4m3_to_f32
 
-SIGN_BITS = -0x7FFF8000  # 0x80008000 as int32: the sign bits of both fp16 halves
+SIGN_BITS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: the sign bits of both fp16 halves
 
 
 @triton.jit
-def _pair(w, P: tl.constexpr):
-    """int32 words -> (lo, hi) float32: weights K 2P, 2P+1 of each word, e2m1 * 2**-14."""
-    h = ((w << (3 * P)) & 0x0E000E00) | ((w << P) & SIGN_BITS)
-    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _halves_f32(h, ASM: tl.constexpr):
+    """int32 holding two fp16 -> (low half, high half) as float32, exactly. On the GPU one PTX unpack and
+    two cvt (HADD2.F32 on each half register: no repacking); under the interpreter the same through
+    integer views."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=r,=r,r", [h], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
 
 @triton.jit
+def _pair(w, P: tl.constexpr, ASM: tl.constexpr):
+    """int32 words -> (lo, hi) float32: weights K 2P, 2P+1 of each word, e2m1 * 2**-14."""
+    h = ((w << (3 * P)) & 0x0E000E00) | ((w << P) & SIGN_BITS)
+    return _halves_f32(h, ASM)
+
+
+@triton.jit
 def _word_sum(xp, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3):
-    """sum over the word's 8 K of x * w, exact in float64; xp points at x[K 0 of the word] ([G, 1])."""
+    """sum over the word's 8 K of x * w, exact in float64; xp points at x[K 0 of the word] ([1, G])."""
     a = tl.load(xp) * lo0
     a = a + tl.load(xp + 1) * hi0
     a = a + tl.load(xp + 2) * lo1
@@ -56,12 +69,12 @@ def _word_sum(xp, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3):
 
 
 @triton.jit
-def _word(w, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M: tl.constexpr):
+def _word(w, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """Decode one word of the tile once, add its products into the group sums of up to 4 tokens."""
-    lo0, hi0 = _pair(w, 0)
-    lo1, hi1 = _pair(w, 1)
-    lo2, hi2 = _pair(w, 2)
-    lo3, hi3 = _pair(w, 3)
+    lo0, hi0 = _pair(w, 0, ASM)
+    lo1, hi1 = _pair(w, 1, ASM)
+    lo2, hi2 = _pair(w, 2, ASM)
+    lo3, hi3 = _pair(w, 3, ASM)
     s0 += _word_sum(xp0, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3)
     if BLOCK_M > 1:
         s1 += _word_sum(xp1, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3)
@@ -72,22 +85,23 @@ def _word(w, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The four words of each (group, row) -> float64 [G, BN] group sums per token (unused ones zero)."""
-    s0 = tl.zeros([G, BN], tl.float64)
-    s1 = tl.zeros([G, BN], tl.float64)
-    s2 = tl.zeros([G, BN], tl.float64)
-    s3 = tl.zeros([G, BN], tl.float64)
-    s0, s1, s2, s3 = _word(w0, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M)
-    s0, s1, s2, s3 = _word(w1, s0, s1, s2, s3, xp0 + 8, xp1 + 8, xp2 + 8, xp3 + 8, BLOCK_M)
-    s0, s1, s2, s3 = _word(w2, s0, s1, s2, s3, xp0 + 16, xp1 + 16, xp2 + 16, xp3 + 16, BLOCK_M)
-    s0, s1, s2, s3 = _word(w3, s0, s1, s2, s3, xp0 + 24, xp1 + 24, xp2 + 24, xp3 + 24, BLOCK_M)
+def _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr,
+                ASM: tl.constexpr):
+    """The four words of each (row, group) -> float64 [BN, G] group sums per token (unused ones zero)."""
+    s0 = tl.zeros([BN, G], tl.float64)
+    s1 = tl.zeros([BN, G], tl.float64)
+    s2 = tl.zeros([BN, G], tl.float64)
+    s3 = tl.zeros([BN, G], tl.float64)
+    s0, s1, s2, s3 = _word(w0, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M, ASM)
+    s0, s1, s2, s3 = _word(w1, s0, s1, s2, s3, xp0 + 8, xp1 + 8, xp2 + 8, xp3 + 8, BLOCK_M, ASM)
+    s0, s1, s2, s3 = _word(w2, s0, s1, s2, s3, xp0 + 16, xp1 + 16, xp2 + 16, xp3 + 16, BLOCK_M, ASM)
+    s0, s1, s2, s3 = _word(w3, s0, s1, s2, s3, xp0 + 24, xp1 + 24, xp2 + 24, xp3 + 24, BLOCK_M, ASM)
     return s0, s1, s2, s3
 
 
 @triton.jit
 def _scale_factor(sbytes):
-    """E8M0 bytes [G, BN] -> float64 2**(s - 127 + 14), built from its exponent bits (exact)."""
+    """E8M0 bytes [BN, G] -> float64 2**(s - 127 + 14), built from its exponent bits (exact)."""
     return ((sbytes.to(tl.int64) + 910) << 52).to(tl.float64, bitcast=True)
 
 
@@ -125,11 +139,11 @@ def _cols16(x, BN: tl.constexpr):
 
 @triton.jit
 def _promote_blocks(acc, blocks, sf_ptr, NB: tl.constexpr, BN: tl.constexpr):
-    """Promote NB (1, 2, 4, 8 or 16) block sums [NB, BN] into acc in ascending K; sf_ptr -> their scales."""
+    """Promote NB (1, 2, 4, 8 or 16) block sums [BN, NB] into acc in ascending K; sf_ptr -> their scales."""
     if NB == 1:
         acc = _promote(acc, tl.reshape(blocks, (BN,)), tl.load(sf_ptr))
     else:
-        x = tl.permute(blocks, (1, 0))
+        x = blocks
         if NB == 2:
             cols = tl.split(x)
         elif NB == 4:
@@ -145,17 +159,17 @@ def _promote_blocks(acc, blocks, sf_ptr, NB: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _half_step(w0, w1, w2, w3, sb, xp0, xp1, xp2, xp3, a0, a1, a2, a3, sfp0, sfp1, sfp2, sfp3,
-               G: tl.constexpr, BN: tl.constexpr, PG: tl.constexpr, BLOCK_M: tl.constexpr):
+               G: tl.constexpr, BN: tl.constexpr, PG: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """One K-iteration of one weight half for up to 4 tokens: group sums, scales, blocks, promotion."""
     NB: tl.constexpr = G // PG
     f = _scale_factor(sb)
-    s0, s1, s2, s3 = _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G, BN, BLOCK_M)
-    a0 = _promote_blocks(a0, tl.sum(tl.reshape(s0 * f, (NB, PG, BN)), axis=1), sfp0, NB, BN)
+    s0, s1, s2, s3 = _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G, BN, BLOCK_M, ASM)
+    a0 = _promote_blocks(a0, tl.sum(tl.reshape(s0 * f, (BN, NB, PG)), axis=2), sfp0, NB, BN)
     if BLOCK_M > 1:
-        a1 = _promote_blocks(a1, tl.sum(tl.reshape(s1 * f, (NB, PG, BN)), axis=1), sfp1, NB, BN)
+        a1 = _promote_blocks(a1, tl.sum(tl.reshape(s1 * f, (BN, NB, PG)), axis=2), sfp1, NB, BN)
     if BLOCK_M > 2:
-        a2 = _promote_blocks(a2, tl.sum(tl.reshape(s2 * f, (NB, PG, BN)), axis=1), sfp2, NB, BN)
-        a3 = _promote_blocks(a3, tl.sum(tl.reshape(s3 * f, (NB, PG, BN)), axis=1), sfp3, NB, BN)
+        a2 = _promote_blocks(a2, tl.sum(tl.reshape(s2 * f, (BN, NB, PG)), axis=2), sfp2, NB, BN)
+        a3 = _promote_blocks(a3, tl.sum(tl.reshape(s3 * f, (BN, NB, PG)), axis=2), sfp3, NB, BN)
     return a0, a1, a2, a3
 
 
@@ -200,7 +214,7 @@ def l1_kernel(
     l1_ptr, q_ptr, x2_ptr, sf2_ptr,  # fp32 [S, 2I], uint8 [S, I], fp32 [S, I], fp32 [S, I/BN]
     clamp,
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-    BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr,
+    BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -212,9 +226,9 @@ def l1_kernel(
         e = tl.load(touched_ptr + j).to(tl.int64)
         start = tl.load(seg_start_ptr + j)
         count = tl.load(seg_count_ptr + j)
-        gi = tl.arange(0, G)[:, None]
-        ri = tl.arange(0, BN)[None, :]
-        widx = gi * BN + ri  # [G, BN] word of one (half, wig) block
+        gi = tl.arange(0, G)[None, :]
+        ri = tl.arange(0, BN)[:, None]
+        widx = ri * G + gi  # [BN, G] word of one (half, wig) block
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
             rows = start + m0 + tl.arange(0, 4)
@@ -248,7 +262,7 @@ def l1_kernel(
                 uw3 = tl.load(base + 7 * G * BN + widx)
                 gs = tl.load(sbase + widx)
                 us = tl.load(sbase + G * BN + widx)
-                k0 = i * (32 * G) + gi * 32  # [G, 1] first K of each group
+                k0 = i * (32 * G) + gi * 32  # [1, G] first K of each group
                 xp0 = x_ptr + t0 * H + k0
                 xp1 = x_ptr + t1 * H + k0
                 xp2 = x_ptr + t2 * H + k0
@@ -259,9 +273,9 @@ def l1_kernel(
                 sfp2 = xsf_ptr + t2 * (H // 128) + sb
                 sfp3 = xsf_ptr + t3 * (H // 128) + sb
                 g0, g1, g2, g3 = _half_step(gw0, gw1, gw2, gw3, gs, xp0, xp1, xp2, xp3, g0, g1, g2, g3,
-                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M)
+                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM)
                 u0, u1, u2, u3 = _half_step(uw0, uw1, uw2, uw3, us, xp0, xp1, xp2, xp3, u0, u1, u2, u3,
-                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M)
+                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM)
             _l1_epilogue(g0, u0, r0, tl.load(row_weight_ptr + r0), clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr,
                          I, BN, STORE_L1)
             if BLOCK_M > 1:
@@ -285,7 +299,7 @@ def l2_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, L2_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -297,9 +311,9 @@ def l2_kernel(
         e = tl.load(touched_ptr + j).to(tl.int64)
         start = tl.load(seg_start_ptr + j)
         count = tl.load(seg_count_ptr + j)
-        gi = tl.arange(0, G)[:, None]
-        ri = tl.arange(0, BN)[None, :]
-        widx = gi * BN + ri
+        gi = tl.arange(0, G)[None, :]
+        ri = tl.arange(0, BN)[:, None]
+        widx = ri * G + gi
         n = t * BN + tl.arange(0, BN)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
@@ -326,7 +340,7 @@ def l2_kernel(
                     w0, w1, w2, w3, sb, x2_ptr + r0 * I + k0, x2_ptr + r1 * I + k0, x2_ptr + r2 * I + k0,
                     x2_ptr + r3 * I + k0, a0, a1, a2, a3, sf2_ptr + r0 * (I // L2_GROUP) + sg,
                     sf2_ptr + r1 * (I // L2_GROUP) + sg, sf2_ptr + r2 * (I // L2_GROUP) + sg,
-                    sf2_ptr + r3 * (I // L2_GROUP) + sg, G, BN, PG, BLOCK_M)
+                    sf2_ptr + r3 * (I // L2_GROUP) + sg, G, BN, PG, BLOCK_M, ASM)
             tl.store(out_ptr + r0 * H + n, _bf16_bits(a0))
             if BLOCK_M > 1:
                 if m0 + 1 < count:
