@@ -58,7 +58,13 @@ class DecodeBuffers:
     y: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
-    interpret: bool = False
+
+    @property
+    def interpret(self) -> bool:
+        """Whether the Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1 before import)."""
+        from ..staging.triton_stage import is_interpreted
+
+        return is_interpreted()
 
     @classmethod
     def allocate(cls, g: Geometry, capacity: int, device, *, num_local: int | None = None, expert_lo: int = 0,
@@ -74,9 +80,6 @@ class DecodeBuffers:
         def e(*shape, dtype=f32):
             return torch.empty(shape, dtype=dtype, device=device)
 
-        from .triton_gemv import triton  # noqa: F401 - fail here, not at launch, when triton is missing
-        from ..staging.triton_stage import is_interpreted
-
         return cls(
             x_q=e(capacity, h, dtype=torch.float8_e4m3fn), x_sf=e(capacity, h // 128),
             topk_idx=torch.full((capacity, k), -1, dtype=torch.int64, device=device), topk_weights=e(capacity, k),
@@ -84,7 +87,7 @@ class DecodeBuffers:
             seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
             slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
             l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
-            num_local=el, expert_lo=expert_lo, interpret=is_interpreted(),
+            num_local=el, expert_lo=expert_lo,
         )
 
     @property

@@ -33,10 +33,11 @@ SIGN_BITS = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: the sign bits of b
 
 
 @triton.jit
-def _halves_f32(h, ASM: tl.constexpr):
-    """int32 holding two fp16 -> (low half, high half) as float32, exactly. On the GPU one PTX unpack and
-    two cvt (HADD2.F32 on each half register: no repacking); under the interpreter the same through
-    integer views."""
+def _pair(w, P: tl.constexpr, ASM: tl.constexpr):
+    """int32 words -> (lo, hi) float32: weights K 2P, 2P+1 of each word, e2m1 * 2**-14. The two fp16 halves
+    become float32 exactly: on the GPU by one PTX unpack and two cvt (HADD2.F32 on each half register, no
+    repacking); under the interpreter by the same bits through integer views."""
+    h = ((w << (3 * P)) & 0x0E000E00) | ((w << P) & SIGN_BITS)
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
@@ -45,13 +46,6 @@ def _halves_f32(h, ASM: tl.constexpr):
         lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
-
-
-@triton.jit
-def _pair(w, P: tl.constexpr, ASM: tl.constexpr):
-    """int32 words -> (lo, hi) float32: weights K 2P, 2P+1 of each word, e2m1 * 2**-14."""
-    h = ((w << (3 * P)) & 0x0E000E00) | ((w << P) & SIGN_BITS)
-    return _halves_f32(h, ASM)
 
 
 @triton.jit
