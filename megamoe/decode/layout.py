@@ -120,12 +120,14 @@ class DecodeWeights:
         return sum(t[0].numel() * t.element_size() for t in (self.l1_words, self.l1_scales, self.l2_words, self.l2_scales))
 
 
-def check_exact_scales(codes: torch.Tensor, scale_bytes: torch.Tensor, what: str) -> None:
-    """Refuse scale bytes the kernel cannot use exactly (module docstring). codes [E, N, K], bytes [E, N, K/32]."""
+def check_exact_scales(codes: torch.Tensor, scale_bytes: torch.Tensor, what: str, first_expert: int = 0) -> None:
+    """Refuse scale bytes the kernel cannot use exactly (module docstring). codes [E, N, K], bytes [E, N, K/32]
+    of experts first_expert.. (error messages name experts by their absolute index)."""
     nonzero = ((codes & 7) != 0).reshape(*scale_bytes.shape, MXFP4_BLOCK).any(dim=-1)  # [E, N, K/32]
     nan = (scale_bytes == E8M0_NAN) & nonzero
     if nan.any():
         e, n, g = (int(v) for v in nan.nonzero()[0])
+        e += first_expert
         raise ValueError(f"{what}: E8M0 scale byte 0xFF (NaN) at [expert, row, group] = [{e}, {n}, {g}], "
                          "a group with nonzero codes; the decode kernel refuses it")
     b = scale_bytes.to(torch.int32)
@@ -134,7 +136,7 @@ def check_exact_scales(codes: torch.Tensor, scale_bytes: torch.Tensor, what: str
     spread = torch.where(hi >= 0, hi - lo, torch.zeros_like(hi))
     if (spread > MAX_SCALE_SPREAD).any():
         e, n, kb = (int(v) for v in (spread > MAX_SCALE_SPREAD).nonzero()[0])
-        raise ValueError(f"{what}: scale bytes of expert {e}, row {n}, 128-K block {kb} span {int(spread[e, n, kb])} "
+        raise ValueError(f"{what}: scale bytes of expert {e + first_expert}, row {n}, 128-K block {kb} span {int(spread[e, n, kb])} "
                          f"binades; the decode kernel's float64 block sum is exact up to {MAX_SCALE_SPREAD}")
 
 
@@ -187,17 +189,21 @@ def default_tiles(hidden: int, intermediate: int, bn1: int = 32, bn2: int = 32, 
 
 
 def prepare_decode_weights(weights: MXFP4Weights, l1_tile: TileShape | None = None,
-                           l2_tile: TileShape | None = None) -> DecodeWeights:
-    """Checkpoint form (all experts given) -> ``DecodeWeights`` on the same device, checked exact."""
+                           l2_tile: TileShape | None = None, experts_per_chunk: int = 8) -> DecodeWeights:
+    """Checkpoint form (all experts given) -> ``DecodeWeights`` on the same device, checked exact.
+    Experts go through in chunks (the int64 bit packing of DeepSeek-V4-Flash at once would take 34 GB)."""
     w = fold_global_scales(weights)
     h, i = w.hidden, w.intermediate
     d1, d2 = default_tiles(h, i)
     l1_tile, l2_tile = l1_tile or d1, l2_tile or d2
-    c1, c2 = unpack_e2m1(w.l1), unpack_e2m1(w.l2)
-    check_exact_scales(c1, w.l1_scale, "l1")
-    check_exact_scales(c2, w.l2_scale, "l2")
-    l1w, l1s = _tile(c1, w.l1_scale, 2, l1_tile)
-    l2w, l2s = _tile(c2, w.l2_scale, 1, l2_tile)
+    parts = []
+    for lo in range(0, w.num_experts, experts_per_chunk):
+        c = w.experts(lo, min(lo + experts_per_chunk, w.num_experts))
+        c1, c2 = unpack_e2m1(c.l1), unpack_e2m1(c.l2)
+        check_exact_scales(c1, c.l1_scale, "l1", lo)
+        check_exact_scales(c2, c.l2_scale, "l2", lo)
+        parts.append((*_tile(c1, c.l1_scale, 2, l1_tile), *_tile(c2, c.l2_scale, 1, l2_tile)))
+    l1w, l1s, l2w, l2s = (torch.cat(p) for p in zip(*parts))
     return DecodeWeights(l1w, l1s, l2w, l2s, l1_tile, l2_tile, h, i)
 
 
