@@ -17,6 +17,7 @@ from megamoe.decode.layout import MAX_SCALE_SPREAD, decode_pair_torch, pack_word
 from megamoe.decode.selfcheck import CPU_CASES, passed
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1
 from megamoe.recipe import MEGAMOE_DECODE, get_recipe
+from megamoe.decode.layout import MAX_SCALE_BYTE
 from megamoe.reference import moe_forward
 from megamoe.staging import stage_into, triton_available
 from megamoe.testing import assert_bitwise_equal, make_inputs
@@ -67,6 +68,8 @@ def test_prepare_refuses_what_it_cannot_compute_exactly(gen):
         prepare_decode_weights(_one_expert([100, 110, 125, 110], gen))
     with pytest.raises(ValueError, match=r"0xFF \(NaN\) at \[expert, row, group\] = \[0, 0, 2\]"):
         prepare_decode_weights(_one_expert([120, 120, 255, 120], gen))
+    with pytest.raises(ValueError, match="253 > 252 at"):
+        prepare_decode_weights(_one_expert([240, 240, 253, 240], gen))
 
 
 def test_global_scales_fold_exactly_or_are_refused(weights_for):
@@ -85,6 +88,7 @@ def test_global_scales_fold_exactly_or_are_refused(weights_for):
 def test_recipe_is_registered_and_rounds_exp_in_float64():
     r = get_recipe("megamoe-decode")
     assert r is MEGAMOE_DECODE and r.weight_decode == "exact" and r.l2_group == 32 and r.silu_exp == "fp64-rounded"
+    assert r.max_scale_byte == MAX_SCALE_BYTE  # what prepare refuses is what the recipe says
     with pytest.raises(ValueError, match="silu_exp"):
         r.with_(silu_exp="fast")
 
@@ -128,3 +132,27 @@ def test_triton_interpreter(interpreter_rows, case):
     past the step still poisoned; a broken layout must be caught (calc_diff > 1e-3)."""
     row = interpreter_rows[case.id]
     assert passed(row), json.dumps(row, indent=1)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_decode_probe_bytes_and_table(weights_for, capsys):
+    """The device script's arithmetic and its last table, on synthetic rows (it runs once on the H200)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "device", "decode_probe.py")
+    spec = importlib.util.spec_from_file_location("decode_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    g, w = weights_for("tiny")
+    nb = probe.launch_bytes(g, 3, 5, 6, prepare_decode_weights(w))
+    assert nb["weights"] == 5 * g.expert_weight_bytes()  # 0.53125 bytes per weight, scales included
+    row = {"tokens": 8, "touched": 44, "weight_mb": 588.2, "graph": {"median_us": 170.0},
+           "kineto_us": dict.fromkeys(probe.KERNELS, 1.0), "read": {"median_us": 150.0}, "of_read": 1.13, "gbps": 3460,
+           "flashinfer_us_issue25": 225.0, "speedup_vs_flashinfer": 1.32, "calc_diff": 0.0, "bitwise_frac": 1.0,
+           "repeat_identical": True, "correct": True}
+    probe.print_table({"device": "H200", "torch": "x", "triton": "y", "geometry": "dsv4-flash", "total_s": 1,
+                       "rows": [row, {"tokens": 64}], "errors": [],
+                       "variants": [{"tokens": 8, "variant": "warps8", "graph": {"median_us": 1.0},
+                                     "kineto_us": {}, "same_bits": True}]})
+    out = capsys.readouterr().out
+    assert "| 8 | 44 | 588.2 | 170.0 |" in out and "1.32x" in out and "| 64 | - |" in out

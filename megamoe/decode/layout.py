@@ -23,7 +23,8 @@ half * I + t * BN + r (L1), K = i * BK + g * 32 + wig * 8 + (0..7).
 
 ``prepare_decode_weights`` refuses what the kernel cannot compute exactly: an E8M0 byte 0xFF (NaN) in a
 group with nonzero codes, and a 128-K block of one row whose nonzero groups' scale bytes span more than
-``MAX_SCALE_SPREAD`` binades (the block sum would need more than float64's 53 bits). Global scales that
+``MAX_SCALE_SPREAD`` binades (the block sum would need more than float64's 53 bits), and bytes above
+``MAX_SCALE_BYTE`` (values beyond float32). Global scales that
 are powers of two are folded into the scale bytes exactly; others are refused.
 """
 
@@ -39,6 +40,7 @@ from ..weights import MXFP4Weights
 # A 128-K block sum of e4m3 x (e2m1 * 2**(s - 127)) is an integer multiple of 2**(-10 + s_min - 127)
 # below 2**(28.4 + s_max - s_min) of those units: exact in float64 iff s_max - s_min <= 53 - 29 = 24.
 MAX_SCALE_SPREAD = 24
+MAX_SCALE_BYTE = 252  # 6 * 2**(253 - 127) = 1.5 * 2**128 overflows float32 (the reference's dequantized weights)
 WORD_K = 8  # K values per 32-bit word
 WIG = 4  # words per 32-K scale group
 
@@ -130,6 +132,11 @@ def check_exact_scales(codes: torch.Tensor, scale_bytes: torch.Tensor, what: str
         e += first_expert
         raise ValueError(f"{what}: E8M0 scale byte 0xFF (NaN) at [expert, row, group] = [{e}, {n}, {g}], "
                          "a group with nonzero codes; the decode kernel refuses it")
+    big = (scale_bytes > MAX_SCALE_BYTE) & (scale_bytes != E8M0_NAN) & nonzero
+    if big.any():
+        e, n, g = (int(v) for v in big.nonzero()[0])
+        raise ValueError(f"{what}: E8M0 scale byte {int(scale_bytes[e, n, g])} > {MAX_SCALE_BYTE} at [expert, row, group] "
+                         f"= [{e + first_expert}, {n}, {g}]: 6 * 2**(byte - 127) overflows float32")
     b = scale_bytes.to(torch.int32)
     hi = torch.where(nonzero, b, torch.full_like(b, -1)).reshape(*b.shape[:-1], -1, 4).amax(-1)
     lo = torch.where(nonzero, b, torch.full_like(b, 1 << 10)).reshape(*b.shape[:-1], -1, 4).amin(-1)

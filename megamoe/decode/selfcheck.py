@@ -71,10 +71,15 @@ def geometry_of(name: str) -> Geometry:
 
 
 @functools.lru_cache(maxsize=4)
-def _weights(name: str, device: str):
-    """One random weight set per geometry (the inputs are fresh per case)."""
+def case_weights(name: str, device: str):
+    """One random weight set per geometry, generated on ``device`` (the inputs are fresh per case)."""
+    return random_mxfp4_weights(geometry_of(name), seed=0, device=device)
+
+
+@functools.lru_cache(maxsize=4)
+def _decode_weights(name: str, device: str, bn2: int):
     g = geometry_of(name)
-    return random_mxfp4_weights(g, seed=0, device=device) if device != "cpu" else random_mxfp4_weights(g, seed=0)
+    return prepare_decode_weights(case_weights(name, device), *default_tiles(g.hidden, g.intermediate, bn2=bn2))
 
 _STAGE_FIELDS = {
     "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32"),
@@ -103,14 +108,12 @@ def make_case(case: DecodeCase, device):
     from ..staging import stage_into
 
     g = geometry_of(case.geometry)
-    w = _weights(case.geometry, str(device))
-    t1, t2 = default_tiles(g.hidden, g.intermediate, bn2=case.bn2)
-    dw = prepare_decode_weights(w, t1, t2)
+    w = case_weights(case.geometry, str(device))
+    dw = _decode_weights(case.geometry, str(device), case.bn2)
     if case.broken == "gate-up-swapped":
-        dw.l1_words = dw.l1_words.flip(3).contiguous()
-        dw.l1_scales = dw.l1_scales.flip(3).contiguous()
+        dw = dataclasses.replace(dw, l1_words=dw.l1_words.flip(3).contiguous(), l1_scales=dw.l1_scales.flip(3).contiguous())
     elif case.broken == "l2-scale-off-by-one":
-        dw.l2_scales = (dw.l2_scales + 1).contiguous()
+        dw = dataclasses.replace(dw, l2_scales=(dw.l2_scales + 1).contiguous())
     inp = make_inputs(g, case.tokens, seed=1000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to(device)
     buf = DecodeBuffers.allocate(g, case.tokens, device)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights,
@@ -191,4 +194,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "make_case", "run_case", "passed"]
+__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "case_weights", "make_case", "run_case", "passed"]
