@@ -33,6 +33,8 @@ class LaunchConfig:
     l2_warps: int = 4
     combine_block: int = 1024
     store_l1: bool = False
+    fused: bool = False  # L1, L2 and the combine in one launch (triton_fused.py)
+    max_spin: int = 1 << 22  # polls before a fused L2 program gives up waiting (sets the error flag)
 
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4):
@@ -81,6 +83,28 @@ def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
     bh = min(cfg.combine_block, h)
     combine_kernel[(num_tokens, -(-h // bh))](buf.slot_out, buf.slot_row, buf.y.view(torch.int16), num_tokens,
                                               H=h, K=num_topk, BH=bh, **_kw(4, buf.interpret))
+
+
+def fused(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
+    """l1, l2 and combine in one launch (same bits); buf.counters[-1] is 1 afterwards if a wait gave up."""
+    from .triton_fused import fused_kernel
+
+    if num_tokens == 0:
+        return
+    t1, t2 = dw.l1_tile, dw.l2_tile
+    w = buf.max_work(num_tokens)
+    if cfg.l1_warps != cfg.l2_warps:
+        raise ValueError(f"a fused launch has one warp count, got l1_warps={cfg.l1_warps}, l2_warps={cfg.l2_warps}")
+    grid = (w * (dw.intermediate // t1.bn) + w * (dw.hidden // t2.bn),)
+    done, cnt, err = buf.counters[:w], buf.counters[w:-1], buf.counters[-1:]
+    fused_kernel[grid](
+        dw.l1_words, dw.l1_scales, buf.x32, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
+        buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_x, buf.l2_sf, float(clamp),
+        dw.l2_words, dw.l2_scales, buf.slot_out, buf.slot_row, buf.y.view(torch.int16), done, cnt, err, w,
+        H=dw.hidden, I=dw.intermediate, BN1=t1.bn, G1=t1.groups, BN2=t2.bn, G2=t2.groups, K=buf.num_topk,
+        BLOCK_M=cfg.block_m, STORE_L1=cfg.store_l1, ASM=not buf.interpret, MAX_SPIN=cfg.max_spin,
+        **_kw(cfg.l1_warps, buf.interpret),
+    )
 
 
 # ------------------------------------------------------------------------------------------- twins

@@ -1,5 +1,6 @@
-"""The whole decode path on staged inputs: ``moe_decode`` (four Triton launches) beside ``moe_decode_torch``
-(the twins of the same four stages). Both read a ``DecodeBuffers`` that ``stage`` filled and write y.
+"""The whole decode path on staged inputs: ``moe_decode`` (four Triton launches, or two with
+``LaunchConfig.fused``: routing, then L1 + L2 + combine in one, ``triton_fused.py``) beside
+``moe_decode_torch`` (the twins of the four stages). Both read a ``DecodeBuffers`` that ``stage`` filled.
 
     route    topk_idx, topk_weights, x_q -> pool order, work items, x32      (routing.py)
     l1       gate/up GEMV, SwiGLU, routing weight, FP8 requant per 32      (gemv.py)
@@ -36,6 +37,7 @@ class DecodeBuffers:
         row_token int32 [S], row_weight fp32 [S], slot_row int32 [S]
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
+        counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
     """
 
     x_q: torch.Tensor
@@ -56,6 +58,7 @@ class DecodeBuffers:
     l2_sf: torch.Tensor
     slot_out: torch.Tensor
     y: torch.Tensor
+    counters: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
 
@@ -87,6 +90,7 @@ class DecodeBuffers:
             seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
             slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
             l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
+            counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 
@@ -106,7 +110,7 @@ class DecodeBuffers:
         """Every output region to NaN / 0x7F bytes, so that an element no stage wrote shows."""
         for f in fields(self):
             t = getattr(self, f.name)
-            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights"):
+            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters"):
                 if t.dtype.is_floating_point:
                     t.fill_(float("nan"))
                 else:
@@ -126,9 +130,12 @@ def moe_decode(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int, clamp: fl
     ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf)
-    gemv.l1(dw, buf, num_tokens, clamp, cfg)
-    gemv.l2(dw, buf, num_tokens, cfg)
-    gemv.combine(buf, num_tokens, buf.num_topk, cfg)
+    if cfg.fused:
+        gemv.fused(dw, buf, num_tokens, clamp, cfg)
+    else:
+        gemv.l1(dw, buf, num_tokens, clamp, cfg)
+        gemv.l2(dw, buf, num_tokens, cfg)
+        gemv.combine(buf, num_tokens, buf.num_topk, cfg)
     return buf.y[:num_tokens]
 
 

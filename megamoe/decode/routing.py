@@ -12,6 +12,8 @@ for the first T tokens and the local experts [expert_lo, expert_lo + E_l):
     touched[j], seg_start[j], seg_count[j]   work item j < num_touched: the j-th touched expert (local
                                     index, ascending), its first pool row, its number of rows
     x32 [T, H] fp32                 the e4m3 values of x_q (exact)
+    counters                        zeroed (the fused launch's done / tile counts and error flag)
+    y[t]                            zeroed for every token t with no local slot (nothing else writes it when fused)
 
 Entries past these counts are left as they were (the kernels never read them).
 """
@@ -37,6 +39,8 @@ def route_kernel(
     idx_ptr, tw_ptr, xq_ptr,  # int64 [C, K], fp32 [C, K], uint8 [C, H]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,  # int32 [1], [W], [W], [W]
     row_token_ptr, row_weight_ptr, slot_row_ptr, x32_ptr,  # int32 [S], fp32 [S], int32 [C * K], fp32 [C, H]
+    zero_ptr, n_zero,  # int32 counters of the fused launch (and its error flag), zeroed by program 0
+    y_ptr,  # int16 (bf16 bits) [C, H]: rows of tokens with no local slot are zeroed (the fused launch skips them)
     T, expert_lo, num_local,
     K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, H: tl.constexpr, X_BLOCK: tl.constexpr,
 ):
@@ -46,6 +50,12 @@ def route_kernel(
         m = offs < T * H
         code = tl.load(xq_ptr + offs, mask=m, other=0)
         tl.store(x32_ptr + offs, e4m3_to_f32(code), mask=m)
+        tok = offs // H
+        routed = tl.zeros([X_BLOCK], tl.int1)
+        for k in tl.static_range(K):
+            ek = tl.load(idx_ptr + tok * K + k, mask=m, other=-1).to(tl.int32) - expert_lo
+            routed = routed | ((ek >= 0) & (ek < num_local))
+        tl.store(y_ptr + offs, tl.zeros([X_BLOCK], tl.int16), mask=m & ~routed)
     else:
         s = tl.arange(0, S_PAD)
         in_step = s < T * K
@@ -71,6 +81,11 @@ def route_kernel(
         tl.store(seg_start_ptr + j, start, mask=touched)
         tl.store(seg_count_ptr + j, counts, mask=touched)
         tl.store(num_touched_ptr, tl.sum(touched.to(tl.int32), axis=0))
+        z = 0
+        while z < n_zero:  # a while loop: the interpreter cannot range() over a runtime int
+            zi = z + tl.arange(0, 1024)
+            tl.store(zero_ptr + zi, tl.zeros([1024], tl.int32), mask=zi < n_zero)
+            z += 1024
 
 
 def _pow2(n: int) -> int:
@@ -89,7 +104,9 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
     grid = (1 + triton.cdiv(num_tokens * h, X_BLOCK),)
     route_kernel[grid](
         topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
-        out.row_token, out.row_weight, out.slot_row, out.x32, num_tokens, expert_lo, num_local,
+        out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel(), out.y.view(torch.int16),
+        num_tokens,
+        expert_lo, num_local,
         K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK,
     )
 
@@ -117,3 +134,6 @@ def route_torch(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, nu
     out.seg_start[:w] = starts[ex].to(torch.int32)
     out.seg_count[:w] = counts[ex].to(torch.int32)
     out.x32[:num_tokens] = x_q[:num_tokens].float()
+    out.counters.zero_()
+    routed = valid.view(num_tokens, k).any(dim=1)
+    out.y[:num_tokens][~routed] = 0

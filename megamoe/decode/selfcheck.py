@@ -35,12 +35,14 @@ class DecodeCase:
     routing: str = "uniform"  # uniform | masked | skewed | allmasked
     bn2: int = 32
     broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
+    fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
     seed: int = 0
 
     @property
     def id(self) -> str:
         parts = [self.geometry, f"T{self.tokens}", f"bm{self.block_m}", f"bn2-{self.bn2}"]
         parts += [self.routing] if self.routing != "uniform" else []
+        parts += ["fused"] if self.fused else []
         parts += [f"BROKEN-{self.broken}"] if self.broken else []
         return "-".join(parts)
 
@@ -61,6 +63,7 @@ CPU_CASES = (
     DecodeCase("tiny", 4, 2, "masked", bn2=128, seed=2),
     DecodeCase("tiny", 6, 4, "skewed", bn2=256, seed=3),
     DecodeCase("wide", 2, 2, "allmasked", bn2=512, seed=4),
+    DecodeCase("tiny", 5, 2, "masked", bn2=64, fused=True, seed=7),
     DecodeCase("tiny", 3, 1, broken="gate-up-swapped", bn2=256, seed=5),
     DecodeCase("tiny", 3, 1, broken="l2-scale-off-by-one", bn2=256, seed=6),
 )
@@ -82,7 +85,8 @@ def _decode_weights(name: str, device: str, bn2: int):
     return prepare_decode_weights(case_weights(name, device), *default_tiles(g.hidden, g.intermediate, bn2=bn2))
 
 _STAGE_FIELDS = {
-    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32"),
+    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32",
+              "y_unrouted"),
     "l1": ("l1_out", "l2_q", "l2_x", "l2_sf"),
     "l2": ("slot_out",),
     "combine": ("y",),
@@ -91,6 +95,8 @@ _STAGE_FIELDS = {
 
 def _written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
     """The part of a buffer a launch of t tokens writes (rows past it must keep their poison)."""
+    if name == "y_unrouted":  # the rows route zeroes: tokens with no local slot
+        return buf.y[:t][~(buf.slot_row[: t * buf.num_topk].view(t, -1) >= 0).any(dim=1)]
     n = int((buf.slot_row[: t * buf.num_topk] >= 0).sum()) if name not in ("x32", "y", "num_touched") else 0
     w = int(buf.num_touched[0])
     rows = {"num_touched": 1, "touched": w, "seg_start": w, "seg_count": w, "x32": t, "y": t,
@@ -123,7 +129,8 @@ def make_case(case: DecodeCase, device):
 
 def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     """Stage by stage (Triton vs twin, from the same inputs), then the whole path vs the reference; with
-    ``repeat``, the whole path once more from poisoned buffers, which must give the same bits."""
+    ``repeat`` (always for a fused case), the whole path once more from poisoned buffers (fused when the case
+    says so), which must give the same bits."""
     from ..reference import moe_forward
 
     t0 = time.time()
@@ -162,10 +169,11 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     row["nan"] = int(torch.isnan(y.float()).sum())
     if case.routing == "allmasked":
         row["masked_rows_zero"] = bool((y[0].float() == 0).all())
-    if repeat:
+    if repeat or case.fused:
         buf.poison_()
-        y2 = moe_decode(dw, buf, t, g.clamp, cfg).clone()
+        y2 = moe_decode(dw, buf, t, g.clamp, dataclasses.replace(cfg, fused=case.fused)).clone()
         row["repeat_identical"] = not first_mismatch(y2, y)
+        row["wait_gave_up"] = int(buf.counters[-1])
     row["seconds"] = round(time.time() - t0, 2)
     return row
 
@@ -177,6 +185,7 @@ def passed(row: dict) -> bool:
         return row["calc_diff"] > 1e-3
     stages_ok = not any(row[s] for s in _STAGE_FIELDS)
     return (stages_ok and row["bitwise_frac"] == 1.0 and row.get("repeat_identical", True) and row["poison_kept"]
+            and not row.get("wait_gave_up")
             and row["nan"] == 0 and row.get("masked_rows_zero", True))
 
 
