@@ -11,8 +11,10 @@
     from kineto (torch.profiler) over 30 replays; bytes each launch moves and its GB/s.
 (c) the size-aware ceiling: a plain Triton kernel that reads exactly the bytes of the touched experts
     (contiguous, int32 x 4 per thread), timed the same way.
-(d) variants (same numerics, different tiles/warps/tokens per pass), timed the same way for --var-s seconds:
-    where one stops winning, bytes / GB/s / time per launch say why.
+(d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s:
+    fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn64 (64 L2
+    rows per program), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s /
+    time per launch say why.
 FlashInfer is not run here (its JIT build takes minutes): its times from issue 25 are printed beside.
 Results: $OUT/decode_probe.json; a short table is printed last. Budget < 3 minutes (--deadline).
 """
@@ -43,7 +45,7 @@ from megamoe.testing import first_mismatch, make_inputs  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 FLASHINFER_US = {1: 73.5, 8: 225.0, 32: 537.0}  # issue 25's table (one H200, same geometry, megamoe bench)
-KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "combine_kernel")
+KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "combine_kernel", "fused_kernel")
 T0 = time.time()
 
 
@@ -110,9 +112,11 @@ def launch_bytes(g, t: int, touched: int, slots: int, dw) -> dict:
     e = dw.l1_words[0].numel() * 4 + dw.l1_scales[0].numel()
     e2 = dw.l2_words[0].numel() * 4 + dw.l2_scales[0].numel()
     h, i, k = g.hidden, g.intermediate, g.num_topk
-    return {"route_kernel": t * k * 12 + t * h * 5 + slots * 8, "l1_kernel": touched * e + t * h * 4 + slots * i * 9,
-            "l2_kernel": touched * e2 + slots * i * 4 + slots * h * 2, "combine_kernel": slots * h * 2 + t * h * 2,
-            "weights": touched * (e + e2)}
+    out = {"route_kernel": t * k * 12 + t * h * 5 + slots * 8, "l1_kernel": touched * e + t * h * 4 + slots * i * 9,
+           "l2_kernel": touched * e2 + slots * i * 4 + slots * h * 2, "combine_kernel": slots * h * 2 + t * h * 2,
+           "weights": touched * (e + e2)}
+    out["fused_kernel"] = out["l1_kernel"] + out["l2_kernel"] + out["combine_kernel"]
+    return out
 
 
 def staged_buffers(g, t: int, device) -> tuple:
@@ -150,7 +154,8 @@ def main() -> int:
     variants = {}
     try:
         dw64 = prepare_decode_weights(w, dw.l1_tile, TileShape(64, dw.l2_tile.groups))
-        variants = {"warps8": (dw, dict(l1_warps=8, l2_warps=8)), "l2-bn64": (dw64, {}), "bm-alt": (dw, "alt")}
+        variants = {"fused": (dw, dict(fused=True)), "warps8": (dw, dict(l1_warps=8, l2_warps=8)),
+                    "l2-bn64": (dw64, {}), "bm-alt": (dw, "alt")}
     except Exception:  # noqa: BLE001
         res["errors"].append(traceback.format_exc())
     print(f"[decode] weights ready at {elapsed():.0f} s", flush=True)
@@ -198,11 +203,14 @@ def main() -> int:
                     vcfg = LaunchConfig(block_m=1 if cfg.block_m != 1 else 2)
                 else:
                     vcfg = LaunchConfig(block_m=cfg.block_m, **kw)
+                buf.y.fill_(float("nan"))
                 yv = moe_decode(dwv, buf, t, g.clamp, vcfg).clone()
+                gave_up = int(buf.counters[-1])
                 vt = time_replays(lambda: moe_decode(dwv, buf, t, g.clamp, vcfg), args.var_s, flush)
                 vk = kineto_us(vt.pop("graph"), flush)
                 res["variants"].append({"tokens": t, "variant": name, "config": vcfg.__dict__, "graph": vt,
-                                        "kineto_us": vk, "same_bits": not first_mismatch(yv, y0)})
+                                        "kineto_us": vk, "same_bits": not first_mismatch(yv, y0),
+                                        "wait_gave_up": gave_up or int(buf.counters[-1])})
             print(f"[decode] T={t} {tm['median_us']:.1f} us (read {rd['median_us']:.1f}) ({elapsed():.0f} s)", flush=True)
         except Exception:  # noqa: BLE001
             res["errors"].append(f"T={t} timing: {traceback.format_exc()}")
@@ -218,7 +226,7 @@ def print_table(res: dict) -> None:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     print(f"\n{res['device']}, torch {res['torch']}, triton {res['triton']}, {res['geometry']}, {res.get('total_s')} s")
-    print("| T | experts | weight MB | decode us | route/l1/l2/combine us (kineto) | read us | of read | GB/s "
+    print("| T | experts | weight MB | decode us | route/l1/l2/combine/fused us (kineto) | read us | of read | GB/s "
           "| FlashInfer us (issue) | speedup | calc_diff | bitwise | repeat | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
@@ -230,11 +238,12 @@ def print_table(res: dict) -> None:
               f"| {f(r.get('calc_diff'), '{:.1e}')} | {f(r.get('bitwise_frac'), '{:.4f}')} | {r.get('repeat_identical', '-')} "
               f"| {r.get('correct', '-')} |")
     if res["variants"]:
-        print("\n| T | variant | us | l1/l2 us (kineto) | same bits |\n|---|---|---|---|---|")
+        print("\n| T | variant | us | route/l1/l2/combine/fused us (kineto) | same bits | wait gave up |")
+        print("|---|---|---|---|---|---|")
         for v in res["variants"]:
             k = v["kineto_us"]
-            print(f"| {v['tokens']} | {v['variant']} | {f(v['graph']['median_us'])} | {f(k.get('l1_kernel'))}/"
-                  f"{f(k.get('l2_kernel'))} | {v['same_bits']} |")
+            print(f"| {v['tokens']} | {v['variant']} | {f(v['graph']['median_us'])} | "
+                  f"{'/'.join(f(k.get(n)) for n in KERNELS)} | {v['same_bits']} | {v.get('wait_gave_up', '-')} |")
     if res["errors"]:
         print(f"\n{len(res['errors'])} error(s); first:\n{res['errors'][0][-1500:]}")
 
