@@ -72,7 +72,15 @@ def plain_read(src_words: torch.Tensor, nbytes: int, out: torch.Tensor):
 
 
 def time_replays(fn, min_s: float, flush: L2Flusher) -> dict:
-    """Capture fn in a CUDA graph; replay (L2 flushed before each, outside the events) for >= min_s."""
+    """Capture fn in a CUDA graph; replay (L2 flushed before each, outside the events) for >= min_s.
+    Without a GPU (a dry run of this script under TRITON_INTERPRET=1): three timed calls, no graph."""
+    if not torch.cuda.is_available():
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        return {"median_us": statistics.median(ts), "p10_us": min(ts), "p90_us": max(ts), "replays": 3, "graph": None}
     gs = GraphSet(fn, None, warmup=3)
     samples = []
     t_end = time.time() + min_s
@@ -93,6 +101,8 @@ def kineto_us(gs: GraphSet, flush: L2Flusher, replays: int = 30) -> dict:
     """Mean device time per replay of each kernel in the graph (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if gs is None:
+        return {}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             flush()
@@ -135,21 +145,23 @@ def main() -> int:
     ap.add_argument("--var-s", type=float, default=0.3, help="seconds of replays per variant and plain read")
     ap.add_argument("--deadline", type=float, default=165.0, help="skip what is left past this many seconds")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--geometry", default="dsv4-flash", help="a preset; 'tiny' with --device cpu is a dry run")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    dev = torch.device("cuda")
-    g = get_geometry("dsv4-flash")
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    dev = torch.device(args.device)
+    g = get_geometry(args.geometry)
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
            "geometry": g.name, "rows": [], "variants": [], "errors": []}
 
     def save():
         with open(os.path.join(args.out, "decode_probe.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    w = case_weights("dsv4-flash", "cuda")  # the same random MXFP4 experts selfcheck uses
+    w = case_weights(args.geometry, str(dev))  # the same random MXFP4 experts selfcheck uses
     dw = prepare_decode_weights(w)
     res["prepare_s"] = round(elapsed(), 1)
-    flush = L2Flusher(dev)
+    flush = L2Flusher(dev) if dev.type == "cuda" else (lambda: None)
     sink = torch.empty(1 << 16, dtype=torch.int32, device=dev)
     variants = {}
     try:
@@ -164,7 +176,7 @@ def main() -> int:
         row = {"tokens": t}
         res["rows"].append(row)
         try:
-            c = run_case(DecodeCase("dsv4-flash", t, default_block_m(t), seed=t), "cuda")
+            c = run_case(DecodeCase(args.geometry, t, default_block_m(t), seed=t), str(dev))
             row.update({k: c[k] for k in ("route", "l1", "l2", "combine", "poison_kept", "calc_diff", "bitwise_frac",
                                           "repeat_identical", "nan")})
             row["correct"] = passed(c)
