@@ -156,3 +156,20 @@ def test_decode_probe_bytes_and_table(weights_for, capsys):
                                      "kineto_us": {}, "same_bits": True}]})
     out = capsys.readouterr().out
     assert "| 8 | 44 | 588.2 | 170.0 |" in out and "1.32x" in out and "| 64 | - |" in out
+
+
+def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
+    from megamoe.fused.matrix import default_cases
+    from megamoe.fused.megamoe_decode import MegaMoEDecode, default_block_m
+    from megamoe.fused.registry import BACKENDS
+
+    assert BACKENDS["megamoe-decode"] is MegaMoEDecode and MegaMoEDecode.recipe is MEGAMOE_DECODE
+    assert MegaMoEDecode.graph_capturable and MegaMoEDecode.allows_zero_tokens
+    with pytest.raises(ValueError, match="at most 64 tokens per rank"):
+        MegaMoEDecode("dsv4-flash", capacity=65)
+    be = MegaMoEDecode("dsv4-flash", capacity=64)
+    assert [be.plan(t).block_m for t in (1, 16, 17, 64)] == [1, 1, 2, 2] == [default_block_m(t) for t in (1, 16, 17, 64)]
+    be.set_force_block_m(4)
+    assert be.plan(1).block_m == 4 and be.plan(1).forced
+    cases = default_cases("megamoe-decode", be.legal_block_ms(), True, max_tokens=MegaMoEDecode.max_tokens_per_rank)
+    assert cases and max(c.launch_tokens for c in cases) == 64
