@@ -169,6 +169,13 @@ def _half_step(w0, w1, w2, w3, sb, xp0, xp1, xp2, xp3, a0, a1, a2, a3, sfp0, sfp
 
 
 @triton.jit
+def _pass_row(start, m0, M: tl.constexpr, count):
+    """Pool row of token M of the pass that starts at the expert's row m0; past the expert's count the
+    spare token redoes row 0 (computed, never stored)."""
+    return (start + tl.where(m0 + M < count, m0 + M, 0)).to(tl.int64)
+
+
+@triton.jit
 def _bf16_bits(v):
     """float32 -> bfloat16 bits (int16), round to nearest even (finite inputs)."""
     b = v.to(tl.int32, bitcast=True)
@@ -226,12 +233,10 @@ def l1_program(
         widx = ri * G + gi  # [BN, G] word of one (half, wig) block
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
-            rows = start + m0 + tl.arange(0, 4)
-            rows = tl.where(m0 + tl.arange(0, 4) < count, rows, start)  # spare lanes redo row 0
-            r0 = tl.sum(tl.where(tl.arange(0, 4) == 0, rows, 0), axis=0)
-            r1 = tl.sum(tl.where(tl.arange(0, 4) == 1, rows, 0), axis=0)
-            r2 = tl.sum(tl.where(tl.arange(0, 4) == 2, rows, 0), axis=0)
-            r3 = tl.sum(tl.where(tl.arange(0, 4) == 3, rows, 0), axis=0)
+            r0 = _pass_row(start, m0, 0, count)
+            r1 = _pass_row(start, m0, 1, count)
+            r2 = _pass_row(start, m0, 2, count)
+            r3 = _pass_row(start, m0, 3, count)
             t0 = tl.load(row_token_ptr + r0).to(tl.int64)
             t1 = tl.load(row_token_ptr + r1).to(tl.int64)
             t2 = tl.load(row_token_ptr + r2).to(tl.int64)
@@ -312,12 +317,10 @@ def l2_program(
         n = t * BN + tl.arange(0, BN)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
-            rows = start + m0 + tl.arange(0, 4)
-            rows = tl.where(m0 + tl.arange(0, 4) < count, rows, start)
-            r0 = tl.sum(tl.where(tl.arange(0, 4) == 0, rows, 0), axis=0).to(tl.int64)
-            r1 = tl.sum(tl.where(tl.arange(0, 4) == 1, rows, 0), axis=0).to(tl.int64)
-            r2 = tl.sum(tl.where(tl.arange(0, 4) == 2, rows, 0), axis=0).to(tl.int64)
-            r3 = tl.sum(tl.where(tl.arange(0, 4) == 3, rows, 0), axis=0).to(tl.int64)
+            r0 = _pass_row(start, m0, 0, count)
+            r1 = _pass_row(start, m0, 1, count)
+            r2 = _pass_row(start, m0, 2, count)
+            r3 = _pass_row(start, m0, 3, count)
             a0 = tl.zeros([BN], tl.float32)
             a1 = tl.zeros([BN], tl.float32)
             a2 = tl.zeros([BN], tl.float32)
