@@ -80,7 +80,8 @@ def case_weights(name: str, device: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _decode_weights(name: str, device: str, bn2: int):
+def case_decode_weights(name: str, device: str, bn2: int = 32):
+    """``case_weights`` prepared for the kernel with an L2 tile of bn2 rows (cached)."""
     g = geometry_of(name)
     return prepare_decode_weights(case_weights(name, device), *default_tiles(g.hidden, g.intermediate, bn2=bn2))
 
@@ -115,7 +116,7 @@ def make_case(case: DecodeCase, device):
 
     g = geometry_of(case.geometry)
     w = case_weights(case.geometry, str(device))
-    dw = _decode_weights(case.geometry, str(device), case.bn2)
+    dw = case_decode_weights(case.geometry, str(device), case.bn2)
     if case.broken == "gate-up-swapped":
         dw = dataclasses.replace(dw, l1_words=dw.l1_words.flip(3).contiguous(), l1_scales=dw.l1_scales.flip(3).contiguous())
     elif case.broken == "l2-scale-off-by-one":
@@ -203,4 +204,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "case_weights", "make_case", "run_case", "passed"]
+__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "case_weights", "case_decode_weights", "make_case", "run_case",
+           "passed"]
