@@ -12,8 +12,8 @@
 (c) the size-aware ceiling: a plain Triton kernel that reads exactly the bytes of the touched experts
     (contiguous, int32 x 4 per thread), timed the same way.
 (d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s:
-    fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn64 (64 L2
-    rows per program), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s /
+    fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2
+    rows per program instead of 64), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s /
     time per launch say why.
 FlashInfer is not run here (its JIT build takes minutes): its times from issue 25 are printed beside.
 Results: $OUT/decode_probe.json; a short table is printed last. Budget < 3 minutes (--deadline).
@@ -159,15 +159,15 @@ def main() -> int:
             json.dump(res, f, indent=1, default=str)
 
     case_weights(args.geometry, str(dev))  # the random MXFP4 experts (cached: selfcheck's cases use them too)
-    dw = case_decode_weights(args.geometry, str(dev), 32)
+    dw = case_decode_weights(args.geometry, str(dev), 64)
     res["prepare_s"] = round(elapsed(), 1)
     flush = L2Flusher(dev) if dev.type == "cuda" else (lambda: None)
     sink = torch.empty(1 << 16, dtype=torch.int32, device=dev)
     variants = {}
     try:
-        dw64 = case_decode_weights(args.geometry, str(dev), 64)
+        dw32 = case_decode_weights(args.geometry, str(dev), 32)
         variants = {"fused": (dw, dict(fused=True)), "warps8": (dw, dict(l1_warps=8, l2_warps=8)),
-                    "l2-bn64": (dw64, {}), "bm-alt": (dw, "alt")}
+                    "l2-bn32": (dw32, {}), "bm-alt": (dw, "alt")}
     except Exception:  # noqa: BLE001
         res["errors"].append(traceback.format_exc())
     print(f"[decode] weights ready at {elapsed():.0f} s", flush=True)

@@ -33,7 +33,7 @@ class DecodeCase:
     tokens: int
     block_m: int = 1
     routing: str = "uniform"  # uniform | masked | skewed | allmasked
-    bn2: int = 32
+    bn2: int = 64
     broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
     fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
     seed: int = 0
@@ -80,7 +80,7 @@ def case_weights(name: str, device: str):
 
 
 @functools.lru_cache(maxsize=4)
-def case_decode_weights(name: str, device: str, bn2: int = 32):
+def case_decode_weights(name: str, device: str, bn2: int = 64):
     """``case_weights`` prepared for the kernel with an L2 tile of bn2 rows (cached)."""
     g = geometry_of(name)
     return prepare_decode_weights(case_weights(name, device), *default_tiles(g.hidden, g.intermediate, bn2=bn2))
