@@ -83,7 +83,8 @@ class MegaMoEDecode(FusedBackend):
         self.buf = DecodeBuffers.allocate(self.g, self.capacity, self.device)
 
     def _build_job(self, num_tokens: int):
-        """Triton compiles per specialization (constexprs, and T == 1 or not): launch once on padding."""
+        """Triton compiles per specialization (constexprs, and whether int arguments such as T and W are 1 or
+        multiples of 16): launch once on padding for every token count, so that a capture compiles nothing."""
         cfg = self.launch_config(num_tokens)
 
         def warm() -> None:
@@ -91,7 +92,7 @@ class MegaMoEDecode(FusedBackend):
             self.launch(num_tokens)
             torch.cuda.synchronize()
 
-        return ("decode", num_tokens == 1, cfg), warm
+        return ("decode", num_tokens, cfg), warm
 
     def build(self, token_counts, max_workers: int = 8) -> int:
         return super().build(token_counts, max_workers=1)  # launches share the buffers: one at a time
