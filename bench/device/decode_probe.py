@@ -66,6 +66,8 @@ def read_kernel(src, out, n_words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 def plain_read(src_words: torch.Tensor, nbytes: int, out: torch.Tensor):
     n = nbytes // 4
+    if n > src_words.numel():
+        raise ValueError(f"the plain read wants {n} words but its source holds {src_words.numel()}")
     chunk = 16384  # 64 KB per program
     grid = (triton.cdiv(n, chunk),)
     return lambda: read_kernel[grid](src_words, out, n, CHUNK=chunk, BLOCK=2048, num_warps=4)
@@ -163,6 +165,9 @@ def main() -> int:
     res["prepare_s"] = round(elapsed(), 1)
     flush = L2Flusher(dev) if dev.type == "cuda" else (lambda: None)
     sink = torch.empty(1 << 16, dtype=torch.int32, device=dev)
+    # What the plain read streams: as many bytes as all experts hold (the most any step can touch).
+    read_src = torch.empty(g.num_experts * launch_bytes(g, 1, 1, 1, dw)["weights"] // 4, dtype=torch.int32,
+                           device=dev)
     variants = {}
     try:
         dw32 = case_decode_weights(args.geometry, str(dev), 32)
@@ -199,7 +204,7 @@ def main() -> int:
                        launch_gbps={k: nb[k] / (kin[k] * 1e3) for k in KERNELS if kin.get(k)})
             row["kernels_us"] = sum(kin.get(k, 0.0) for k in KERNELS)
             row["gbps"] = nb["weights"] / (tm["median_us"] * 1e3)
-            rd = time_replays(plain_read(dw.l1_words.view(-1), nb["weights"], sink), args.var_s, flush)
+            rd = time_replays(plain_read(read_src, nb["weights"], sink), args.var_s, flush)
             rd_k = kineto_us(rd.pop("graph"), flush)
             row["read"] = {**rd, "kineto_us": rd_k.get("read_kernel"), "gbps": nb["weights"] / (rd["median_us"] * 1e3)}
             row["of_read"] = tm["median_us"] / rd["median_us"]
