@@ -9,7 +9,7 @@ Pipeline stages and the recipe fields that steer them:
     decode weights  weight_format, weight_decode          (MXFP4 -> the e4m3 value the MMA reads)
     L1 GEMM         promote_k, accum, mma, accumulate     (per-K-block promotion of x_sf, FP32 acc)
     global scales   global_scales                         (gs1 on L1 acc before the clamp, gs2 on L2)
-    SwiGLU          gate_up_bf16                          (round gate/up to bf16 first: SM100 only)
+    SwiGLU          gate_up_bf16, silu_exp                (round gate/up to bf16 first: SM100 only; the exp)
     L2 requant      l2_group, l2_scale, l2_amax_floor     (routing weight folded in before this)
     L2 GEMM         slot_output_bf16                      (bf16 per (token, slot))
     combine         combine_bf16                          (FP32 slot-ordered sum, one bf16 rounding)
@@ -27,6 +27,7 @@ WEIGHT_DECODES = tuple(WEIGHT_DECODERS)  # ("exact", "e4m3_flush_saturate", "e4m
 L2_SCALES = ("pow2_ceil", "continuous")
 MMA_MODELS = ("exact-block", "sm90-fp8-tc")
 ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
+SILU_EXPS = ("fp32", "fp64-rounded")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class Recipe:
     l2_scale:
         ``pow2_ceil``   sf = 2**ceil(log2(amax * fl32(1/448))), amax 0 -> sf 0
         ``continuous``  sf = max(amax, l2_amax_floor) * fl32(1/448)
+    silu_exp:
+        ``fp32``          exp(-g) in FP32 (each device's own exp: not bit-reproducible across devices)
+        ``fp64-rounded``  exp(-g) in float64, rounded once to FP32 (devices agree unless their float64
+                          exp straddles an FP32 rounding boundary: ~2**-28 per element)
     """
 
     name: str
@@ -52,6 +57,7 @@ class Recipe:
     promote_k: int = 128
     global_scales: bool = False
     gate_up_bf16: bool = False
+    silu_exp: str = "fp32"
     l2_group: int | None = 128  # None: no requant, L2 reads FP32 activations
     l2_scale: str = "pow2_ceil"
     l2_amax_floor: float = 0.0
@@ -83,6 +89,8 @@ class Recipe:
             raise ValueError(f"accumulate must be one of {ACCUMULATE_MODES}, got {self.accumulate!r}")
         if self.mma not in MMA_MODELS:
             raise ValueError(f"mma must be one of {MMA_MODELS}, got {self.mma!r}")
+        if self.silu_exp not in SILU_EXPS:
+            raise ValueError(f"silu_exp must be one of {SILU_EXPS}, got {self.silu_exp!r}")
         if self.x_scale not in ("fp32", "ue8m0"):
             raise ValueError(f"x_scale must be 'fp32' or 'ue8m0', got {self.x_scale!r}")
         if self.l2_group is not None and (self.l2_group <= 0 or 128 % self.l2_group and self.l2_group % 128):
@@ -144,8 +152,33 @@ DEEPGEMM_SM100_FP4 = Recipe(
     l2_scale="pow2_ceil",
 )
 
+MEGAMOE_DECODE = Recipe(
+    name="megamoe-decode",
+    kernel="megamoe.decode (Triton, FP64-exact block sums on CUDA cores; 1..64 tokens per rank)",
+    # Where it rounds, in order (megamoe/decode/triton_gemv.py; docs/decode-kernel.md):
+    #  1. x staged as DeepGEMM's per_token_cast_to_fp8 (e4m3 + FP32 scale per 128), like every kernel here.
+    #  2. Weights decoded exactly: e2m1 * 2**(s - 127), any E8M0 byte but 0xFF; no global scales (folded).
+    #  3. L1 per 128-K block: the exact sum of x_q * w (float64, exact when the block's scale bytes
+    #     span <= 24 binades: checked at prepare), rounded once to FP32; promoted in ascending K as
+    #     acc = fl32(fl64(acc + x_sf * block)) (the reference's emulated FMA, bit for bit).
+    #  4. SwiGLU in FP32: g = min(g, clamp), u = clamp(u, -clamp, clamp), e = fl32(exp64(-g)),
+    #     v = (g * (1 / (1 + e))) * u with IEEE division, then v * topk_weight (before the requant).
+    #  5. Requant per token per 32 channels: sf = max(amax, fl32(1e-10)) * fl32(1/448), q = e4m3 RTNE of
+    #     v * (1 / sf), clamped to +-448.
+    #  6. L2 the same as 3 with 32-K blocks (one L2 scale per block), then bf16 RTNE per (token, slot).
+    #  7. Combine: FP32 sum over the slots in ascending slot order, masked skipped, one bf16 rounding.
+    weight_decode="exact",
+    l2_group=32,
+    l2_scale="continuous",
+    l2_amax_floor=1e-10,
+    silu_exp="fp64-rounded",
+    max_scale_byte=252,  # 6 * 2**(253 - 127) overflows FP32, where the reference dequantizes
+    verified="CPU: Triton interpreter bit-identical to this recipe (tests/test_decode.py); H200: pending",
+)
+
 RECIPES: dict[str, Recipe] = {
-    r.name: r for r in (EXACT, FLASHINFER_MXFP4, DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, DEEPGEMM_SM100_FP4)
+    r.name: r for r in (EXACT, FLASHINFER_MXFP4, DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, DEEPGEMM_SM100_FP4,
+                        MEGAMOE_DECODE)
 }
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megamoe.check as check_mod
+from megamoe.check import DEFAULT_RECIPES
 from megamoe.cli import main
 
 
@@ -25,7 +26,7 @@ def test_check_tiny_ep_passes(tmp_path, capsys):
     assert rep["ok"] and rep["ranks"] == 2 and sum(rep["tokens_per_rank"]) == 11
     assert len(rep["expert_rows"]) == 8 and rep["histogram"]["max"] >= rep["histogram"]["min"]
     ys = [e for e in rep["errors"] if e["stage"] == "y"]
-    assert len(ys) == 4 and all(0 < e["calc_diff"] < 5e-3 for e in ys)
+    assert {e["recipe"] for e in ys} == set(DEFAULT_RECIPES) and all(0 < e["calc_diff"] < 5e-3 for e in ys)
 
 
 def test_check_fails_when_ep_differs_from_one_rank(monkeypatch, capsys):

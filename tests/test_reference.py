@@ -491,9 +491,9 @@ def check_against_oracle(case: RefCase, recipe: str) -> None:
 
 
 def _gate_up_swapped(mp):
-    def swapped(h, clamp, gate_up_bf16=False):
+    def swapped(h, clamp, gate_up_bf16=False, silu_exp="fp32"):
         i = h.shape[1] // 2
-        return _swiglu(torch.cat([h[:, i:], h[:, :i]], dim=1), clamp, gate_up_bf16)
+        return _swiglu(torch.cat([h[:, i:], h[:, :i]], dim=1), clamp, gate_up_bf16, silu_exp)
     mp.setattr(pipeline_mod, "swiglu", swapped)
 
 

@@ -63,7 +63,14 @@ class Case:
         return (self.geometry, self.num_tokens, self.routing, self.weights, self.seed)
 
 
-def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: bool = False) -> list[Case]:
+def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: bool = False,
+                  max_tokens: int | None = None) -> list[Case]:
+    """The matrix of one backend; ``max_tokens`` drops the cases a small-step kernel does not take."""
+    cases = _all_cases(backend_name, legal_block_ms, allows_zero, quick)
+    return cases if max_tokens is None else [c for c in cases if c.launch_tokens <= max_tokens]
+
+
+def _all_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: bool = False) -> list[Case]:
     cases: list[Case] = []
     small_tokens = (1, 2, 7, 64, 128, 300, 512)
     big_tokens = (1, 7, 128, 512, 2048, 8192) if quick else TOKENS
@@ -220,7 +227,8 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
     dev = probe.device  # CUDA for the kernels; a registered external backend may run on the CPU
     backends, refs, rows = {}, {}, []
     if cases is None:
-        cases = default_cases(backend_name, probe.legal_block_ms(), cls.allows_zero_tokens, quick=quick)
+        cases = default_cases(backend_name, probe.legal_block_ms(), cls.allows_zero_tokens, quick=quick,
+                              max_tokens=getattr(cls, "max_tokens_per_rank", None))
     cases = list(cases)
     # One backend (buffer, prepared weights) per (geometry, weights); every plan built before any launch.
     for c in cases:

@@ -133,7 +133,7 @@ def experts_forward(
     del w1
     if gs1 is not None:
         h = h * gs1  # FlashInfer: on the L1 accumulators, before the clamp
-    v = swiglu(h, g.clamp, recipe.gate_up_bf16)
+    v = swiglu(h, g.clamp, recipe.gate_up_bf16, recipe.silu_exp)
     vw = v * weight.to(v.dtype).unsqueeze(-1)  # the routing weight, before the requant
     if recipe.l2_group is None:
         l2_in, l2_sf = vw, None

@@ -21,15 +21,17 @@ from ..formats import E4M3_MAX, e4m3_satfinite, e8m0_to_float, float_to_e8m0
 _INV_448 = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 
 
-def swiglu(h: torch.Tensor, clamp: float, gate_up_bf16: bool = False) -> torch.Tensor:
-    """h [M, 2I] (gate columns then up columns; the logical order, not a kernel's interleave) -> v [M, I]."""
+def swiglu(h: torch.Tensor, clamp: float, gate_up_bf16: bool = False, silu_exp: str = "fp32") -> torch.Tensor:
+    """h [M, 2I] (gate columns then up columns; the logical order, not a kernel's interleave) -> v [M, I].
+    ``silu_exp``: "fp32" (exp in h's dtype) or "fp64-rounded" (exp in float64, rounded once to h's dtype)."""
     i = h.shape[-1] // 2
     g, u = h[..., :i], h[..., i:]
     if gate_up_bf16:
         g, u = g.to(torch.bfloat16).to(h.dtype), u.to(torch.bfloat16).to(h.dtype)
     g = g.clamp(max=clamp)
     u = u.clamp(min=-clamp, max=clamp)
-    return g * (1.0 / (1.0 + torch.exp(-g))) * u
+    e = torch.exp(-g.double()).to(g.dtype) if silu_exp == "fp64-rounded" else torch.exp(-g)
+    return g * (1.0 / (1.0 + e)) * u
 
 
 def requant_fp8(

@@ -1,0 +1,165 @@
+"""Launchers of the decode path's stages beside their torch twins (same name + ``_torch``, same signature,
+the same outputs bit for bit). The kernels are in ``triton_gemv.py``; the buffers in ``moe.py``.
+
+    l1 / l1_torch            routing metadata + x32 -> l1_out (optional), l2_q, l2_x, l2_sf
+    l2 / l2_torch            l2_x, l2_sf -> slot_out (bf16 per pool row)
+    combine / combine_torch  slot_out, slot_row -> y (bf16 per token)
+
+A twin reads the same routing metadata and writes the same buffers, computing each touched expert with
+the reference's own functions (``promoted_gemm``, ``swiglu``, ``requant_fp8``) on the exactly
+dequantized weights: a twin is the recipe, written for the kernel's buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import dequantize_mxfp4
+from ..recipe import MEGAMOE_DECODE
+from ..reference.gemm import promoted_gemm
+from ..reference.swiglu import requant_fp8, swiglu
+from .layout import DecodeWeights, _untile
+from ..formats import pack_e2m1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Per-launch knobs that do not change a bit: tokens per program pass, warps per program."""
+
+    block_m: int = 1
+    l1_warps: int = 4
+    l2_warps: int = 4
+    combine_block: int = 1024
+    store_l1: bool = False
+    fused: bool = False  # L1, L2 and the combine in one launch (triton_fused.py)
+    # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
+    # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
+    max_spin: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (1, 2, 4):
+            raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
+
+
+def _kw(warps: int, interpret: bool) -> dict:
+    return {} if interpret else {"num_warps": warps}
+
+
+def l1(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
+    from .triton_gemv import l1_kernel
+
+    if num_tokens == 0:
+        return
+    t1 = dw.l1_tile
+    grid = (buf.max_work(num_tokens), dw.intermediate // t1.bn)
+    l1_kernel[grid](
+        dw.l1_words, dw.l1_scales, buf.x32, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
+        buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_x, buf.l2_sf, float(clamp),
+        H=dw.hidden, I=dw.intermediate, BN=t1.bn, G=t1.groups, BLOCK_M=cfg.block_m,
+        STORE_L1=cfg.store_l1, ASM=not buf.interpret, **_kw(cfg.l1_warps, buf.interpret),
+    )
+
+
+def l2(dw: DecodeWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
+    from .triton_gemv import l2_kernel
+
+    if num_tokens == 0:
+        return
+    t2 = dw.l2_tile
+    grid = (buf.max_work(num_tokens), dw.hidden // t2.bn)
+    l2_kernel[grid](
+        dw.l2_words, dw.l2_scales, buf.l2_x, buf.l2_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
+        buf.slot_out, H=dw.hidden, I=dw.intermediate, BN=t2.bn, G=t2.groups, L2_GROUP=dw.l1_tile.bn,
+        BLOCK_M=cfg.block_m, ASM=not buf.interpret, **_kw(cfg.l2_warps, buf.interpret),
+    )
+
+
+def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
+    from .triton_gemv import combine_kernel
+
+    if num_tokens == 0:
+        return
+    h = buf.y.shape[1]
+    bh = min(cfg.combine_block, h)
+    combine_kernel[(num_tokens, -(-h // bh))](buf.slot_out, buf.slot_row, buf.y.view(torch.int16), num_tokens,
+                                              H=h, K=num_topk, BH=bh, **_kw(4, buf.interpret))
+
+
+def fused(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
+    """l1, l2 and combine in one launch (same bits); buf.counters[-1] is 1 afterwards if a wait gave up."""
+    from .triton_fused import fused_kernel
+
+    if num_tokens == 0:
+        return
+    t1, t2 = dw.l1_tile, dw.l2_tile
+    w = buf.max_work(num_tokens)
+    if cfg.l1_warps != cfg.l2_warps:
+        raise ValueError(f"a fused launch has one warp count, got l1_warps={cfg.l1_warps}, l2_warps={cfg.l2_warps}")
+    grid = (w * (dw.intermediate // t1.bn) + w * (dw.hidden // t2.bn),)
+    done, cnt, err = buf.counters[:w], buf.counters[w:-1], buf.counters[-1:]
+    fused_kernel[grid](
+        dw.l1_words, dw.l1_scales, buf.x32, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
+        buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_x, buf.l2_sf, float(clamp),
+        dw.l2_words, dw.l2_scales, buf.slot_out, buf.slot_row, buf.y.view(torch.int16), done, cnt, err, w,
+        H=dw.hidden, I=dw.intermediate, BN1=t1.bn, G1=t1.groups, BN2=t2.bn, G2=t2.groups, K=buf.num_topk,
+        BLOCK_M=cfg.block_m, STORE_L1=cfg.store_l1, ASM=not buf.interpret, MAX_SPIN=cfg.max_spin,
+        **_kw(cfg.l1_warps, buf.interpret),
+    )
+
+
+# ------------------------------------------------------------------------------------------- twins
+def expert_dense(dw: DecodeWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's exact float32 weights from the tiles: (w1 [2I, H] gate | up, w2 [H, I])."""
+    c1, s1 = _untile(dw.l1_words[e : e + 1], dw.l1_scales[e : e + 1], 2)
+    c2, s2 = _untile(dw.l2_words[e : e + 1], dw.l2_scales[e : e + 1], 1)
+    return dequantize_mxfp4(pack_e2m1(c1[0]), s1[0]), dequantize_mxfp4(pack_e2m1(c2[0]), s2[0])
+
+
+def _work_items(buf):
+    """[(local expert, pool rows)] of the touched experts, read from the routing metadata."""
+    w = int(buf.num_touched[0])
+    out = []
+    for j in range(w):
+        start, count = int(buf.seg_start[j]), int(buf.seg_count[j])
+        out.append((int(buf.touched[j]), torch.arange(start, start + count, device=buf.x32.device)))
+    return out
+
+
+def l1_torch(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
+    if num_tokens == 0:
+        return
+    r = MEGAMOE_DECODE
+    for e, rows in _work_items(buf):
+        w1, _ = expert_dense(dw, e)
+        tok = buf.row_token[rows].long()
+        h = promoted_gemm(buf.x32[tok], buf.x_sf[tok], w1, None, 128)  # [M, 2I]
+        if cfg.store_l1:
+            buf.l1_out[rows] = h
+        vw = swiglu(h, clamp, False, r.silu_exp) * buf.row_weight[rows].unsqueeze(1)
+        q, sf = requant_fp8(vw, r.l2_group, r.l2_scale, r.l2_amax_floor)
+        buf.l2_q[rows] = q.view(torch.uint8)
+        buf.l2_x[rows] = q.float()
+        buf.l2_sf[rows] = sf
+
+
+def l2_torch(dw: DecodeWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
+    if num_tokens == 0:
+        return
+    g = MEGAMOE_DECODE.l2_group
+    for e, rows in _work_items(buf):
+        _, w2 = expert_dense(dw, e)
+        out = promoted_gemm(buf.l2_x[rows], buf.l2_sf[rows], w2, None, g)
+        buf.slot_out[rows] = out.to(torch.bfloat16).view(torch.int16)
+
+
+def combine_torch(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
+    if num_tokens == 0:
+        return
+    from ..reference.pipeline import combine as reference_combine
+
+    rows = buf.slot_row[: num_tokens * num_topk].view(num_tokens, num_topk).long()
+    filled = rows >= 0
+    slots = buf.slot_out.view(torch.bfloat16)[rows.clamp(min=0)]  # [T, K, H]
+    buf.y[:num_tokens] = reference_combine(slots, filled, MEGAMOE_DECODE)

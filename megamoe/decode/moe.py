@@ -1,0 +1,150 @@
+"""The whole decode path on staged inputs: ``moe_decode`` (four Triton launches, or two with
+``LaunchConfig.fused``: routing, then L1 + L2 + combine in one, ``triton_fused.py``) beside
+``moe_decode_torch`` (the twins of the four stages). Both read a ``DecodeBuffers`` that ``stage`` filled.
+
+    route    topk_idx, topk_weights, x_q -> pool order, work items, x32      (routing.py)
+    l1       gate/up GEMV, SwiGLU, routing weight, FP8 requant per 32      (gemv.py)
+    l2       down GEMV -> bf16 per (token, slot)
+    combine  FP32 slot-ordered sum, one bf16 rounding
+
+No host sync and no allocation after ``DecodeBuffers.allocate``: every grid is sized from the token
+count alone (W = min(E_l, T K) work items; programs past ``num_touched`` exit at once), so one call can
+be captured in a CUDA graph and replayed after each ``stage``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..geometry import Geometry
+from . import gemv, routing
+from .gemv import LaunchConfig
+from .layout import DecodeWeights
+
+MAX_TOKENS = 64  # the routing kernel sorts all T * K slots in one program
+
+
+@dataclass
+class DecodeBuffers:
+    """Everything the four launches read or write, for ``capacity`` tokens (C), S = C * K pool rows,
+    W = min(E_l, S) work items.
+
+        x_q e4m3 [C, H], x_sf fp32 [C, H/128], topk_idx int64 [C, K], topk_weights fp32 [C, K]   staged
+        x32 fp32 [C, H]                       e4m3 values of x_q
+        num_touched int32 [1]; touched, seg_start, seg_count int32 [W]
+        row_token int32 [S], row_weight fp32 [S], slot_row int32 [S]
+        l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
+        l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
+        counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
+    """
+
+    x_q: torch.Tensor
+    x_sf: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    x32: torch.Tensor
+    num_touched: torch.Tensor
+    touched: torch.Tensor
+    seg_start: torch.Tensor
+    seg_count: torch.Tensor
+    row_token: torch.Tensor
+    row_weight: torch.Tensor
+    slot_row: torch.Tensor
+    l1_out: torch.Tensor
+    l2_q: torch.Tensor
+    l2_x: torch.Tensor
+    l2_sf: torch.Tensor
+    slot_out: torch.Tensor
+    y: torch.Tensor
+    counters: torch.Tensor
+    num_local: int = 0
+    expert_lo: int = 0
+
+    @property
+    def interpret(self) -> bool:
+        """Whether the Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1 before import)."""
+        from ..staging.triton_stage import is_interpreted
+
+        return is_interpreted()
+
+    @classmethod
+    def allocate(cls, g: Geometry, capacity: int, device, *, num_local: int | None = None, expert_lo: int = 0,
+                 l2_group: int = 32) -> "DecodeBuffers":
+        if not 0 < capacity <= MAX_TOKENS:
+            raise ValueError(f"capacity must be in [1, {MAX_TOKENS}] tokens per rank, got {capacity}")
+        h, i, k = g.hidden, g.intermediate, g.num_topk
+        el = g.num_experts if num_local is None else num_local
+        s = capacity * k
+        w = min(el, s)
+        f32, i32 = torch.float32, torch.int32
+
+        def e(*shape, dtype=f32):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        return cls(
+            x_q=e(capacity, h, dtype=torch.float8_e4m3fn), x_sf=e(capacity, h // 128),
+            topk_idx=torch.full((capacity, k), -1, dtype=torch.int64, device=device), topk_weights=e(capacity, k),
+            x32=e(capacity, h), num_touched=torch.zeros(1, dtype=i32, device=device), touched=e(w, dtype=i32),
+            seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
+            slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
+            l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
+            counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
+            num_local=el, expert_lo=expert_lo,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.x_q.shape[0]
+
+    @property
+    def num_topk(self) -> int:
+        return self.topk_idx.shape[1]
+
+    def max_work(self, num_tokens: int) -> int:
+        """Work items a launch of num_tokens tokens can have: min(E_l, T K)."""
+        return min(self.num_local, num_tokens * self.num_topk)
+
+    def poison_(self) -> None:
+        """Every output region to NaN / 0x7F bytes, so that an element no stage wrote shows."""
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters"):
+                if t.dtype.is_floating_point:
+                    t.fill_(float("nan"))
+                else:
+                    t.view(torch.uint8).fill_(0x7F)
+
+
+def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
+    if not 0 <= num_tokens <= buf.capacity:
+        raise ValueError(f"num_tokens must be in [0, {buf.capacity}] (the buffers' capacity), got {num_tokens}")
+    if dw.num_experts != buf.num_local:
+        raise ValueError(f"the weights hold {dw.num_experts} experts but the buffers route over {buf.num_local}")
+
+
+def moe_decode(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
+               cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+    """The four Triton launches on the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of
+    ``buf.y``). No host sync."""
+    _check(dw, buf, num_tokens)
+    routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf)
+    if cfg.fused:
+        gemv.fused(dw, buf, num_tokens, clamp, cfg)
+    else:
+        gemv.l1(dw, buf, num_tokens, clamp, cfg)
+        gemv.l2(dw, buf, num_tokens, cfg)
+        gemv.combine(buf, num_tokens, buf.num_topk, cfg)
+    return buf.y[:num_tokens]
+
+
+def moe_decode_torch(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
+                     cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+    """``moe_decode`` through the four stages' torch twins (host syncs; for checking)."""
+    _check(dw, buf, num_tokens)
+    routing.route_torch(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf)
+    gemv.l1_torch(dw, buf, num_tokens, clamp, cfg)
+    gemv.l2_torch(dw, buf, num_tokens, cfg)
+    gemv.combine_torch(buf, num_tokens, buf.num_topk, cfg)
+    return buf.y[:num_tokens]

@@ -1,0 +1,139 @@
+"""Routing metadata on the device (no host sync) and the staged x as float32 values: the decode path's
+first launch, ``route`` (Triton) beside ``route_torch`` (its twin, same signature, same outputs).
+
+From the staged step (topk_idx [C, K] int64, -1 = masked; topk_weights fp32 [C, K]; x_q e4m3 [C, H]),
+for the first T tokens and the local experts [expert_lo, expert_lo + E_l):
+
+    pool row p (0 <= p < n_valid)   the p-th valid slot in (expert, token, slot) order: the order of
+                                    ``megamoe.reference.dispatch.build_layout`` with BLOCK_M 1
+    row_token[p], row_weight[p]     its token and routing weight
+    slot_row[t * K + k]             the pool row of slot (t, k), -1 when masked or not local
+    num_touched[0]                  how many local experts have a slot
+    touched[j], seg_start[j], seg_count[j]   work item j < num_touched: the j-th touched expert (local
+                                    index, ascending), its first pool row, its number of rows
+    x32 [T, H] fp32                 the e4m3 values of x_q (exact)
+    counters                        zeroed (the fused launch's done / tile counts and error flag)
+    y[t]                            zeroed for every token t with no local slot (nothing else writes it when fused)
+
+Entries past these counts are left as they were (the kernels never read them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e4m3_to_f32(code):
+    """uint8/int32 e4m3fn codes -> their float32 values, exactly: the 7 magnitude bits become an fp16's
+    exponent and mantissa (value * 2**-8, subnormals included), then one exact conversion and scaling."""
+    c = code.to(tl.int32)
+    h = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def route_kernel(
+    idx_ptr, tw_ptr, xq_ptr,  # int64 [C, K], fp32 [C, K], uint8 [C, H]
+    num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,  # int32 [1], [W], [W], [W]
+    row_token_ptr, row_weight_ptr, slot_row_ptr, x32_ptr,  # int32 [S], fp32 [S], int32 [C * K], fp32 [C, H]
+    zero_ptr, n_zero,  # int32 counters of the fused launch (and its error flag), zeroed by program 0
+    y_ptr,  # int16 (bf16 bits) [C, H]: rows of tokens with no local slot are zeroed (the fused launch skips them)
+    T, expert_lo, num_local,
+    K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, H: tl.constexpr, X_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid > 0:  # programs 1.. convert x_q to float32 values, X_BLOCK elements each
+        offs = (pid - 1).to(tl.int64) * X_BLOCK + tl.arange(0, X_BLOCK)
+        m = offs < T * H
+        code = tl.load(xq_ptr + offs, mask=m, other=0)
+        tl.store(x32_ptr + offs, e4m3_to_f32(code), mask=m)
+        tok = offs // H
+        routed = tl.zeros([X_BLOCK], tl.int1)
+        for k in tl.static_range(K):
+            ek = tl.load(idx_ptr + tok * K + k, mask=m, other=-1).to(tl.int32) - expert_lo
+            routed = routed | ((ek >= 0) & (ek < num_local))
+        tl.store(y_ptr + offs, tl.zeros([X_BLOCK], tl.int16), mask=m & ~routed)
+    else:
+        s = tl.arange(0, S_PAD)
+        in_step = s < T * K
+        e = tl.load(idx_ptr + s, mask=in_step, other=-1).to(tl.int32) - expert_lo
+        valid = in_step & (e >= 0) & (e < num_local)
+        # Sorting (expert, flat slot) keys gives the pool order; invalid slots sort last.
+        skey = tl.sort(tl.where(valid, e * S_PAD + s, E_PAD * S_PAD))
+        n_valid = tl.sum(valid.to(tl.int32), axis=0)
+        slot = skey % S_PAD
+        is_row = s < n_valid
+        tl.store(row_token_ptr + s, slot // K, mask=is_row)
+        tl.store(row_weight_ptr + s, tl.load(tw_ptr + slot, mask=is_row, other=0.0), mask=is_row)
+        tl.store(slot_row_ptr + s, tl.full([S_PAD], -1, tl.int32), mask=in_step)
+        tl.debug_barrier()  # the -1 fill lands before the scatter below (other threads' addresses)
+        tl.store(slot_row_ptr + slot, s, mask=is_row)
+        # Experts: counts (bin E_PAD - 1 >= E_l collects the invalid slots), compacted in ascending order.
+        counts = tl.histogram(tl.where(valid, e, E_PAD - 1), E_PAD)
+        ex = tl.arange(0, E_PAD)
+        touched = (counts > 0) & (ex < num_local)
+        j = tl.cumsum(touched.to(tl.int32), 0) - 1
+        start = tl.cumsum(counts, 0) - counts
+        tl.store(touched_ptr + j, ex, mask=touched)
+        tl.store(seg_start_ptr + j, start, mask=touched)
+        tl.store(seg_count_ptr + j, counts, mask=touched)
+        tl.store(num_touched_ptr, tl.sum(touched.to(tl.int32), axis=0))
+        z = 0
+        while z < n_zero:  # a while loop: the interpreter cannot range() over a runtime int
+            zi = z + tl.arange(0, 1024)
+            tl.store(zero_ptr + zi, tl.zeros([1024], tl.int32), mask=zi < n_zero)
+            z += 1024
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+X_BLOCK = 4096
+
+
+def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out) -> None:
+    """Launch ``route_kernel`` for the first ``num_tokens`` staged tokens into ``out`` (a DecodeBuffers)."""
+    c, k = topk_idx.shape
+    h = x_q.shape[1]
+    if num_tokens == 0:
+        return
+    grid = (1 + triton.cdiv(num_tokens * h, X_BLOCK),)
+    route_kernel[grid](
+        topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
+        out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel(), out.y.view(torch.int16),
+        num_tokens,
+        expert_lo, num_local,
+        K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK,
+    )
+
+
+def route_torch(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out) -> None:
+    """``route`` in eager PyTorch: the same outputs, bit for bit (a stable sort by expert)."""
+    if num_tokens == 0:
+        return
+    k = topk_idx.shape[1]
+    e = topk_idx[:num_tokens].reshape(-1) - expert_lo
+    valid = (e >= 0) & (e < num_local)
+    flat = torch.arange(e.numel(), device=e.device)
+    order = flat[valid][torch.sort(e[valid], stable=True).indices]  # flat slots in pool order
+    n = order.numel()
+    out.row_token[:n] = (order // k).to(torch.int32)
+    out.row_weight[:n] = topk_weights[:num_tokens].reshape(-1)[order]
+    out.slot_row[: e.numel()] = -1
+    out.slot_row[order] = torch.arange(n, dtype=torch.int32, device=e.device)
+    counts = torch.bincount(e[valid], minlength=num_local)
+    ex = torch.nonzero(counts).squeeze(1)
+    starts = torch.cumsum(counts, 0) - counts
+    w = ex.numel()
+    out.num_touched[0] = w
+    out.touched[:w] = ex.to(torch.int32)
+    out.seg_start[:w] = starts[ex].to(torch.int32)
+    out.seg_count[:w] = counts[ex].to(torch.int32)
+    out.x32[:num_tokens] = x_q[:num_tokens].float()
+    out.counters.zero_()
+    routed = valid.view(num_tokens, k).any(dim=1)
+    out.y[:num_tokens][~routed] = 0

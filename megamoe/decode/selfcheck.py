@@ -1,0 +1,208 @@
+"""Checks of the decode path shared by the CPU tests (Triton's interpreter, in a subprocess) and the device
+script: every Triton stage against its torch twin bit for bit, the whole path against the eager reference
+(``megamoe-decode`` recipe), repeat determinism, untouched rows still poisoned, and broken variants that
+must be caught.
+
+    python3 -m megamoe.decode.selfcheck --device cpu      (needs TRITON_INTERPRET=1 on a CPU) -> JSON rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..geometry import Geometry, get_geometry
+from ..recipe import MEGAMOE_DECODE
+from ..testing import calc_diff, first_mismatch, make_inputs
+from ..weights import random_mxfp4_weights
+from . import gemv, routing
+from .gemv import LaunchConfig
+from .layout import TileShape, default_tiles, prepare_decode_weights
+from .moe import DecodeBuffers, moe_decode
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    geometry: str
+    tokens: int
+    block_m: int = 1
+    routing: str = "uniform"  # uniform | masked | skewed | allmasked
+    bn2: int = 64
+    broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
+    fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        parts = [self.geometry, f"T{self.tokens}", f"bm{self.block_m}", f"bn2-{self.bn2}"]
+        parts += [self.routing] if self.routing != "uniform" else []
+        parts += ["fused"] if self.fused else []
+        parts += [f"BROKEN-{self.broken}"] if self.broken else []
+        return "-".join(parts)
+
+    def routing_kwargs(self) -> dict:
+        return {"uniform": {}, "masked": {"mask_prob": 0.3}, "skewed": {"skew": 3.0},
+                "allmasked": {"fully_masked_tokens": (0,)}}[self.routing]
+
+
+# "wide" has the production tile structure (16 groups per K-iteration in both GEMMs: 4 promotion blocks
+# per L1 iteration, 16 per L2 iteration) at a size the interpreter runs in seconds.
+GEOMETRIES = {"wide": Geometry("decode-wide", num_experts=4, num_topk=2, hidden=512, intermediate=512)}
+
+# Small enough for the interpreter: every BLOCK_M, a chunk loop longer than one pass (skewed: one expert
+# gets most tokens), masked slots, a token with every slot masked, several L2 tile widths, and two broken
+# variants that the reference comparison must catch.
+CPU_CASES = (
+    DecodeCase("tiny", 1, 1, bn2=256, seed=1),
+    DecodeCase("tiny", 4, 2, "masked", bn2=128, seed=2),
+    DecodeCase("tiny", 6, 4, "skewed", bn2=256, seed=3),
+    DecodeCase("wide", 2, 2, "allmasked", bn2=512, seed=4),
+    DecodeCase("tiny", 5, 2, "masked", bn2=64, fused=True, seed=7),
+    DecodeCase("tiny", 3, 1, broken="gate-up-swapped", bn2=256, seed=5),
+    DecodeCase("tiny", 3, 1, broken="l2-scale-off-by-one", bn2=256, seed=6),
+)
+
+
+def geometry_of(name: str) -> Geometry:
+    return GEOMETRIES[name] if name in GEOMETRIES else get_geometry(name)
+
+
+@functools.lru_cache(maxsize=4)
+def case_weights(name: str, device: str):
+    """One random weight set per geometry, generated on ``device`` (the inputs are fresh per case)."""
+    return random_mxfp4_weights(geometry_of(name), seed=0, device=device)
+
+
+@functools.lru_cache(maxsize=4)
+def case_decode_weights(name: str, device: str, bn2: int = 64):
+    """``case_weights`` prepared for the kernel with an L2 tile of bn2 rows (cached)."""
+    g = geometry_of(name)
+    return prepare_decode_weights(case_weights(name, device), *default_tiles(g.hidden, g.intermediate, bn2=bn2))
+
+_STAGE_FIELDS = {
+    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32",
+              "y_unrouted"),
+    "l1": ("l1_out", "l2_q", "l2_x", "l2_sf"),
+    "l2": ("slot_out",),
+    "combine": ("y",),
+}
+
+
+def _written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
+    """The part of a buffer a launch of t tokens writes (rows past it must keep their poison)."""
+    if name == "y_unrouted":  # the rows route zeroes: tokens with no local slot
+        return buf.y[:t][~(buf.slot_row[: t * buf.num_topk].view(t, -1) >= 0).any(dim=1)]
+    n = int((buf.slot_row[: t * buf.num_topk] >= 0).sum()) if name not in ("x32", "y", "num_touched") else 0
+    w = int(buf.num_touched[0])
+    rows = {"num_touched": 1, "touched": w, "seg_start": w, "seg_count": w, "x32": t, "y": t,
+            "slot_row": t * buf.num_topk}.get(name, n)
+    return getattr(buf, name)[:rows]
+
+
+def _copy_staged(src: DecodeBuffers, dst: DecodeBuffers) -> None:
+    for name in ("x_q", "x_sf", "topk_idx", "topk_weights"):
+        getattr(dst, name).copy_(getattr(src, name))
+
+
+def make_case(case: DecodeCase, device):
+    """(geometry, checkpoint weights, decode weights, inputs, staged buffers) of one case."""
+    from ..staging import stage_into
+
+    g = geometry_of(case.geometry)
+    w = case_weights(case.geometry, str(device))
+    dw = case_decode_weights(case.geometry, str(device), case.bn2)
+    if case.broken == "gate-up-swapped":
+        dw = dataclasses.replace(dw, l1_words=dw.l1_words.flip(3).contiguous(), l1_scales=dw.l1_scales.flip(3).contiguous())
+    elif case.broken == "l2-scale-off-by-one":
+        dw = dataclasses.replace(dw, l2_scales=(dw.l2_scales + 1).contiguous())
+    inp = make_inputs(g, case.tokens, seed=1000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to(device)
+    buf = DecodeBuffers.allocate(g, case.tokens, device)
+    stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights,
+               case.tokens, backend="torch")
+    return g, w, dw, inp, buf
+
+
+def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
+    """Stage by stage (Triton vs twin, from the same inputs), then the whole path vs the reference; with
+    ``repeat`` (always for a fused case), the whole path once more from poisoned buffers (fused when the case
+    says so), which must give the same bits."""
+    from ..reference import moe_forward
+
+    t0 = time.time()
+    g, w, dw, inp, buf = make_case(case, device)
+    t = case.tokens
+    row = {"case": case.id, **dataclasses.asdict(case)}
+    cfg = LaunchConfig(block_m=case.block_m, store_l1=True)
+    if case.broken:  # the whole path once, against the reference: it must differ
+        y = moe_decode(dw, buf, t, g.clamp, cfg)
+        row["calc_diff"] = calc_diff(y, moe_forward(inp, w, MEGAMOE_DECODE, g))
+        row["seconds"] = round(time.time() - t0, 2)
+        return row
+    twin = DecodeBuffers.allocate(g, case.tokens, device)
+    _copy_staged(buf, twin)
+    buf.poison_()
+    twin.poison_()
+    stages = (
+        ("route", lambda b, f: f(b.topk_idx, b.topk_weights, b.x_q, t, b.expert_lo, b.num_local, b),
+         routing.route, routing.route_torch),
+        ("l1", lambda b, f: f(dw, b, t, g.clamp, cfg), gemv.l1, gemv.l1_torch),
+        ("l2", lambda b, f: f(dw, b, t, cfg), gemv.l2, gemv.l2_torch),
+        ("combine", lambda b, f: f(b, t, g.num_topk, cfg), gemv.combine, gemv.combine_torch),
+    )
+    for name, call, kernel, torch_twin in stages:
+        call(buf, kernel)
+        call(twin, torch_twin)
+        msgs = [f"{f}: {m}" for f in _STAGE_FIELDS[name]
+                if (m := first_mismatch(_written(buf, f, t), _written(twin, f, t)))]
+        row[name] = "; ".join(msgs)
+    n = int((buf.slot_row[: t * g.num_topk] >= 0).sum())
+    row["poison_kept"] = bool(torch.isnan(buf.l2_x[n:]).all() and torch.isnan(buf.y[t:].float()).all())
+    y = buf.y[:t].clone()
+    ref = moe_forward(inp, w, MEGAMOE_DECODE, g)
+    row["calc_diff"] = calc_diff(y, ref)
+    row["bitwise_frac"] = float((y.view(torch.int16) == ref.view(torch.int16)).float().mean())
+    row["nan"] = int(torch.isnan(y.float()).sum())
+    if case.routing == "allmasked":
+        row["masked_rows_zero"] = bool((y[0].float() == 0).all())
+    if repeat or case.fused:
+        buf.poison_()
+        y2 = moe_decode(dw, buf, t, g.clamp, dataclasses.replace(cfg, fused=case.fused)).clone()
+        row["repeat_identical"] = not first_mismatch(y2, y)
+        row["wait_gave_up"] = int(buf.counters[-1])
+    row["seconds"] = round(time.time() - t0, 2)
+    return row
+
+
+def passed(row: dict) -> bool:
+    """A sound case: every stage equal to its twin, bit-identical to the reference, repeatable, poison kept.
+    A broken case passes when the reference comparison catches it."""
+    if row["broken"]:
+        return row["calc_diff"] > 1e-3
+    stages_ok = not any(row[s] for s in _STAGE_FIELDS)
+    return (stages_ok and row["bitwise_frac"] == 1.0 and row.get("repeat_identical", True) and row["poison_kept"]
+            and not row.get("wait_gave_up")
+            and row["nan"] == 0 and row.get("masked_rows_zero", True))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    # The interpreter runs programs one after another, so a repeat checks little there: once is enough.
+    rows = [run_case(c, args.device, repeat=i == 0) for i, c in enumerate(CPU_CASES)]
+    print(json.dumps(rows))
+    return 0 if all(passed(r) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "case_weights", "case_decode_weights", "make_case", "run_case",
+           "passed"]

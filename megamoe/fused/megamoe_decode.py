@@ -1,0 +1,125 @@
+"""megamoe's own decode kernel (``megamoe.decode``) as a backend: 1..64 tokens per rank, EP = 1.
+
+Weights: ``prepare_decode_weights`` (checkpoint bytes re-tiled so that each program streams its rows once,
+exactness checked; global scales folded). Buffers: ``DecodeBuffers`` (plain device tensors, no symmetric
+memory at EP = 1). ``launch`` is four Triton launches with no host sync and no allocation, so it may be
+captured in a CUDA graph after ``build``. Numerics: ``MEGAMOE_DECODE``, the same bits as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipe import MEGAMOE_DECODE
+from ..testing import MoEInputs
+from .base import FusedBackend, Plan
+
+
+def default_block_m(num_tokens: int) -> int:
+    """Tokens per program pass: an expert has ~1 row up to 16 tokens (6 T slots over 256 experts), ~2 at 64."""
+    return 1 if num_tokens <= 16 else 2
+
+
+class MegaMoEDecode(FusedBackend):
+    name = "megamoe-decode"
+    recipe = MEGAMOE_DECODE
+    weight_format = "mxfp4"
+    persistent = False
+    fused = True
+    kernel = MEGAMOE_DECODE.kernel
+    kernel_module = "triton"
+    allows_zero_tokens = True
+    graph_capturable = True
+    max_tokens_per_rank = 64
+
+    def __init__(self, geometry, *, capacity=None, num_max_tokens_per_rank=None, force_block_m=None, block_m=None,
+                 group=None) -> None:
+        super().__init__(geometry, capacity=capacity, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                         force_block_m=force_block_m, block_m=block_m, group=group)
+        if self.capacity > self.max_tokens_per_rank:
+            raise ValueError(f"{self.name}: supports at most {self.max_tokens_per_rank} tokens per rank (a decode "
+                             f"kernel), got capacity {self.capacity}; use a fused backend for larger steps")
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        if not torch.cuda.is_available():
+            return False, "no GPU: torch.cuda.is_available() is False"
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            return False, f"needs compute capability >= 8.0, got {major}.{minor}"
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return False, f"package missing: triton not importable ({type(exc).__name__}: {exc})"
+        return True, ""
+
+    def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
+        return (1, 2, 4)  # tokens per program pass (the kernel has no BLOCK_M tile of its own)
+
+    def launch_config(self, num_tokens: int):
+        from ..decode import LaunchConfig
+
+        return LaunchConfig(block_m=self.force_block_m or default_block_m(num_tokens))
+
+    def plan(self, num_tokens: int) -> Plan:
+        cfg = self.launch_config(int(num_tokens))
+        return Plan(cfg.block_m, forced=self.force_block_m is not None,
+                    detail={"source": "tokens per program pass", "l1_warps": cfg.l1_warps, "l2_warps": cfg.l2_warps})
+
+    # ------------------------------------------------------------------ weights and buffers
+    def _prepare(self, weights) -> None:
+        from ..decode import prepare_decode_weights
+        from ..decode.layout import fold_global_scales
+
+        self.kernel_weights = fold_global_scales(weights)  # the values the kernel computes with
+        self.dw = prepare_decode_weights(weights)
+
+    def _allocate(self) -> None:
+        from ..decode import DecodeBuffers
+
+        if self.num_ranks != 1:
+            raise ValueError(f"{self.name}: runs at EP = 1 only, got {self.num_ranks} ranks "
+                             "(docs/decode-kernel.md says what EP > 1 needs)")
+        self.buf = DecodeBuffers.allocate(self.g, self.capacity, self.device)
+
+    def _build_job(self, num_tokens: int):
+        """Triton compiles per specialization (constexprs, and whether int arguments such as T and W are 1 or
+        multiples of 16): launch once on padding for every token count, so that a capture compiles nothing."""
+        cfg = self.launch_config(num_tokens)
+
+        def warm() -> None:
+            self._stage(self._padding_inputs(), num_tokens)
+            self.launch(num_tokens)
+            torch.cuda.synchronize()
+
+        return ("decode", num_tokens, cfg), warm
+
+    def build(self, token_counts, max_workers: int = 8) -> int:
+        return super().build(token_counts, max_workers=1)  # launches share the buffers: one at a time
+
+    # ------------------------------------------------------------------ run
+    def _stage(self, inputs: MoEInputs, m: int) -> None:
+        from ..staging import stage_into
+
+        b = self.buf
+        stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x_q, b.x_sf, b.topk_idx, b.topk_weights, m,
+                   check_finite=False)
+
+    def launch(self, num_tokens: int) -> torch.Tensor:
+        from ..decode import moe_decode
+
+        m = int(num_tokens)
+        if m > self.capacity:
+            raise ValueError(f"{self.name}: launch({m}) exceeds the capacity {self.capacity}")
+        return moe_decode(self.dw, self.buf, m, self.g.clamp, self.launch_config(m))
+
+    # ------------------------------------------------------------------ intermediates
+    def poison_intermediates(self) -> None:
+        self.buf.poison_()
+
+    def intermediates(self) -> dict:
+        b = self.buf
+        m = getattr(self, "_staged", 0)
+        n = int((b.slot_row[: m * self.g.num_topk] >= 0).sum())
+        return {"pool_x": b.x_q[b.row_token[:n].long()].clone(), "l2_in": b.l2_q[:n].view(torch.float8_e4m3fn).clone(),
+                "l2_in_sf_rowmajor": b.l2_sf[:n].clone(), "l2_group": self.recipe.l2_group, "block_m": None}

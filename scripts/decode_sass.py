@@ -1,0 +1,83 @@
+"""Compile the decode kernels for sm_90 on any machine (no GPU: Triton's bundled ptxas) and report registers,
+spills and the instruction mix of the L1 K-loop, the numbers docs/decode-kernel.md quotes.
+
+    python3 scripts/decode_sass.py [--block-m 1] [--warps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from megamoe.decode.triton_gemv import l1_kernel, l2_kernel  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+L1_SIG = dict(w_ptr="*i32", s_ptr="*u8", x_ptr="*fp32", xsf_ptr="*fp32", num_touched_ptr="*i32", touched_ptr="*i32",
+              seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32", row_weight_ptr="*fp32", l1_ptr="*fp32",
+              q_ptr="*u8", x2_ptr="*fp32", sf2_ptr="*fp32", clamp="fp32")
+L2_SIG = dict(w_ptr="*i32", s_ptr="*u8", x2_ptr="*fp32", sf2_ptr="*fp32", num_touched_ptr="*i32", touched_ptr="*i32",
+              seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
+
+
+def compile_sass(fn, sig: dict, const: dict, warps: int) -> tuple[str, str]:
+    """(SASS text, resource usage line) of fn compiled for sm_90."""
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(const, "constexpr")}, constexprs=const)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    return sass, " ".join(re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+", res))
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instructions of the K loop, the shortest backward branch whose body holds (nearly) every fp16 decode
+    conversion: (count, mix by opcode)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", sass)
+    addr = [(int(a, 16), op, rest) for a, op, rest in lines]
+    loops = []
+    for pc, op, rest in addr:
+        m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if m and int(m.group(1), 16) < pc:
+            body = [o for p, o, _ in addr if int(m.group(1), 16) <= p <= pc]
+            loops.append((body.count("HADD2.F32"), len(body), body))
+    most = max(h for h, _, _ in loops)
+    _, n, body = min((x for x in loops if x[0] >= 0.9 * most), key=lambda x: x[1])
+    return n, collections.Counter(body)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block-m", type=int, default=1)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--bn2", type=int, default=32, help="L2 rows per program")
+    args = ap.parse_args()
+    geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True)
+    for name, fn, sig, const, rows_words in (
+        ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),
+        ("l2_kernel", l2_kernel, L2_SIG, dict(BN=args.bn2, L2_GROUP=32, **geo), 1),
+    ):
+        sass, res = compile_sass(fn, sig, const, args.warps)
+        n, mix = loop_mix(sass)
+        # weights per thread per K-iteration: halves x 4 words x (BN rows x 16 groups / threads) x 8
+        weights = rows_words * 4 * (const["BN"] * 16 // (32 * args.warps)) * 8
+        print(f"{name} (BLOCK_M {args.block_m}, {args.warps} warps): {res}; K loop {n} instructions for {weights} "
+              f"weights per thread = {n / weights:.2f} per weight")
+        print("   " + ", ".join(f"{op} {c}" for op, c in mix.most_common(12)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
