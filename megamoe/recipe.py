@@ -172,7 +172,7 @@ MEGAMOE_DECODE = Recipe(
     l2_scale="continuous",
     l2_amax_floor=1e-10,
     silu_exp="fp64-rounded",
-    max_scale_byte=252,  # 6 * 2**(253 - 127) overflows FP32, where the reference dequantizes
+    # scale bytes 0..252 (derived from the exact decode: 6 * 2**(253 - 127) overflows FP32)
     verified="CPU: Triton interpreter bit-identical to this recipe (tests/test_decode.py); H200: pending",
 )
 

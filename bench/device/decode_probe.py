@@ -135,7 +135,7 @@ def staged_buffers(g, t: int, device) -> tuple:
     inp = make_inputs(g, t, seed=500 + t, outlier_channels=4).to(device)
     buf = DecodeBuffers.allocate(g, t, device)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t,
-               check_finite=False)
+               num_experts=g.num_experts, check=False)
     touched = int(torch.unique(inp.topk_idx[inp.topk_idx >= 0]).numel())
     return inp, buf, touched, int((inp.topk_idx >= 0).sum())
 

@@ -124,7 +124,7 @@ def make_case(case: DecodeCase, device):
     inp = make_inputs(g, case.tokens, seed=1000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to(device)
     buf = DecodeBuffers.allocate(g, case.tokens, device)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights,
-               case.tokens, backend="torch")
+               case.tokens, num_experts=g.num_experts, backend="torch")
     return g, w, dw, inp, buf
 
 

@@ -103,7 +103,7 @@ class MegaMoEDecode(FusedBackend):
 
         b = self.buf
         stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x_q, b.x_sf, b.topk_idx, b.topk_weights, m,
-                   check_finite=False)
+                   num_experts=self.g.num_experts, check=False)  # check_inputs ran in stage()
 
     def launch(self, num_tokens: int) -> torch.Tensor:
         from ..decode import moe_decode
