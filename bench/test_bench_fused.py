@@ -11,7 +11,8 @@ import torch
 from megamoe.bench.backends import FusedAdapter, backend_available, block_m_of, fused_registry
 from megamoe.bench.suite import bench_tokens, device_pass_kwargs, time_fused_case
 from megamoe.bench.timing import overhead_check, time_fn
-from megamoe.testing import calc_diff, make_inputs
+from megamoe.inputs import make_inputs
+from megamoe.testing import calc_diff
 
 pytestmark = pytest.mark.gpu
 TOKENS = bench_tokens()

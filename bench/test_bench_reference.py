@@ -7,10 +7,10 @@ import torch
 
 from megamoe.bench.suite import bench_tokens
 from megamoe.bench.timing import time_fn
+from megamoe.inputs import make_inputs
 from megamoe.layouts.staging import per_token_cast_to_fp8
 from megamoe.reference import moe_forward
 from megamoe.reference.swiglu import requant_fp8, swiglu
-from megamoe.testing import make_inputs
 
 TOKENS = bench_tokens()
 

@@ -26,8 +26,8 @@ from megamoe.bench.sweep import (Sweep, SweepConfig, pad_inputs, pin_timing_thre
 from megamoe.bench.timing import (SPIN_PER_CALL_US, SpinAhead, Timing, bare_loop_us, overhead_check, time_fn,
                                   time_graph)
 from megamoe.geometry import get_geometry
+from megamoe.inputs import make_inputs
 from megamoe.reference import moe_forward
-from megamoe.testing import make_inputs
 
 CPU_CEIL = Ceilings("cpu (test)", copy_gbps=10.0, fp8_tflops=0.5, bf16_tflops=0.5)
 H200 = Ceilings("NVIDIA H200 (KERNELS.md)", copy_gbps=4240.0, fp8_tflops=1422.0, bf16_tflops=815.0)

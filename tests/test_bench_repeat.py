@@ -21,7 +21,7 @@ from megamoe.bench import timing
 from megamoe.bench.ceilings import Ceilings
 from megamoe.bench.sweep import Sweep, SweepConfig, repeatability, run_sweep, select_timing
 from megamoe.bench.timing import Timing, bare_loop_us, gc_paused, overhead_check, round_to_sets, time_fn, time_graph
-from megamoe.testing import make_inputs
+from megamoe.inputs import make_inputs
 
 CPU_CEIL = Ceilings("cpu (test)", copy_gbps=10.0, fp8_tflops=0.5, bf16_tflops=0.5)
 

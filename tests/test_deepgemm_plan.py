@@ -79,10 +79,10 @@ def _report():
 @pytest.mark.parametrize("status,ok", [("pass", True), ("detected", True), ("FAIL", False),
                                        ("NOT DETECTED", False), ("error", False)])
 def test_check_backend_fails_on_a_failed_case(monkeypatch, status, ok):
-    from megamoe.fused import registry
+    from megamoe.check import matrix
 
     rows = [{"case": "a", "status": "pass"}, {"case": "b", "status": status}]
-    monkeypatch.setattr(registry, "run_matrix", lambda name, out_json=None, **kw: rows)
+    monkeypatch.setattr(matrix, "run_matrix", lambda name, out_json=None, **kw: rows)
     rep = _report()
     rep.backends = [("fake", True, "")]
     run_backend(rep, "fake")

@@ -8,17 +8,17 @@ import dataclasses
 import pytest
 import torch
 
+from megamoe.formats import e4m3_satfinite
 from megamoe.fused.base import cuda_hopper_reason
 from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
-from megamoe.fused.matrix import Case, default_cases
+from megamoe.check.matrix import Case, default_cases
 from megamoe.fused.registry import BACKENDS, available_backends, get_backend_class
 from megamoe.geometry import get_geometry
+from megamoe.inputs import make_inputs
 from megamoe.layouts.staging import per_token_cast_to_fp8
 from megamoe.recipe import FLASHINFER_MXFP4
 from megamoe.reference import moe_forward
 from megamoe.reference.tensorcore import EXACT_BLOCK, TensorCoreModel, tc_dot
-from megamoe.formats import e4m3_satfinite
-from megamoe.testing import make_inputs
 
 
 def test_every_backend_reports_availability_with_a_reason():
@@ -153,7 +153,7 @@ def test_tensorcore_exact_model_equals_fp64_sum_and_truncation_differs():
 @pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8"])
 def test_fused_backend_matches_its_reference_small(name):
     pytest.importorskip("flashinfer.megamoe" if "flashinfer" in name else "deep_gemm")
-    from megamoe.fused.matrix import run_matrix
+    from megamoe.check.matrix import run_matrix
 
     rows = run_matrix(name, [Case("small", 64, seed=1), Case("small", 7, seed=2)], None, time_iters=0)
     for r in rows:
@@ -163,7 +163,7 @@ def test_fused_backend_matches_its_reference_small(name):
 @pytest.mark.gpu
 def test_flashinfer_broken_layouts_are_detected():
     pytest.importorskip("flashinfer.megamoe")
-    from megamoe.fused.matrix import run_matrix
+    from megamoe.check.matrix import run_matrix
 
     rows = run_matrix("flashinfer-mxfp4", [Case("small", 64, broken="gate-up-not-interleaved"),
                                            Case("small", 64, broken="scale-off-by-one")], None, time_iters=0)
@@ -177,12 +177,13 @@ def test_deepgemm_broken_layouts_change_what_the_kernel_reads(broken):
     puts the real tensors back."""
     from types import SimpleNamespace
 
-    from megamoe.fused.matrix import Case, _break
+    from megamoe.check.matrix import Case, _break
     from megamoe.geometry import get_geometry
     from megamoe.layouts.deepgemm_sm90 import from_deepgemm_sm90_fp8, to_deepgemm_sm90_fp8, to_fp8_block
     from megamoe.recipe import DEEPGEMM_SM90_FP8
     from megamoe.reference import moe_forward
-    from megamoe.testing import calc_diff, make_inputs
+    from megamoe.inputs import make_inputs
+    from megamoe.testing import calc_diff
     from megamoe.weights import random_mxfp4_weights
 
     g = get_geometry("tiny")

@@ -85,7 +85,8 @@ def run_case(be, g, w_fp8, geo: str, t: int, save: bool):
     from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
     from megamoe.layouts.staging import per_token_cast_to_fp8
     from megamoe.reference import moe_forward
-    from megamoe.testing import calc_diff, make_inputs
+    from megamoe.inputs import make_inputs
+    from megamoe.testing import calc_diff
 
     dev = torch.device("cuda")
     row = {"geometry": geo, "tokens": t}
@@ -151,7 +152,7 @@ def run_case(be, g, w_fp8, geo: str, t: int, save: bool):
 
 def main():
     from megamoe.fused.deepgemm_fp8 import DeepGEMMFP8
-    from megamoe.fused.matrix import _weights
+    from megamoe.check.matrix import _weights
     from megamoe.layouts.deepgemm_sm90 import to_fp8_block
 
     dev = torch.device("cuda")

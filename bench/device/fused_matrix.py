@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from megamoe.fused.matrix import Case, default_cases, format_table, run_matrix
+from megamoe.check.matrix import Case, default_cases, format_table, run_matrix
 from megamoe.fused.registry import available_backends
 
 OUT = os.environ.get("OUT", "/tmp/matrix_out")

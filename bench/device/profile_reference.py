@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megamoe.bench.backends import reference_backend
 from megamoe.geometry import PRESETS
-from megamoe.testing import make_inputs
+from megamoe.inputs import make_inputs
 from megamoe.weights import random_mxfp4_weights
 
 out = sys.argv[1]

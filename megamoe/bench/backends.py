@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..geometry import Geometry
-from ..testing import MoEInputs
+from ..inputs import MoEInputs
 
 _FORCE_KWARGS = ("block_m", "force_block_m", "forced_block_m")
 

@@ -90,7 +90,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..geometry import Geometry, get_geometry
-from ..testing import MoEInputs, calc_diff, make_inputs
+from ..inputs import MoEInputs, make_inputs
+from ..testing import calc_diff
 from .backends import BenchBackend, block_m_of, make_backends
 from .ceilings import Ceilings, device_name, measure_ceilings
 from .roofline import achieved, step_floor

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..recipe import Recipe, get_recipe
 from ..reference.dispatch import build_layout, dispatch, dispatch_slot_values
 from ..reference.pipeline import combine, expert_forward, stage_activations, validate_rank_inputs
-from ..testing import MoEInputs
 from .comm import FieldSpec, _reduce_scatter_single, all_gather_counts, all_gather_ragged, all_to_all_ragged, comm_device, pack_rows, unpack_rows
 
 SCHEMES = ("allgather_reducescatter", "all_to_all")

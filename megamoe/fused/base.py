@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..recipe import Recipe
 from ..reference.dispatch import validate_topk
-from ..testing import MoEInputs
 
 
 class BackendUnavailable(RuntimeError):

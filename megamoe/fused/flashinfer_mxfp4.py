@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
+from ..inputs import MoEInputs
 from ..recipe import FLASHINFER_MXFP4
-from ..testing import MoEInputs
 from .base import FusedBackend, Plan, kernel_availability
 
 LEGAL_BLOCK_MS_H200 = (8, 24, 64)

@@ -1,10 +1,9 @@
-"""Every backend by name, its availability, and the differential matrix entry point.
+"""Every backend by name and its availability.
 
     BACKENDS                      {name: backend class}; a class is also the factory
                                   ``cls(geometry, capacity=..., force_block_m=None, group=None)``
     available_backends()          [(name, ok, reason)] for ``megamoe check``
     make_backend(name, g, ...)    an instance
-    run_matrix(name, cases, out_json) -> [dict]   (``megamoe check --backend NAME``)
 """
 
 from __future__ import annotations
@@ -42,11 +41,3 @@ def available_backends() -> list[tuple[str, bool, str]]:
 
 def make_backend(name: str, geometry, **kwargs) -> FusedBackend:
     return get_backend_class(name)(geometry, **kwargs)
-
-
-def run_matrix(backend_name: str, cases=None, out_json: str | None = None, **kwargs) -> list[dict]:
-    """Run the differential matrix for one backend (``megamoe.fused.matrix``); cases None = the
-    default matrix. Writes a JSON summary to out_json when given. Returns one dict per case."""
-    from .matrix import run_matrix as _run
-
-    return _run(backend_name, cases, out_json, **kwargs)

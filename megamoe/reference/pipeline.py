@@ -23,9 +23,9 @@ from ..formats import (
     unpack_ue8m0_x4,
 )
 from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
-from ..testing import MoEInputs
 from ..weights import FP8BlockWeights, MXFP4Weights
 from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch, validate_topk
 from .gemm import exact_gemm, promoted_gemm

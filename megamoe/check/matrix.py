@@ -150,7 +150,7 @@ def _time_launch(be, m: int, iters: int) -> float:
 
 def _subset(inp, n: int, seed: int):
     """A sorted random subset of n tokens (the reference of a token depends only on its own rows)."""
-    from ..testing import MoEInputs
+    from ..inputs import MoEInputs
 
     gen = torch.Generator().manual_seed(seed)
     sel = torch.randperm(inp.num_tokens, generator=gen)[:n].sort().values.to(inp.x.device)
@@ -169,9 +169,10 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
     the output / L2 codes are compared on those tokens only (rows are independent, so the subset's
     reference is bit-identical to the full one's rows; the emulated tensor cores are slow)."""
     from ..reference import moe_forward
-    from ..testing import calc_diff, make_inputs
-    from .compare import compare_l2_inputs
-    from .registry import get_backend_class
+    from ..inputs import make_inputs
+    from ..testing import calc_diff
+    from ..fused.compare import compare_l2_inputs
+    from ..fused.registry import get_backend_class
 
     cls = get_backend_class(backend_name)
     ok, why = cls.availability()

@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .geometry import get_geometry
-from .recipe import RECIPES, get_recipe
-from .reference.pipeline import moe_forward, moe_forward_ep
-from .reference.routing import expert_histogram
-from .testing import MoEInputs, calc_diff, first_mismatch, make_inputs, rel_l2, weights_for_recipe
-from .weights import random_mxfp4_weights
+from ..geometry import get_geometry
+from ..inputs import MoEInputs, make_inputs
+from ..recipe import RECIPES, get_recipe
+from ..reference.pipeline import moe_forward, moe_forward_ep
+from ..reference.routing import expert_histogram
+from ..testing import calc_diff, first_mismatch, rel_l2, weights_for_recipe
+from ..weights import random_mxfp4_weights
 
 DEFAULT_RECIPES = tuple(r for r in RECIPES if r != "exact")
 # calc_diff of the combined output vs exact above which a recipe is reported as a failure. The FP8
@@ -211,7 +212,7 @@ def _sanity_outputs(report: CheckReport, name: str, ys: list[torch.Tensor], dead
 def backend_availability() -> list[tuple[str, bool, str]] | None:
     """``megamoe.fused.registry.available_backends()`` or None when no fused registry is installed."""
     try:
-        from .fused import registry
+        from ..fused import registry
     except ImportError:
         return None
     return [tuple(b) for b in registry.available_backends()]
@@ -222,7 +223,7 @@ MATRIX_BAD = ("FAIL", "NOT DETECTED", "error")
 
 def run_backend(report: CheckReport, name: str, json_path: str | None = None, **matrix_kwargs) -> None:
     """``--backend NAME``: the fused backend's differential matrix, when the backend runs here.
-    ``matrix_kwargs`` go to ``megamoe.fused.matrix.run_matrix`` (mma, ref_max_tokens, quick, ...)."""
+    ``matrix_kwargs`` go to ``megamoe.check.matrix.run_matrix`` (mma, ref_max_tokens, quick, ...)."""
     avail = report.backends
     if avail is None:
         report.sanity.append(Sanity(f"backend {name}", False, "no fused backends are installed (megamoe.fused.registry)"))
@@ -234,9 +235,9 @@ def run_backend(report: CheckReport, name: str, json_path: str | None = None, **
     if not entry[1]:
         report.sanity.append(Sanity(f"backend {name}", False, f"not available here: {entry[2]}"))
         return
-    from .fused import registry
+    from .matrix import run_matrix
 
-    results = registry.run_matrix(name, out_json=json_path, **matrix_kwargs)
+    results = run_matrix(name, out_json=json_path, **matrix_kwargs)
     report.backend_results = results
     bad = [r for r in results if r.get("status") in MATRIX_BAD]
     report.sanity.append(Sanity(f"backend {name}: differential matrix", not bad,
