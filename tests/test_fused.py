@@ -198,3 +198,39 @@ def test_deepgemm_broken_layouts_change_what_the_kernel_reads(broken):
     assert calc_diff(bad, good) > 1e-2
     restore()
     assert be.l1 is l1 and be.l2 is l2
+
+
+def test_build_plans_runs_a_lane_one_at_a_time_beside_the_pool():
+    """megamoe.fused.build: jobs of one lane never overlap (deep_gemm's JIT is not thread-safe, and builds
+    that launch must not run beside a launch); jobs without a lane run in parallel; failures come back."""
+    import random
+    import threading
+    import time as _time
+
+    from megamoe.fused.build import build_plans
+
+    spans: dict = {}
+    lock = threading.Lock()
+
+    def job(key, fail=False):
+        def f():
+            t0 = _time.perf_counter()
+            _time.sleep(random.uniform(0.02, 0.04))
+            with lock:
+                spans[key] = (t0, _time.perf_counter())
+            if fail:
+                raise RuntimeError(f"no plan {key}")
+        return f
+
+    serial = [("dg", t) for t in range(random.randint(3, 5))]
+    free = [("fi", t) for t in range(4)]
+    bad = ("fi", "bad")
+    jobs = {k: job(k) for k in serial + free}
+    jobs[bad] = job(bad, fail=True)
+    errors = build_plans(jobs, {k: "deep_gemm" for k in serial}, max_workers=8)
+    assert [(k, str(e)) for k, e, _ in errors] == [(bad, f"no plan {bad}")] and "RuntimeError" in errors[0][2]
+    assert set(spans) == set(jobs)  # every job ran, the failing one too
+    lane = sorted(spans[k] for k in serial)
+    assert all(a[1] <= b[0] for a, b in zip(lane, lane[1:])), "jobs of one lane overlapped"
+    pool = sorted(spans[k] for k in free)
+    assert any(a[1] > b[0] for a, b in zip(pool, pool[1:])), "jobs without a lane did not run in parallel"

@@ -168,11 +168,12 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
     ``ref_max_tokens``: above this many tokens the reference runs on a random subset of that size and
     the output / L2 codes are compared on those tokens only (rows are independent, so the subset's
     reference is bit-identical to the full one's rows; the emulated tensor cores are slow)."""
-    from ..reference import moe_forward
-    from ..inputs import make_inputs
-    from ..testing import calc_diff
+    from ..fused.build import build_plans
     from ..fused.compare import compare_l2_inputs
     from ..fused.registry import get_backend_class
+    from ..inputs import make_inputs
+    from ..reference import moe_forward
+    from ..testing import calc_diff
 
     cls = get_backend_class(backend_name)
     ok, why = cls.availability()
@@ -198,38 +199,18 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         be.prepare(w if cls.weight_format == "mxfp4" else _fp8(w))
         be.allocate()
         backends[key] = be
-    jobs = {}
+    jobs, lanes = {}, {}
     for key, be in backends.items():
         for c in cases:
             if (c.geometry, c.weights) != key or c.launch_tokens <= 0:
                 continue
             be.force_block_m = c.block_m
-            k, fn = be._build_job(c.launch_tokens)
-            jobs.setdefault((id(be), k), fn)
+            for k, fn in be.build_jobs([c.launch_tokens]).items():
+                jobs.setdefault((id(be), k), fn)
+                lanes[(id(be), k)] = be.build_lane
         be.force_block_m = None
-    fns = list(jobs.values())
-    if cls.__name__ == "FlashInferMXFP4":  # pure JIT builds: in parallel threads
-        import threading
-
-        errs = []
-
-        def work(items):
-            for fn in items:
-                try:
-                    fn()
-                except Exception as exc:  # noqa: BLE001
-                    errs.append(exc)
-
-        ths = [threading.Thread(target=work, args=(fns[i::12],)) for i in range(min(12, len(fns)))]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join()
-        if errs:
-            log(f"[matrix] build errors: {errs[:3]}")
-    else:  # builds that launch: one at a time
-        for fn in fns:
-            fn()
+    for k, exc, _ in build_plans(jobs, lanes, max_workers=12):
+        log(f"[matrix] build of {k[1]} failed: {type(exc).__name__}: {exc}")
     log(f"[matrix] {backend_name}: {len(cases)} cases, plans built in {time.time() - t0:.0f}s")
     for c in cases:
         row = {"backend": backend_name, "case": c.id, **dataclasses.asdict(c)}
