@@ -96,21 +96,16 @@ def make_inputs(
 
 
 def pad_inputs(inputs: MoEInputs, num_tokens: int) -> MoEInputs:
-    """inputs [T, ...] -> [num_tokens, ...]: rows T.. are x 0, topk_idx -1 (every slot masked),
-    topk_weights 0. Masked rows are never dispatched, so the first T output rows do not change and the
-    padded rows' outputs are 0. Returns ``inputs`` itself when nothing is to be padded."""
-    t = inputs.num_tokens
-    if num_tokens < t:
-        raise ValueError(f"pad_inputs: num_tokens must be >= the rank's {t} tokens, got {num_tokens}")
-    if num_tokens == t:
+    """inputs [T, ...] -> [num_tokens, ...]: rows T.. are x 0, topk_idx -1 (every slot masked), topk_weights 0
+    (``megamoe.layouts.plans.pad_to_token_count``). Masked rows are never dispatched, so the first T output
+    rows do not change and the padded rows' outputs are 0. Returns ``inputs`` itself when nothing is padded."""
+    from .layouts.plans import pad_to_token_count
+
+    if num_tokens < inputs.num_tokens:
+        raise ValueError(f"pad_inputs: num_tokens must be >= the rank's {inputs.num_tokens} tokens, got {num_tokens}")
+    if num_tokens == inputs.num_tokens:
         return inputs
-    extra = num_tokens - t
-    x, idx, w = inputs.x, inputs.topk_idx, inputs.topk_weights
-    return MoEInputs(
-        torch.cat([x, x.new_zeros(extra, x.shape[1])]),
-        torch.cat([idx, idx.new_full((extra, idx.shape[1]), -1)]),
-        torch.cat([w, w.new_zeros(extra, w.shape[1])]),
-    )
+    return MoEInputs(*pad_to_token_count(inputs.x, inputs.topk_idx, inputs.topk_weights, num_tokens))
 
 
 def ragged_counts(mean: int, ranks: int = 4, cap: int | None = None) -> list[int]:

@@ -87,7 +87,7 @@ def test_check_backend_fails_on_a_failed_case(monkeypatch, status, ok):
     rep.backends = [("fake", True, "")]
     run_backend(rep, "fake")
     assert rep.ok is ok
-    assert rep.backend_results == rows
+    assert rep.backend_results == {"fake": rows}
 
 
 def test_recipe_for_defaults_and_deepgemm_before_build():

@@ -108,6 +108,14 @@ def test_no_module_over_400_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-@pytest.mark.parametrize("name", sorted(modules()))
+OPTIONAL = {"triton", "matplotlib", "flashinfer", "deep_gemm"}  # extras a CPU install may lack
+
+
+@pytest.mark.parametrize("name", sorted(m for m in modules() if m != "megamoe.__main__"))  # that one runs the CLI
 def test_every_module_imports_on_a_cpu(name):
-    importlib.import_module(name)
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in OPTIONAL:
+            raise
+        pytest.skip(f"{name} needs {exc.name}, which is not installed")

@@ -1,10 +1,14 @@
 """``megamoe check``: run one preset through every stage of every recipe on this machine (CPU is fine)
 and say, per stage, how far each kernel recipe lands from ``exact``; fail loudly on a sanity breach.
 
-    report = run_check(preset="small", tokens=64, seed=0, block_m=8, ranks=2)
+    report = run_check(preset="small", tokens=64, seed=0, block_m=8, ranks=2)   # 64 tokens on each rank
     report.ok            # every sanity check passed (EP == one rank, BLOCK_M-invariant, no NaN, ...)
-    report.to_dict()     # what --json writes
-    render(report)       # the rich tables ``megamoe check`` prints
+    report.to_dict()     # what --out writes (check.json)
+    render([report])     # the rich tables ``megamoe check`` prints (megamoe.check.render)
+
+    matrix.py    a fused backend's differential matrix (``megamoe check --backends NAME``)
+    prepare.py   the weights made once for every token count, and the estimate of what the check costs
+    cli.py       the ``megamoe check`` command line
 
 Stages compared against the ``exact`` recipe (same routing, same pool rows):
     x       staged activations, dequantized (e4m3 * scale)        [P, H]
@@ -28,7 +32,6 @@ from ..recipe import RECIPES, get_recipe
 from ..reference.pipeline import moe_forward, moe_forward_ep
 from ..reference.routing import expert_histogram
 from ..testing import calc_diff, first_mismatch, rel_l2, weights_for_recipe
-from ..weights import random_mxfp4_weights
 
 DEFAULT_RECIPES = tuple(r for r in RECIPES if r != "exact")
 # calc_diff of the combined output vs exact above which a recipe is reported as a failure. The FP8
@@ -68,8 +71,8 @@ class CheckReport:
     errors: list[StageError] = field(default_factory=list)
     sanity: list[Sanity] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    backends: list[tuple[str, bool, str]] | None = None  # None: no fused registry installed
-    backend_results: list[dict] | None = None
+    backends: list[tuple[str, bool, str]] | None = None  # availability of every fused backend here
+    backend_results: dict[str, list[dict]] = field(default_factory=dict)  # backend -> its matrix rows
 
     @property
     def ok(self) -> bool:
@@ -93,19 +96,6 @@ class CheckReport:
 
 
 # ------------------------------------------------------------------------------------ running
-def split_tokens(tokens: int, ranks: int) -> list[int]:
-    """Ragged per-rank counts summing to ``tokens``: rank 0 gets the remainder and the last rank is
-    light (uneven on purpose, as real data-parallel steps are); a single rank gets them all."""
-    if ranks == 1:
-        return [tokens]
-    base = [tokens // ranks] * ranks
-    base[0] += tokens % ranks
-    shift = base[-1] // 2
-    base[-1] -= shift
-    base[0] += shift
-    return base
-
-
 def _staged_value(pool_x: torch.Tensor, pool_sf: torch.Tensor | None) -> torch.Tensor:
     if pool_sf is None:
         return pool_x.double()
@@ -139,34 +129,43 @@ def run_check(
     ranks: int = 1,
     recipes: "list[str] | tuple[str, ...] | None" = None,
     max_output_diff: float = MAX_OUTPUT_DIFF,
+    device="cpu",
+    weights=None,
+    step=None,
 ) -> CheckReport:
-    """Run ``preset`` through every stage for ``exact`` and each recipe over ``ranks`` simulated EP
-    ranks; compare each stage with exact, and check EP == one rank, BLOCK_M invariance, no NaN,
-    zero rows for fully masked tokens."""
+    """Run ``preset`` through every stage for ``exact`` and each recipe over ``ranks`` simulated EP ranks of
+    ``tokens`` tokens each; compare each stage with exact, and check EP == one rank, BLOCK_M invariance, no
+    NaN, zero rows for fully masked tokens. ``weights``: a ``prepare.CheckWeights`` made once for several
+    calls (None: made here); ``step(phase)`` is called after the exact run and after each recipe."""
+    from .prepare import prepare_weights
+
     g = get_geometry(preset)
     recipes = list(recipes or DEFAULT_RECIPES)
     for r in recipes:
         get_recipe(r)
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens (per rank) must be an int >= 0, got {tokens!r}")
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
     g.experts_per_rank(ranks)
+    step = step or (lambda phase: None)
     t0 = time.perf_counter()
-    raw = random_mxfp4_weights(g, seed=seed)
-    counts = split_tokens(tokens, ranks)
+    cw = weights if weights is not None else prepare_weights(g, recipes, seed, device)
+    raw = cw.raw
+    counts = [tokens] * ranks
     inputs = []
     for r, t in enumerate(counts):
         fm = (t - 1,) if t >= 2 else ()  # one token per rank with every slot masked
         inputs.append(make_inputs(g, t, seed=seed * 7919 + r, mask_prob=0.05, fully_masked_tokens=fm,
-                                  skew=0.5, outlier_channels=2))
+                                  skew=0.5, outlier_channels=2, device=device))
     one = MoEInputs(*(torch.cat([getattr(i, f) for i in inputs]) for f in ("x", "topk_idx", "topk_weights")))
-    hist = expert_histogram(one.topk_idx, g.num_experts)
+    hist = expert_histogram(one.topk_idx.cpu(), g.num_experts)
     seconds = {"setup": time.perf_counter() - t0}
 
     t0 = time.perf_counter()
     exact = moe_forward_ep(inputs, raw, "exact", g, block_m=block_m, keep_stages=True)
     seconds["exact"] = time.perf_counter() - t0
+    step("exact")
     ref = _stage_tensors(exact, ranks)
     el = g.experts_per_rank(ranks)
     pool_rows = [{"rank": d, "experts": f"{d * el}..{(d + 1) * el - 1}", "routed": st.layout.num_routed_rows,
@@ -181,7 +180,7 @@ def run_check(
 
     for name in recipes:
         t0 = time.perf_counter()
-        w = weights_for_recipe(raw, name)
+        w = cw.by_recipe[name] if name in cw.by_recipe else weights_for_recipe(raw, name)
         res = moe_forward_ep(inputs, w, name, g, block_m=block_m, keep_stages=True)
         report.seconds[name] = time.perf_counter() - t0
         got = _stage_tensors(res, ranks)
@@ -197,6 +196,7 @@ def run_check(
         msg = first_mismatch(torch.cat(res.y), y_one)
         label = f"{name}: EP R={ranks} BLOCK_M={block_m} == one rank BLOCK_M=1"
         report.sanity.append(Sanity(label, not msg, msg or "bit-identical"))
+        step(name)
     return report
 
 
@@ -209,12 +209,10 @@ def _sanity_outputs(report: CheckReport, name: str, ys: list[torch.Tensor], dead
                                 f"nonzero on ranks {bad}" if bad else f"{n_dead} token(s)"))
 
 
-def backend_availability() -> list[tuple[str, bool, str]] | None:
-    """``megamoe.fused.registry.available_backends()`` or None when no fused registry is installed."""
-    try:
-        from ..fused import registry
-    except ImportError:
-        return None
+def backend_availability() -> list[tuple[str, bool, str]]:
+    """``megamoe.fused.registry.available_backends()``: [(name, ok, why not)]."""
+    from ..fused import registry
+
     return [tuple(b) for b in registry.available_backends()]
 
 
@@ -222,7 +220,7 @@ MATRIX_BAD = ("FAIL", "NOT DETECTED", "error")
 
 
 def run_backend(report: CheckReport, name: str, json_path: str | None = None, **matrix_kwargs) -> None:
-    """``--backend NAME``: the fused backend's differential matrix, when the backend runs here.
+    """``--backends NAME``: the fused backend's differential matrix, when the backend runs here.
     ``matrix_kwargs`` go to ``megamoe.check.matrix.run_matrix`` (mma, ref_max_tokens, quick, ...)."""
     avail = report.backends
     if avail is None:
@@ -238,89 +236,8 @@ def run_backend(report: CheckReport, name: str, json_path: str | None = None, **
     from .matrix import run_matrix
 
     results = run_matrix(name, out_json=json_path, **matrix_kwargs)
-    report.backend_results = results
+    report.backend_results[name] = results
     bad = [r for r in results if r.get("status") in MATRIX_BAD]
     report.sanity.append(Sanity(f"backend {name}: differential matrix", not bad,
                                 f"{len(results)} cases, {len(bad)} failed or not detected: "
                                 f"{[r.get('case') for r in bad][:8]}" if bad else f"{len(results)} cases, all within bounds"))
-
-
-# ------------------------------------------------------------------------------------ printing
-def _fmt(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2e}"
-
-
-def render(report: CheckReport, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    g = report.geometry
-    h = report.histogram()
-    empty = h["empty_experts"]
-    console.print(
-        f"[bold]megamoe check[/bold] preset [cyan]{report.preset}[/cyan] (E={g['num_experts']}, K={g['num_topk']}, "
-        f"H={g['hidden']}, I={g['intermediate']}), tokens per rank {report.tokens_per_rank}, ranks {report.ranks}, "
-        f"BLOCK_M {report.block_m}, seed {report.seed}"
-    )
-    console.print(
-        f"rows per expert: min {h['min']} / median {h['median']:g} / max {h['max']}; "
-        f"empty experts: {len(empty)}{(' ' + str(empty[:16]) + (' ...' if len(empty) > 16 else '')) if empty else ''}"
-    )
-    pools = Table(title="dispatch pools (simulated EP ranks)")
-    for col in ("rank", "experts", "routed rows", "pool rows (padded)"):
-        pools.add_column(col, justify="right")
-    for p in report.pool_rows:
-        pools.add_row(str(p["rank"]), p["experts"], str(p["routed"]), str(p["pool"]))
-    console.print(pools)
-
-    kernel = [r for r in report.recipes if r != "exact"]
-    table = Table(title="error vs the exact recipe per stage: calc_diff / rel_l2")
-    table.add_column("stage")
-    table.add_column("shape", justify="right")
-    for r in kernel:
-        table.add_column(r, justify="right")
-    for stage in STAGES:
-        cells = []
-        for r in kernel:
-            e = report.error(r, stage)
-            cells.append("-" if e is None else f"{_fmt(e.calc_diff)} / {_fmt(e.rel_l2)}")
-        table.add_row(stage, "x".join(map(str, report.stage_shapes[stage])), *cells)
-    console.print(table)
-
-    sanity = Table(title="sanity checks")
-    for col in ("check", "result", "detail"):
-        sanity.add_column(col)
-    for s in report.sanity:
-        sanity.add_row(s.name, "[green]ok[/green]" if s.ok else "[red]FAIL[/red]", s.detail)
-    console.print(sanity)
-
-    if report.backends is None:
-        console.print("fused backends: none installed (megamoe.fused.registry not importable)")
-    else:
-        bt = Table(title="fused backends")
-        for col in ("backend", "available", "reason"):
-            bt.add_column(col)
-        for name, ok, why in report.backends:
-            bt.add_row(name, "[green]yes[/green]" if ok else "[yellow]no[/yellow]", why)
-        console.print(bt)
-    if report.backend_results:
-        mt = Table(title="differential matrix (kernel vs its faithful reference)")
-        for col in ("case", "status", "calc_diff", "L2 codes", "L2 sf rel", "ref", "launch us", "plan"):
-            mt.add_column(col)
-        for r in report.backend_results:
-            def num(k, fmt):
-                v = r.get(k)
-                return fmt.format(v) if isinstance(v, (int, float)) else "-"
-            st = r.get("status", "")
-            color = "red" if st in MATRIX_BAD else ("green" if st in ("pass", "detected") else "yellow")
-            rr = r.get("reference_recipe") or {}
-            mt.add_row(str(r.get("case")), f"[{color}]{st}[/{color}]", num("calc_diff", "{:.2e}"),
-                       num("code_match", "{:.4f}"), num("sf_rel_median", "{:.1e}"),
-                       f"{rr.get('mma', '')}/{rr.get('accumulate', '')}" if rr else "-",
-                       num("launch_us", "{:.1f}"), str(r.get("plan", r.get("reason", r.get("error", ""))))[:60])
-        console.print(mt)
-    secs = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
-    console.print(f"time: {secs}")
-    console.print("[bold green]all checks passed[/bold green]" if report.ok else
-                  f"[bold red]{sum(not s.ok for s in report.sanity)} check(s) FAILED[/bold red]")

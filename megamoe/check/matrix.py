@@ -20,6 +20,7 @@ import torch
 MAX_DIFF = 1e-5
 MIN_CODE_MATCH = 0.99
 TOKENS = (1, 2, 7, 64, 128, 300, 512, 2048, 8192)
+BROKEN_CASES_FOR = ("flashinfer-mxfp4", "deepgemm-sm90-fp8")  # backends whose layouts _break knows how to break
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,27 @@ def default_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick
     cases += [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14),
               Case("dsv4-flash", 0, ragged=(0, 64), seed=15)] if not allows_zero else \
              [Case("dsv4-flash", 37, ragged=(37, 128, 5, 90), seed=13), Case("small", 5, ragged=(5, 64), seed=14)]
-    if backend_name in ("flashinfer-mxfp4", "deepgemm-sm90-fp8"):
+    if backend_name in BROKEN_CASES_FOR:
         cases += [Case("small", 64, broken="gate-up-not-interleaved", seed=16), Case("small", 64, broken="scale-off-by-one", seed=16)]
+    return cases
+
+
+def selected_cases(backend_name: str, preset: str, tokens) -> list[Case]:
+    """The matrix at one geometry and the given token counts (``megamoe check --backends NAME --preset P
+    --tokens ...``): each count on the backend's own plan and at every forced BLOCK_M; the routing variants,
+    checkpoint weights and a ragged step at the largest count; the broken layouts on the small preset."""
+    from ..fused.registry import get_backend_class
+    from ..geometry import get_geometry
+
+    cls = get_backend_class(backend_name)
+    legal = cls(get_geometry(preset), capacity=1).legal_block_ms()
+    tokens = sorted(set(tokens))
+    cases = [Case(preset, t, block_m=bm, seed=t) for t in tokens for bm in (None, *legal)]
+    top = tokens[-1]
+    cases += [Case(preset, top, routing=r, seed=11) for r in ("masked", "allmasked", "empty-expert", "skewed")]
+    cases += [Case(preset, top, weights="checkpoint", seed=12), Case(preset, tokens[0], ragged=(tokens[0], top), seed=13)]
+    if preset == "small" and backend_name in BROKEN_CASES_FOR:
+        cases += [Case(preset, top, broken=b, seed=16) for b in ("gate-up-not-interleaved", "scale-off-by-one")]
     return cases
 
 
@@ -135,17 +155,10 @@ def _break(be, case: Case):
 
 
 def _time_launch(be, m: int, iters: int) -> float:
-    torch.cuda.synchronize()
-    for _ in range(2):
-        be.launch(m)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        be.launch(m)
-        e.record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
-    return ts[len(ts) // 2]
+    """The launch alone, median of ``iters`` calls (megamoe.bench.timing, no L2 flush): for the table only."""
+    from ..bench.timing import time_fn
+
+    return time_fn(lambda: be.launch(m), warmup=2, repeats=iters, flush_l2=False, device="cuda").median_us
 
 
 def _subset(inp, n: int, seed: int):
