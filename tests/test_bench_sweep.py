@@ -301,3 +301,26 @@ def test_run_sweep_sh_dry_run_on_a_cpu(tmp_path):
     doc = json.loads((tmp_path / folder / "results.json").read_text())
     assert [m["process"] for m in doc["processes"]] == [1, 2] and {r["process"] for r in doc["rows"]} == {1, 2}
     assert {"log-1.txt", "log-2.txt", "nvidia-smi.txt"} <= set(os.listdir(tmp_path))
+
+
+def test_the_pytest_suites_time_a_case_as_the_sweep_does(monkeypatch):
+    """bench/test_bench_fused.py times each backend by the sweep's path (graph replays for a capturable backend:
+    an event-timed pass once read 854 us against 235 us from graph replays for the unfused peer at 1 token) and
+    with the sweep's device pass (1 s of samples over the H200's power-cap cycle)."""
+    from megamoe.bench import timing
+    from megamoe.bench.suite import device_pass_kwargs, time_fused_case
+
+    reps = random.randint(1, 5000)
+    cfg = SweepConfig()
+    assert device_pass_kwargs("cuda", reps) == {"min_warmup_s": cfg.warmup_ms / 1e3, "min_time_s": cfg.rep_ms / 1e3,
+                                                "max_repeats": max(reps, cfg.max_repeats)}
+    assert device_pass_kwargs("cpu", reps) == {}
+    calls = []
+    for kind, name in (("cuda-graph", "time_graph"), ("cuda-events", "time_fn")):
+        monkeypatch.setattr(timing, name, lambda fn, kind=kind, **kw: calls.append((kind, kw)) or Timing([1.0], kind))
+    for promise in (True, False):
+        b = bk.CallableBackend("x", lambda inp: inp, graph_capturable=promise)
+        tm = time_fused_case(b, lambda: None, None, "cuda", warmup=3, repeats=7)
+        kind, kw = calls[-1]
+        assert kind == select_timing(b, "cuda") == tm.extra["path"] == ("cuda-graph" if promise else "cuda-events")
+        assert kw["flush_l2"] is True and kw["min_time_s"] == cfg.rep_ms / 1e3 and kw["repeats"] == 7

@@ -7,6 +7,7 @@ only fail for a reason in the harness."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import statistics
@@ -210,3 +211,26 @@ def test_the_triton_read_kernel_reads_every_word_once():
     for line in out[:len(sizes)]:
         want, got = line.split()
         assert want == got
+
+
+def test_pytest_benchmark_records_and_compares_the_device_time(tmp_path):
+    """`pytest bench/ --benchmark-only --benchmark-json=F` runs (addopts no longer forces --benchmark-disable),
+    the figure pytest-benchmark stores is each timed call's device time (its timer is device_clock), and
+    `pytest-benchmark compare F` shows it."""
+    toks = sorted(random.sample(range(1, 33), 2))
+    out = tmp_path / "b.json"
+    env = {**os.environ, "MEGAMOE_BENCH_PRESET": "tiny", "MEGAMOE_BENCH_TOKENS": ",".join(map(str, toks)),
+           "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-m", "pytest", "bench/test_bench_reference.py", "-k", "staging_cast", "-q",
+                    "-p", "no:cacheprovider", "--benchmark-only", f"--benchmark-json={out}"],
+                   check=True, env=env, capture_output=True, timeout=300)
+    bench = json.loads(out.read_text())
+    assert len(bench["benchmarks"]) == len(toks) and bench["machine_info"]["megamoe"]["versions"]["megamoe"]
+    for b in bench["benchmarks"]:
+        assert b["options"]["timer"] == "device_clock" and b["stats"]["rounds"] == b["extra_info"]["repeats"]
+        assert b["stats"]["median"] * 1e6 == pytest.approx(b["extra_info"]["device_us"], rel=1e-9)
+    p = subprocess.run([sys.executable, "-c", "from pytest_benchmark.cli import main; main()", "compare", str(out)],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for b in bench["benchmarks"]:
+        assert b["name"] in p.stdout

@@ -1,7 +1,7 @@
 """H200 probe of DeepGEMM's SM90 ``fp8_mega_moe``: which configuration each token count runs, where the
 L2 activation scales live in its buffer, and how its L2-input codes differ from the reference.
 
-    source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH && python bench/device/dg_probe.py
+    pip install -e ".[fused]" && OUT=/tmp/dg python3 bench/device/dg_probe.py        (on an H200)
 
 Per case: the C++ heuristic's printout (``DG_PRINT_CONFIGS=1``, read from file descriptor 1), the
 template arguments of every kernel the JIT built for it (from the generated source in

@@ -1,7 +1,7 @@
 """H200 probe: tensor-core accumulation test vectors, both fused kernels vs reference recipes, L2-input
 FP8 code match rates, rounding-point variants, broken layouts. One call; JSON + tensors under $OUT.
 
-    source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH && python bench/device/fused_probe.py
+    pip install -e ".[fused]" && OUT=/tmp/fp python3 bench/device/fused_probe.py     (on an H200)
 
 Inputs that the CPU must re-create for the offline fits are generated on the CPU from fixed seeds
 (``tc_probe_inputs``, ``small`` weights and inputs); only the GPU's outputs travel back.

@@ -1,6 +1,6 @@
 """Issue 9 on the H200: the fused staging kernel (bitwise + speed) and the DeepSeek-V4 block end to end.
 
-    source .whl/prelude.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 bench/device/staging_block.py --out $OUT
+    pip install -e ".[fused]" && python3 bench/device/staging_block.py --out /tmp/staging     (on an H200)
 
 (a) bitwise: the Triton kernel (both casts) vs the reference at every preset and odd T, edge values,
     strided views, padding; NaN / Inf; and against deep_gemm's own per_token_cast_to_fp8 when importable.
