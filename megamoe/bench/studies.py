@@ -1,7 +1,7 @@
 """The studies of ``megamoe bench`` (``--studies``), each a function of the running ``megamoe.bench.sweep.Sweep``:
 
     overhead   the harness's figure against a bare timed loop of the same calls (ABBA rounds): what every
-               device-bound figure rests on, so it runs first; within 2% is the bar
+               device-bound figure rests on, so it runs first; within 2% is the bar (then staging, block_m, ragged)
     block_m    every legal BLOCK_M of each fused backend forced at every token count, against the plan's choice
     ragged     a ragged data-parallel step (4 ranks at 0.25 .. 1.75 x a mean): each rank timed alone on one GPU
                at its own count (its own plan) and padded with -1 routes to the agreed count (the shared plan);

@@ -8,7 +8,7 @@ Sections, each in its own try/except, the results written after each (a failure 
     sweep      every case checked (calc_diff against the backend's own recipe, on cloned inputs), then timed:
                device-bound rows ``passes`` times back to back (each pass with its own warm-up), host-bound rows
                once, last; the kineto clock beside every device-bound row's first pass on CUDA
-    studies    overhead, block_m, ragged, staging (megamoe.bench.studies), in that order
+    studies    overhead, staging, block_m, ragged (megamoe.bench.studies), in that order
 
 How a case is timed (``select_timing``; ``path`` in the row, ``method`` the clock that produced it):
 
@@ -50,7 +50,7 @@ from .tables import check_appendable, derive, load_results, merge_results
 from .timing import Timing, host_quiet, resolve_device, time_fn, time_graph
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-STUDIES = ("overhead", "block_m", "ragged", "staging")  # in the order they run
+STUDIES = ("overhead", "staging", "block_m", "ragged")  # in the order they run: cheap and essential first
 
 
 @dataclass
