@@ -61,28 +61,41 @@ def touched_experts(g: Geometry, tokens: int, ranks: int) -> int:
     return min(g.num_experts, tokens * ranks * g.num_topk)
 
 
-def estimate_seconds(g: Geometry, recipes, tokens, ranks: int, device="cpu") -> dict:
-    """Seconds the check will take here, measured on a one-expert copy of ``g``: making one expert, converting
-    it for each recipe, and a one-token forward per recipe (and the exact one) on it, scaled by the experts
-    made and touched. A model, not a promise: it leaves out what does not scale with experts."""
+def _one_expert_costs(g: Geometry, recipes, experts: int, device) -> tuple[float, dict, dict]:
+    """(seconds to make the experts, {recipe: seconds to convert them}, {recipe: seconds of a one-token forward})
+    at ``g`` with ``experts`` experts, each touched (top-k = experts)."""
     from ..reference.pipeline import moe_forward
 
-    one = g.with_(num_experts=1, num_topk=1)
+    small = g.with_(num_experts=experts, num_topk=experts)
     t0 = time.perf_counter()
-    w = random_mxfp4_weights(one, seed=0, device=device)
+    w = random_mxfp4_weights(small, seed=0, device=device)
     gen = time.perf_counter() - t0
     conv, fwd = {}, {}
-    inp = make_inputs(one, 1, seed=0, device=device)
+    inp = make_inputs(small, 1, seed=0, device=device)
     for r in ("exact", *recipes):
         t0 = time.perf_counter()
         wr = weights_for_recipe(w, r)
         conv[r] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        moe_forward(inp, wr, r, one)
+        moe_forward(inp, wr, r, small)
         fwd[r] = time.perf_counter() - t0
-    weights_s = g.num_experts * gen
-    convert_s = g.num_experts * sum(conv[r] for r in recipes)
-    # per token count: the exact forward once, each recipe twice (over the ranks, and as one rank)
-    forward_s = sum(touched_experts(g, t, ranks) * (fwd["exact"] + 2 * sum(fwd[r] for r in recipes)) for t in tokens)
+    return gen, conv, fwd
+
+
+def estimate_seconds(g: Geometry, recipes, tokens, ranks: int, device="cpu") -> dict:
+    """Seconds the check will take here, measured on copies of ``g`` with one and two experts (after one
+    untimed pass, so first-call costs stay out): making an expert and converting it for each recipe scale with
+    the experts; a forward costs a fixed part plus a part per expert touched (the difference of the two). A
+    model, not a promise."""
+    _one_expert_costs(g, recipes, 1, device)  # warm-up: lazy initialisation, allocator, first kernels
+    gen1, conv1, fwd1 = _one_expert_costs(g, recipes, 1, device)
+    _, _, fwd2 = _one_expert_costs(g, recipes, 2, device)
+    weights_s = g.num_experts * gen1
+    convert_s = g.num_experts * sum(conv1[r] for r in recipes)
+    forward_s = 0.0
+    for r, n in [("exact", 1)] + [(r, 2) for r in recipes]:  # exact once; each recipe over the ranks and as one rank
+        per_expert = max(fwd2[r] - fwd1[r], 0.0)
+        fixed = max(fwd1[r] - per_expert, 0.0)
+        forward_s += n * sum(fixed + per_expert * touched_experts(g, t, ranks) for t in tokens)
     return {"weights_s": weights_s, "convert_s": convert_s, "forward_s": forward_s,
             "total_s": weights_s + convert_s + forward_s}
