@@ -82,6 +82,8 @@ def test_check_fails_when_ep_differs_from_one_rank(monkeypatch, capsys, tmp_path
     (["check", "--quick"], ["--quick", "no --backends was given"]),
     (["bench", "--ranks", "2", "--graph"], ["--graph", "not used with --ranks 2"]),
     (["check", "--dist"], ["--dist", "needs --ranks 2 or more"]),
+    (["bench", "--backends", "reference", "fake", "--ref-max-tokens", "8"], ["--backends", "'fake'"]),
+    (["bench", "--backends", "flashinfer-mxfp4", "--ref-max-tokens", "8"], ["--ref-max-tokens", "would change nothing"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0] in ("check", "bench") else "")
 def test_bad_arguments_are_refused_before_any_work(argv, needles, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may be written: the default output folder stays absent
@@ -95,6 +97,9 @@ def test_bad_arguments_are_refused_before_any_work(argv, needles, capsys, tmp_pa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU build of torch is needed")
 def test_cuda_on_a_cpu_build_and_a_kernel_that_cannot_run_here_are_refused_up_front(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    for flag in (["--passes", "3"], ["--graph"], ["--no-flush"], ["--warmup-ms", "5"]):
+        rc, text = _run(capsys, "bench", *flag)
+        assert rc == 2 and f"argument {flag[0]}: has no effect on a CPU run" in text
     rc, text = _run(capsys, "bench", "--device", "cuda")
     assert rc == 2 and "--device" in text and "'cuda' is not available here" in text
     rc, text = _run(capsys, "check", "--backends", "flashinfer-mxfp4")
@@ -200,5 +205,6 @@ def test_the_same_argument_means_the_same_in_both_commands(capsys):
     for dest in ("preset", "tokens", "backends", "ref_max_tokens", "ranks", "seed", "out", "device"):
         assert sub[dest].option_strings == bench[dest].option_strings and sub[dest].nargs == bench[dest].nargs
         assert sub[dest].type == bench[dest].type
-    assert sub["preset"].default == bench["preset"].default == "small"
+    assert sub["preset"].default == bench["preset"].default == "small"  # seconds on a CPU, in both
+    assert bench["tokens"].default == [1, 16, 128] and sub["tokens"].default == [64]
     assert "bench/results" not in sub["out"].default and sub["out"].default == bench["out"].default

@@ -15,8 +15,10 @@ import os
 from ..args import add_common, positive_int, refuse, resolve_common, unavailable
 from .sweep import STUDIES
 
-DESCRIPTION = ("Time every backend at every token count (tokens per rank) against the card's ceilings measured in "
-               "the same run; results go to a new folder under --out (results.json, results.md, sweep.png).")
+DESCRIPTION = """\
+Time every backend at every token count (tokens per rank) against the card's
+ceilings, measured in the same run. Results go to a new folder under --out:
+results.json, results.md, sweep.png (bench/README.md says how a number is made)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SWEEP_ONLY = ("warmup_ms", "rep_ms", "passes", "no_flush", "graph", "studies", "append", "deadline_s", "ref_max_tokens")
+CUDA_ONLY = ("warmup_ms", "passes", "no_flush", "graph")  # flags of device-bound rows
 
 
 def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -64,6 +67,13 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if a.device == "cuda":
             p.error(f"argument --device: --ranks {a.ranks} runs gloo ranks on the CPU; use --device cpu or auto")
         return
+    if a.device == "cpu":  # no fused kernel runs on a CPU: every row is the host-bound reference, timed once
+        unused = [f"--{k.replace('_', '-')}" for k in CUDA_ONLY if getattr(a, k) != p.get_default(k)]
+        if unused:
+            p.error(f"argument {unused[0]}: has no effect on a CPU run (its rows are host-bound, timed once for "
+                    "--rep-ms); use it with --device cuda")
+    if a.ref_max_tokens != p.get_default("ref_max_tokens") and a.backends and not {"all", "reference"} & set(a.backends):
+        p.error("argument --ref-max-tokens: the reference is not among --backends, so it would change nothing")
     unavailable(p, [n for n in (a.backends or []) if n not in ("all", "reference")], reg)
     if a.append:
         from .sweep import check_appendable, load_results

@@ -15,7 +15,7 @@ How a case is timed (``select_timing``; ``path`` in the row, ``method`` the cloc
     cuda-graph    backends that promise ``graph_capturable``: launch() replayed from a CUDA graph captured after
                   build, staging done once before capture (not in the figure). A failed capture falls back to
                   events and says so (``graph_error``).
-    cuda-events   one event pair per call, the L2 flushed between calls (fused) or the input sets rotated.
+    cuda-events   one event pair per call, the L2 flushed between calls (fused) or the input sets rotated;
     perf_counter  no CUDA device: host wall time per call.
 
 Device-bound rows: warm-up of at least ``warmup_ms`` of device time, then samples for at least ``rep_ms`` (on
@@ -118,13 +118,14 @@ class Sweep:
                                                            if f.name not in ("weights", "extra_backends", "ceilings")})
         self.meta["config"]["tokens"] = sorted(cfg.tokens)
         self.results: dict = {"meta": self.meta, "ceilings": None, "rows": [], "drift": [], "block_m": [],
-                              "ragged": [], "staging": [], "overhead": [], "errors": [], "skipped": {}}
+                              "ragged": [], "staging": [], "overhead": [], "errors": [], "skipped": {},
+                              "section_seconds": {}}
+        self.meta["section_seconds"] = self.results["section_seconds"]  # kept per process when appended
         self.backends: list[BenchBackend] = []
         self.out_dir: str | None = None
         self.read: ReadCeiling | None = None
         self.ceilings = cfg.ceilings
-        self._inputs: dict = {}
-        self._refs: dict = {}
+        self._inputs, self._refs = {}, {}
 
     # --- helpers ----------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -259,9 +260,9 @@ class Sweep:
                 fn(self) if name in STUDIES else fn()
             except Exception as exc:  # noqa: BLE001
                 self.error(name, exc)
-            self.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t1, 2)
+            self.results["section_seconds"][name] = round(time.perf_counter() - t1, 2)
             self.write(final=name in ("sweep", "block_m"))
-        self.results["wall_seconds"] = round(self.elapsed(), 2)
+        self.results["wall_seconds"] = self.meta["wall_seconds"] = round(self.elapsed(), 2)
         self.results["out_dir"] = self.out_dir
         self.write(final=True)
         for b in self.backends:
@@ -327,7 +328,8 @@ class Sweep:
                 except Exception as exc:  # noqa: BLE001
                     self.error(f"build_jobs {b.name} BLOCK_M {bm}", exc)
         t1 = time.perf_counter()
-        errors = build_plans(jobs, lanes, cfg.build_threads)
+        with Progress(cfg.progress and len(jobs) > 1, len(jobs), "building plans") as prog:
+            errors = build_plans(jobs, lanes, cfg.build_threads, done=lambda k: prog.step(f"built {k[0]}"))
         for key, exc, tb in errors:
             self.results["errors"].append({"where": f"build {key}", "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
         self.results["plans_built"] = len(jobs)

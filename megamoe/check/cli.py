@@ -15,9 +15,11 @@ import os
 from ..args import add_common, positive_int, refuse, resolve_common, unavailable
 from ..recipe import RECIPES
 
-DESCRIPTION = ("Run every stage of every kernel recipe against the exact reference on this machine (CPU is fine), "
-               "with sanity checks (EP == one rank, no NaN, masked tokens give zero rows), and each fused backend "
-               "named with --backends through its differential matrix. Ends with what was and was not checked.")
+DESCRIPTION = """\
+Run every stage of every kernel recipe against the exact reference on this
+machine (a CPU is fine), with sanity checks (EP == one rank, no NaN, masked
+tokens give zero rows), and each fused backend named with --backends through
+its differential matrix. Ends with what was and was not checked."""
 KERNEL_RECIPES = [r for r in RECIPES if r != "exact"]
 MATRIX_ONLY = ("mma", "quick", "deadline_s", "ref_max_tokens")
 

@@ -20,8 +20,9 @@ from typing import Callable, Hashable, Mapping
 
 
 def build_plans(jobs: Mapping[Hashable, Callable[[], object]], lanes: Mapping[Hashable, str | None] | None = None,
-                max_workers: int = 8) -> list[tuple[Hashable, BaseException, str]]:
-    """Run every job once (see the module docstring); returns the failures, in no particular order."""
+                max_workers: int = 8, done: Callable[[Hashable], None] | None = None) -> list[tuple[Hashable, BaseException, str]]:
+    """Run every job once (see the module docstring); returns the failures, in no particular order. ``done(key)``
+    is called after each job, from the thread that ran it (a progress bar)."""
     lanes = lanes or {}
     by_lane: dict[str, list] = {}
     free = []
@@ -36,6 +37,9 @@ def build_plans(jobs: Mapping[Hashable, Callable[[], object]], lanes: Mapping[Ha
             return None
         except Exception as exc:  # noqa: BLE001 - every failure is returned to the caller, with its traceback
             return key, exc, traceback.format_exc()
+        finally:
+            if done is not None:
+                done(key)
 
     def serial(items) -> list[tuple]:
         return [e for e in map(one, items) if e is not None]
