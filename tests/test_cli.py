@@ -80,6 +80,7 @@ def test_check_fails_when_ep_differs_from_one_rank(monkeypatch, capsys, tmp_path
     (["check", "--ranks", "3", "--preset", "tiny"], ["--ranks", "a divisor of the 8 experts", "[1, 2, 4, 8]"]),
     (["bench", "--studies", "blockm"], ["--studies", "did you mean 'block_m'"]),
     (["check", "--quick"], ["--quick", "no --backends was given"]),
+    (["check", "--backends", "all", "--quick", "--tokens", "4"], ["--quick", "already choose the matrix's cases"]),
     (["bench", "--ranks", "2", "--graph"], ["--graph", "not used with --ranks 2"]),
     (["check", "--dist"], ["--dist", "needs --ranks 2 or more"]),
     (["bench", "--backends", "reference", "fake", "--ref-max-tokens", "8"], ["--backends", "'fake'"]),

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="matrix: skip cases not begun after S s (default none)")
 
 
-def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
+def validate(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -> dict:
     from ..fused.registry import BACKENDS
 
     resolve_common(p, a, list(BACKENDS))
@@ -54,6 +54,8 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
         given = [f"--{k.replace('_', '-')}" for k in MATRIX_ONLY if getattr(a, k) != p.get_default(k)]
         if given:
             p.error(f"argument {given[0]}: applies to a fused backend's matrix, and no --backends was given")
+    if a.quick and explicit & {"--preset", "--tokens"}:
+        p.error("argument --quick: --preset / --tokens already choose the matrix's cases; give one or the other")
     if a.dist and a.device == "cuda":
         p.error("argument --device: --dist spawns gloo ranks on the CPU; use --device cpu or auto")
     if a.dist and a.ranks < 2:
@@ -72,11 +74,12 @@ def run(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -
     from ..bench.meta import new_results_dir, run_metadata
     from . import render
 
-    validate(p, a)
+    validate(p, a, explicit)
     console = Console()
     recipes = a.recipes or KERNEL_RECIPES
     out = new_results_dir(a.out, run_metadata(a.device), "-check")
-    doc: dict = {"argv": vars(a).copy(), "reports": [], "dist": [], "matrix": {}}
+    doc: dict = {"arguments": {k: v for k, v in vars(a).items() if k not in ("run", "parser")}, "reports": [],
+                 "dist": [], "matrix": {}}
     checked, not_checked, failed = [], [], 0
     if a.dist:
         from ..distributed.check import check_ranks
@@ -112,7 +115,11 @@ def run(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -
         doc["matrix"][name] = rows
         bad = [r for r in rows if r.get("status") in check.MATRIX_BAD]
         failed += len(bad)
-        checked.append(f"fused kernel {name}: {len(rows)} matrix cases against its faithful reference, {len(bad)} bad")
+        skipped = [r for r in rows if r.get("status") == "skipped"]
+        checked.append(f"fused kernel {name}: {len(rows) - len(skipped)} matrix cases against its faithful reference, "
+                       f"{len(bad)} bad")
+        if skipped:
+            not_checked.append(f"{name}: {len(skipped)} matrix cases not begun by --deadline-s {a.deadline_s}")
     ran = set(a.backends or [])
     missing = [f"{n} ({why})" if not ok else f"{n} (runs here: megamoe check --backends {n})"
                for n, ok, why in avail if n not in ran]
