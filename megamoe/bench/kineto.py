@@ -35,10 +35,14 @@ def split_calls(events: Sequence[tuple[str, float]], calls: int, flush_names: Se
     return out
 
 
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto's activity types of device work (not syncs, markers)
+
+
 def _gpu_activity(prof) -> list[tuple[str, float]]:
     from torch.autograd import DeviceType
 
-    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+           and getattr(e, "activity_type", None) in (None, *GPU_WORK)]
     return [(e.name, e.time_range.elapsed_us()) for e in sorted(evs, key=lambda e: e.time_range.start)]
 
 
