@@ -1,7 +1,8 @@
 """One progress bar for everything that takes more than a few seconds (``megamoe check``, ``megamoe bench``).
 
 It never refreshes from a background thread (``auto_refresh=False``): it is redrawn between steps only, so no
-thread runs beside a timed call. It shows the elapsed time and rich's estimate of the time left.
+thread runs beside a timed call. It shows the elapsed time and rich's estimate of the time left, which is good
+only over steps of like cost: ``phase`` starts a new bar for work of another kind.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ class Progress:
                               TextColumn("left"), TimeRemainingColumn(), auto_refresh=False, transient=False)
         self.p.start()
         self.task = self.p.add_task(description, total=total)
+
+    def phase(self, description: str, total: float) -> None:
+        """A new bar under the last one, for steps of another cost; ``step`` advances it from now on."""
+        if self.p is not None:
+            self.task = self.p.add_task(description, total=total)
+            self.p.refresh()
 
     def step(self, description: str, advance: float = 1) -> None:
         if self.p is not None:

@@ -147,22 +147,23 @@ def test_bench_defaults_on_a_cpu_write_a_new_folder_each_run(tmp_path, capsys):
 
 
 def test_big_presets_on_a_cpu_say_how_long_before_they_start(monkeypatch, capsys, tmp_path):
-    """`megamoe check --preset dsv4-flash` on a CPU: the estimate comes first (measured on one expert); Ctrl-C
-    (here: during the weights) exits 130 with one line and no traceback."""
+    """`megamoe check --preset dsv4-flash` on a CPU says what it will do and that it takes minutes before it
+    starts, then extrapolates from the first expert made; Ctrl-C (here: right after that expert) exits 130 with
+    one line and no traceback."""
     from megamoe.check import prepare
 
-    calls = []
-
-    def stop(*a, **kw):
-        calls.append(1)
+    def first_expert_then_ctrl_c(g, recipes, seed, device, progress=None):
+        time.sleep(0.05)
+        progress("weights", 1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare, "prepare_weights", stop)
-    monkeypatch.setattr(prepare, "estimate_seconds", lambda *a, **k: {"weights_s": 900.0, "convert_s": 300.0,
-                                                                       "forward_s": 60.0, "total_s": 1260.0})
+    monkeypatch.setattr(prepare, "prepare_weights", first_expert_then_ctrl_c)
     rc, text = _run(capsys, "check", "--preset", "dsv4-flash", "--tokens", "4", "--out", str(tmp_path))
-    assert rc == 130 and calls and "will take about 21 min" in text and "interrupted" in text
-    assert "Traceback" not in text
+    assert rc == 130 and "interrupted" in text and "Traceback" not in text
+    said = " ".join(text.split())
+    assert "makes 256 random experts (6.4 G weights)" in said and "minutes on a CPU" in said
+    assert said.index("minutes on a CPU") < said.index("the first expert took")
+    assert "to make all 256" in said
 
 
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path):

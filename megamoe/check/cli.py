@@ -133,30 +133,44 @@ def run(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -
 
 
 def run_reference_checks(a: argparse.Namespace, recipes: list[str], console) -> list:
-    """Every token count through ``run_check`` on weights made once, with an estimate first where the check
-    takes more than a few seconds and a progress bar throughout."""
+    """Every token count through ``run_check`` on weights made once. A preset of DeepSeek-V4 size takes minutes
+    on a CPU: it says so before starting, shows a progress bar with the time left, and extrapolates the weights'
+    cost from the first expert made."""
+    import time
+
     from .. import check
     from ..geometry import get_geometry
     from ..progress import Progress
-    from .prepare import estimate_seconds, prepare_weights, touched_experts
+    from .prepare import prepare_weights
     from .render import render_report
 
     g = get_geometry(a.preset)
-    est = estimate_seconds(g, recipes, a.tokens, a.ranks, a.device)
-    if est["total_s"] > 10:
-        console.print(f"megamoe check: preset {a.preset} on {a.device} will take about {_duration(est['total_s'])} here "
-                      f"(measured on one expert: making {g.num_experts} random experts ~{_duration(est['weights_s'])}, "
-                      f"converting them for {len(recipes)} recipes ~{_duration(est['convert_s'])}, the forwards "
-                      f"~{_duration(est['forward_s'])}). Ctrl-C stops it.")
-    per_expert = {"weights": est["weights_s"] / g.num_experts, **{f"convert {r}": est["convert_s"] / g.num_experts / len(recipes) for r in recipes}}
-    reports = []
-    with Progress(est["total_s"] > 3, est["total_s"], "weights") as prog:
-        cw = prepare_weights(g, recipes, a.seed, a.device, progress=lambda phase, n: prog.step(phase, per_expert[phase] * n))
+    n_weights = g.num_experts * 3 * g.hidden * g.intermediate
+    big = n_weights >= 10**8  # DeepSeek-V4: minutes on a CPU; small and tiny: seconds
+    if big:
+        console.print(f"megamoe check: preset {a.preset} makes {g.num_experts} random experts ({n_weights / 1e9:.1f} G "
+                      f"weights) and converts them for {len(recipes)} recipes on {a.device}, then runs "
+                      f"{len(a.tokens)} step(s) per recipe: minutes on a CPU. Progress and the time left below; "
+                      "Ctrl-C stops it.")
+    reports, t0, first, current = [], time.perf_counter(), [], ["weights"]
+
+    def on_weights(phase: str, n: int) -> None:  # one bar per phase: making the experts, each conversion
+        if phase != current[0]:
+            current[0] = phase
+            prog.phase(phase, g.num_experts)
+        prog.step(phase, n)
+        if big and phase == "weights" and not first:
+            first.append(time.perf_counter() - t0)
+            console.print(f"the first expert took {first[0]:.1f} s: about {_duration(first[0] * g.num_experts)} to make "
+                          f"all {g.num_experts}, then their conversions and the forwards")
+
+    with Progress(big, g.num_experts, "weights") as prog:
+        cw = prepare_weights(g, recipes, a.seed, a.device, progress=on_weights)
+        prog.phase("forwards", len(a.tokens) * (1 + len(recipes)))
         for t in a.tokens:
-            share = est["forward_s"] * touched_experts(g, t, a.ranks) / max(1, sum(touched_experts(g, x, a.ranks) for x in a.tokens))
             reports.append(check.run_check(preset=a.preset, tokens=t, seed=a.seed, block_m=a.block_m, ranks=a.ranks,
                                            recipes=recipes, device=a.device, weights=cw,
-                                           step=lambda ph, t=t, s=share: prog.step(f"T={t}: {ph}", s / (1 + len(recipes)))))
+                                           step=lambda ph, t=t: prog.step(f"T={t}: {ph}")))
     for r in reports:
         render_report(r, console)
     return reports
