@@ -175,6 +175,7 @@ class FusedBench(BenchBackend):
     def stage_parts(self, inputs) -> dict:
         """The public ``stage`` (input validation included, which syncs the host) and the bare cast + copy into
         the buffer (the ``_stage`` hook)."""
+        self._pin()
         t = inputs.num_tokens
         self.obj.stage(inputs, t)  # allocate / validate once
         return {"stage() incl. input validation": lambda: self.obj.stage(inputs, t),
