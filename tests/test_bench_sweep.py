@@ -21,7 +21,7 @@ from megamoe.bench.sweep import SweepConfig, run_sweep, select_timing
 from megamoe.bench.tables import best_block_m, repeatability, speedups
 from megamoe.bench.timing import Timing
 from megamoe.fused.base import FusedBackend, Plan
-from megamoe.inputs import pad_inputs
+from megamoe.inputs import make_inputs, pad_inputs
 from megamoe.recipe import FLASHINFER_MXFP4
 
 CPU_CEIL = Ceilings("cpu (test)", copy_gbps=10.0, fp8_tflops=0.5, bf16_tflops=0.5)
@@ -324,3 +324,22 @@ def test_the_pytest_suites_time_a_case_as_the_sweep_does(monkeypatch):
         kind, kw = calls[-1]
         assert kind == select_timing(b, "cuda") == tm.extra["path"] == ("cuda-graph" if promise else "cuda-events")
         assert kw["flush_l2"] is True and kw["min_time_s"] == cfg.rep_ms / 1e3 and kw["repeats"] == 7
+
+
+def test_a_forced_block_m_is_a_view_of_the_prepared_backend(tiny, fakes):
+    g, w = tiny
+    b = bk.FusedBench(FakeKernel, g, 64)
+    b.prepare(w)
+    assert b.obj.kernel_weights is not w  # handed cls.synthetic_weights(w), not w
+    jobs = b.build_jobs([1, 2, 8, 64], 24)
+    assert {k[1] for k in jobs} == {(24,)} and b.obj.force_block_m is None  # built at the forced BM, unpinned after
+    v = b.with_block_m(8)
+    assert v.obj is b.obj and v.plan(64)["block_m"] == 8 and v.plan(64)["forced"] is True
+    assert b.plan(64)["block_m"] == 24 and b.plan(64)["forced"] is False  # the base pins the plan's own choice
+    with pytest.raises(ValueError, match="force_block_m must be one of"):
+        b.with_block_m(7)
+    v.close()
+    assert b.obj.launches == 0 and b.owner and not v.owner
+    fn, args = v.timer([make_inputs(g, 3, seed=1)])
+    fn()
+    assert args is None and b.obj.launches == 1 and b.obj.force_block_m == 8

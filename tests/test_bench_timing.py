@@ -234,3 +234,37 @@ def test_pytest_benchmark_records_and_compares_the_device_time(tmp_path):
     assert p.returncode == 0, p.stderr
     for b in bench["benchmarks"]:
         assert b["name"] in p.stdout
+
+
+def test_the_floor_matches_the_kernels_table():
+    """The H200 floors at DeepSeek-V4-Flash from the kernels' contract: 19 us at 1 token (HBM), 1739 us at 8192 (FP8)."""
+    from megamoe.bench.ceilings import Ceilings
+    from megamoe.bench.roofline import achieved, bytes_per_weight, distinct_experts, step_floor
+    from megamoe.geometry import get_geometry
+
+    h200 = Ceilings("NVIDIA H200 (datasheet)", copy_gbps=4240.0, fp8_tflops=1422.0, bf16_tflops=815.0)
+    g = get_geometry("dsv4-flash")
+    one = torch.arange(6).view(1, 6)
+    f1 = step_floor(g, one, h200, "mxfp4")
+    assert f1.bound == "HBM" and f1.experts_touched == 6 and round(f1.floor_us) == 19 and f1.read_us is None
+    full = torch.arange(8192 * 6).remainder(256).view(8192, 6)  # every expert touched
+    f8k = step_floor(g, full, h200, "mxfp4")
+    assert f8k.bound == "FP8" and abs(f8k.floor_us - 1739) < 2
+    a = achieved(f8k, 2 * f8k.floor_us, h200)
+    assert a["frac_of_floor"] == pytest.approx(0.5) and a["frac_fp8_peak"] == pytest.approx(0.5) and a["frac_of_read"] is None
+    assert step_floor(g, one, h200, "fp8_block").hbm_us > 1.8 * f1.hbm_us  # FP8 weights move ~1.9x the bytes
+    assert bytes_per_weight("mxfp4") == 0.53125 and bytes_per_weight("fp8_block") == pytest.approx(1 + 4 / 16384)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        bytes_per_weight("int3")
+    idx = torch.tensor([[0, 3], [3, -1], [-1, -1], [7, 0]])
+    assert (distinct_experts(idx), distinct_experts(idx, 0, 4), distinct_experts(idx, 4, 8)) == (3, 2, 1)
+
+
+def test_ceilings_and_ragged_counts():
+    from megamoe.bench.ceilings import Ceilings, measure_ceilings
+    from megamoe.inputs import ragged_counts
+
+    c = measure_ceilings("cpu", copy_bytes=8 * 2**20, matmul_n=64, repeats=3)
+    assert c.copy_gbps > 0 and c.fp8_tflops > 0 and c.bf16_tflops > 0 and Ceilings.from_dict(c.as_dict()) == c
+    assert ragged_counts(256, cap=8192) == [64, 192, 320, 448] and ragged_counts(2, cap=8192) == [1, 2, 2, 4]
+    assert max(ragged_counts(8192, cap=8192)) == 8192 and ragged_counts(8, ranks=1) == [8]
