@@ -24,7 +24,7 @@ def _xor(a, b):
 @triton.jit
 def _read_kernel(src, out, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: a 25 GB read (dsv4-pro, FP8) passes 2**31 words
     words = tl.load(src + offs, mask=offs < n, other=0)
     tl.store(out + pid, tl.reduce(words, 0, _xor))
 
