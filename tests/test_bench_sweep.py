@@ -227,6 +227,7 @@ def test_two_processes_on_one_card_make_one_document(tiny, fakes, tmp_path):
     assert sorted(r["backend"] for r in doc["ragged"]) == ["fake-kernel", "fake-other"]  # not studied twice
     md = open(os.path.join(folder, "results.md")).read()
     assert "process 2:" in md and "## One backend in two processes" in md and "fake-kernel [p2] us" in md
+    assert "process 1: fake-kernel, reference; process 2: fake-other, fake-kernel [p2]." in md
     with pytest.raises(ValueError, match="tokens"):
         sw.Sweep(_cfg(w, append_dir=folder, tokens=[1, 2]), log=lambda s: None)
     with pytest.raises(ValueError, match="preset"):

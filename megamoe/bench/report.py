@@ -119,7 +119,13 @@ def header(results: dict) -> list[str]:
 def to_markdown(results: dict) -> str:
     out = header(results)
     if results["rows"]:
-        out += ["", "## Sweep", "", md_table(*sweep_table(results)), "", "## Every row", "", md_table(*detail_table(results))]
+        out += ["", "## Sweep", "", md_table(*sweep_table(results))]
+        procs = sorted({r.get("process", 1) for r in results["rows"]})
+        if len(procs) > 1:  # which process timed which backend (a later reading of one already timed: "[pN]")
+            out += ["", "; ".join(f"process {p}: " + ", ".join(backend_names([r for r in results["rows"]
+                                                                             if r.get("process", 1) == p]))
+                                  for p in procs) + "."]
+        out += ["", "## Every row", "", md_table(*detail_table(results))]
     rep = results.get("repeatability", [])
     if rep:
         worst = max(rep, key=lambda r: r["spread"] if r["spread"] == r["spread"] else float("inf"))
