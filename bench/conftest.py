@@ -1,12 +1,14 @@
-"""pytest-benchmark suites of megamoe: ``pytest bench/ --benchmark-enable`` (CPU: the reference suites;
-H200: every fused backend too).
+"""pytest-benchmark suites of megamoe: ``pytest bench/ --benchmark-only`` (a CPU: the reference and its stages;
+an H200: every fused backend too), ``--benchmark-json=F`` to save, ``pytest-benchmark compare`` to compare.
 
-pytest-benchmark's own clock is wall time; the numbers that matter come from megamoe.bench.timing
-(CUDA events, L2 flushed or inputs rotated) and go into ``benchmark.extra_info``: device_us, TFLOP/s,
-GB/s, the fraction of the measured ceilings and of the roofline floor, calc_diff of the checked output.
+The figure pytest-benchmark records is the device time of each timed call (``megamoe.bench.suite.device_clock``
+is its timer: CUDA events, or CUDA-graph replays for a graph-capturable backend; perf_counter on a CPU), timed by
+``megamoe.bench.timing`` the way ``megamoe bench`` times it. ``extra_info`` adds the rates, the fractions of the
+ceilings measured in the session and of the roofline floor, BLOCK_M and calc_diff. Without --benchmark-only the
+suites run once each as tests (CI).
 
-Environment: MEGAMOE_BENCH_PRESET (default dsv4-flash on a GPU, small on a CPU),
-MEGAMOE_BENCH_TOKENS (comma list; default 1,128,2048,8192 on a GPU, 1,16 on a CPU).
+Environment: MEGAMOE_BENCH_PRESET (default dsv4-flash on a GPU, small on a CPU), MEGAMOE_BENCH_TOKENS (comma
+list; default 1,128,2048,8192 on a GPU, 1,16 on a CPU).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 
 from megamoe.bench.ceilings import measure_ceilings
 from megamoe.bench.roofline import achieved, step_floor
-from megamoe.bench.suite import ON_GPU, bench_preset
+from megamoe.bench.suite import ON_GPU, bench_preset, device_clock, record_timing
 from megamoe.geometry import get_geometry
 from megamoe.weights import random_mxfp4_weights
+
 
 def _gpu_skip_reason() -> str:
     if not torch.cuda.is_available():
@@ -32,17 +35,16 @@ def _gpu_skip_reason() -> str:
 
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_skip_reason()
-    if reason:
-        skip = pytest.mark.skip(reason=reason)
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    for item in items:
+        item.add_marker(pytest.mark.benchmark(timer=device_clock))  # pytest-benchmark reads the device clock
+        if reason and "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    """The run's commit (MEGAMOE_COMMIT where set: a device copy's git HEAD can be stale), package versions
-    and card identity, as ``megamoe bench`` records them, into the benchmark JSON's machine_info."""
-    from megamoe.bench.sweep import run_metadata
+    """The run's commit (MEGAMOE_COMMIT where set), versions of what was imported, and the card's identity, as
+    ``megamoe bench`` records them, into the benchmark JSON's machine_info."""
+    from megamoe.bench.meta import run_metadata
 
     machine_info["megamoe"] = run_metadata("cuda" if ON_GPU else "cpu")
 
@@ -65,31 +67,28 @@ def geometry_and_weights(device):
 
 @pytest.fixture(scope="session")
 def ceilings(device):
-    """Measured once per session on this device (CPU: small sizes, so the suites stay quick)."""
+    """Measured once per session on this device (a CPU: small sizes, so the suites stay quick)."""
     if device == "cuda":
         return measure_ceilings(device)
-    return measure_ceilings(device, copy_bytes=16 * 2**20, matmul_n=256, repeats=3)
+    return measure_ceilings(device, copy_bytes=16 * 2**20, matmul_n=128, repeats=3)
 
 
 @pytest.fixture
 def record(benchmark, ceilings):
-    """record(fn, timing, *, g=None, topk_idx=None, weight_format="mxfp4", **extra): run ``fn`` under
-    benchmark.pedantic (wall time, a few rounds) and put the harness's device time, the roofline floor
-    and the achieved rates into benchmark.extra_info."""
+    """record(timing, *, g=None, topk_idx=None, weight_format="mxfp4", **extra): the harness's device samples
+    become pytest-benchmark's rounds (``record_timing``); rates, floor and ceilings go into extra_info."""
 
-    def _record(fn, timing, *, g=None, topk_idx=None, weight_format="mxfp4", rounds=3, **extra):
-        info = {"device_us": timing.median_us, "device_min_us": timing.min_us, "spread": timing.spread,
-                "method": timing.method, "repeats": len(timing.samples_us), "flushed": timing.flushed,
-                "rotated": timing.rotated, "card": ceilings.device, "copy_gbps_ceiling": ceilings.copy_gbps,
-                "fp8_tflops_ceiling": ceilings.fp8_tflops}
+    def _record(timing, *, g=None, topk_idx=None, weight_format="mxfp4", **extra):
+        info = {"device_us": timing.median_us, "spread": timing.spread, "method": timing.method,
+                "path": timing.extra.get("path", timing.method), "repeats": len(timing.samples_us),
+                "flushed": timing.flushed, "rotated": timing.rotated, "card": ceilings.device,
+                "copy_gbps_ceiling": ceilings.copy_gbps, "fp8_tflops_ceiling": ceilings.fp8_tflops}
         if g is not None and topk_idx is not None:
             fl = step_floor(g, topk_idx, ceilings, weight_format)
             info.update(achieved(fl, timing.median_us, ceilings), experts_touched=fl.experts_touched)
         info.update(extra)
         benchmark.extra_info.update(info)
-        benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        record_timing(benchmark, timing)
         return info
 
     return _record

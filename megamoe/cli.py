@@ -1,142 +1,75 @@
-"""The ``megamoe`` console script.
+"""The ``megamoe`` command (also ``python -m megamoe``).
 
-    megamoe check                                   # small preset, 64 tokens, every recipe vs exact, CPU
-    megamoe check --preset tiny --tokens 9 --ranks 4 --block-m 64 --json out.json
-    megamoe check --backend flashinfer-mxfp4        # plus a fused backend's differential matrix (SM90)
-    megamoe check --ranks 4 --dist                  # real gloo ranks (megamoe.distributed) instead of simulated
-    megamoe bench ...                               # megamoe.bench.cli (single GPU sweep)
-    megamoe bench --ranks 4 --preset tiny           # real gloo EP ranks, distributed reference step
+    megamoe check     every stage of every kernel recipe against exact, sanity checks, fused backends' matrices
+    megamoe bench     every backend at every token count against the card's measured ceilings
+    megamoe --version
 
-Exit status: 0 when every sanity check passed, 1 when one failed, 2 on bad arguments.
+Both commands share their arguments' names and meanings (``megamoe.args``): --preset, --tokens (per rank, a
+list), --backends, --ref-max-tokens, --ranks, --seed, --out DIR, --device. Exit status: 0 when everything that
+ran passed, 1 when a check failed, 2 on a bad argument (refused before any work), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
-from .geometry import PRESETS
-from .recipe import RECIPES
+from .args import Parser, interrupted
+
+DESCRIPTION = """\
+megamoe: a readable reference of the fused SM90 Mega MoE layer beside its kernels.
+
+  megamoe check    every kernel recipe against exact, stage by stage, and the
+                   differential matrix of each fused backend named
+  megamoe bench    every backend at every token count against the card's ceilings
+
+Both take --preset, --tokens (per rank), --backends, --ref-max-tokens, --ranks,
+--seed, --out DIR and --device. Exit status: 0 passed, 1 a check failed, 2 a bad
+argument (refused before any work), 130 interrupted."""
 
 
-def _add_check_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="geometry preset (default: small)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens in the step, split raggedly over the ranks")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-m", type=int, default=8, help="BLOCK_M the pools are padded to")
-    p.add_argument("--ranks", type=int, default=1, help="simulated expert-parallel ranks (must divide E)")
-    p.add_argument("--recipes", nargs="+", default=None, choices=[r for r in RECIPES if r != "exact"],
-                   help="kernel recipes to compare with exact (default: all)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
-    p.add_argument("--backend", metavar="NAME", default=None,
-                   help="also run this fused backend's differential matrix (megamoe.fused.registry)")
-    p.add_argument("--mma", default="sm90-fp8-tc", choices=["exact-block", "sm90-fp8-tc"],
-                   help="--backend: the reference's tensor-core model (default: the H200's emulated accumulation)")
-    p.add_argument("--ref-max-tokens", type=int, default=512,
-                   help="--backend: above this many tokens the reference runs on a random token subset")
-    p.add_argument("--quick", action="store_true", help="--backend: the shorter matrix")
-    p.add_argument("--matrix-deadline", type=float, default=None, metavar="S",
-                   help="--backend: cases not started within S seconds are reported as skipped")
-    p.add_argument("--matrix-json", metavar="PATH", default=None, help="--backend: write the matrix rows as JSON")
-    p.add_argument("--dist", action="store_true",
-                   help="spawn --ranks gloo processes (megamoe.distributed) and compare bitwise, instead of simulating")
-
-
-def _check(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    if a.dist:
-        try:
-            from .distributed.check import check_ranks
-        except ImportError as exc:
-            console.print(f"[red]--dist needs megamoe.distributed: {exc}[/red]")
-            return 2
-        from .distributed.agreement import SetupMismatchError
-        from .distributed.launch import RankError
-
-        try:
-            rep = check_ranks(a.ranks, a.preset, None, a.seed, block_m=a.block_m)
-        except (RankError, SetupMismatchError) as exc:
-            console.print(f"[red]megamoe check --dist: {exc}[/red]")
-            return 1
-        except (TypeError, ValueError) as exc:  # bad arguments, refused before any rank started
-            console.print(f"[red]megamoe check --dist: {exc}[/red]")
-            return 2
-        console.print(rep.summary())
-        return 0 if rep.ok else 1
-
-    from .check import backend_availability, render, run_check, run_backend
-
-    try:
-        report = run_check(preset=a.preset, tokens=a.tokens, seed=a.seed, block_m=a.block_m, ranks=a.ranks,
-                           recipes=a.recipes)
-    except ValueError as exc:
-        console.print(f"[red]megamoe check: {exc}[/red]")
-        return 2
-    report.backends = backend_availability()
-    if a.backend:
-        run_backend(report, a.backend, a.matrix_json, mma=a.mma, ref_max_tokens=a.ref_max_tokens, quick=a.quick,
-                    deadline_s=a.matrix_deadline)
-    render(report, console)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report.to_dict(), f, indent=1, default=str)
-        console.print(f"report written to {a.json}")
-    return 0 if report.ok else 1
-
-
-def _bench(a: argparse.Namespace) -> int:
-    if a.ranks < 1:
-        print(f"megamoe bench: --ranks must be >= 1, got {a.ranks}", file=sys.stderr)
-        return 2
-    if a.ranks > 1:
-        from .distributed.check import bench_ranks
-        from .distributed.launch import RankError
-
-        try:
-            rep = bench_ranks(a.ranks, getattr(a, "preset", None) or "tiny", None, getattr(a, "seed", 0) or 0)
-        except (TypeError, ValueError) as exc:  # bad arguments, refused before any rank started
-            print(f"megamoe bench --ranks: {exc}", file=sys.stderr)
-            return 2
-        except RankError as exc:
-            print(f"megamoe bench --ranks: {exc}", file=sys.stderr)
-            return 1
-        print(rep.summary())
-        return 0
+def build_parser() -> Parser:
+    from . import __version__
     from .bench import cli as bench_cli
+    from .check import cli as check_cli
 
-    return int(bench_cli.main(a) or 0)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megamoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command")
-    c = sub.add_parser("check", help="every stage of every recipe vs exact, with sanity checks (CPU is fine)")
-    _add_check_arguments(c)
-    c.set_defaults(func=_check)
-    try:
-        from .bench import cli as bench_cli
-    except ImportError:
-        bench_cli = None
-    if bench_cli is not None:
-        b = sub.add_parser("bench", help="timing sweep of the fused backends and the reference")
-        bench_cli.add_arguments(b)
-        b.add_argument("--ranks", type=int, default=1,
-                       help="> 1: spawn this many gloo EP ranks and time the distributed reference step "
-                            "(megamoe.distributed.bench_ranks) instead of the single-GPU sweep")
-        b.set_defaults(func=_bench)
+    p = Parser(prog="megamoe", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"megamoe {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=Parser, metavar="{check,bench}")
+    c = sub.add_parser("check", help="every stage of every recipe against exact, with sanity checks (CPU is fine)",
+                       description=check_cli.DESCRIPTION, usage="megamoe check [options]")
+    check_cli.add_arguments(c)
+    c.set_defaults(run=lambda a, argv: check_cli.run(c, a, _explicit(argv)), parser=c)
+    b = sub.add_parser("bench", help="time every backend at every token count against measured ceilings",
+                       description=bench_cli.DESCRIPTION, usage="megamoe bench [options]")
+    bench_cli.add_arguments(b)
+    b.set_defaults(run=lambda a, argv: bench_cli.run(b, a), parser=b)
     return p
 
 
+def _explicit(argv: list[str]) -> set[str]:
+    """The flags given on the command line (as opposed to defaults), e.g. {"--preset", "--tokens"}."""
+    return {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+
+
 def main(argv: "list[str] | None" = None) -> int:
-    p = build_parser()
-    a = p.parse_args(argv)
-    if not getattr(a, "func", None):
-        p.print_help()
-        return 2
-    return int(a.func(a) or 0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        p = build_parser()
+        try:
+            a, extra = p.parse_known_args(argv)
+            if extra:  # said by the subcommand's parser: its usage, and the close match among its flags
+                getattr(a, "parser", p).error(f"unrecognized arguments: {' '.join(extra)}")
+        except SystemExit as exc:  # --help, --version (0) or a bad argument (2)
+            return int(exc.code or 0)
+        if not getattr(a, "run", None):
+            p.print_help()
+            return 2
+        try:
+            return int(a.run(a, argv) or 0)
+        except SystemExit as exc:  # a bad argument found by validation, before any work
+            return int(exc.code or 0)
+    except KeyboardInterrupt:
+        return interrupted()
 
 
 if __name__ == "__main__":

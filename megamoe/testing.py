@@ -1,15 +1,10 @@
-"""Checkers and input generators shared by the tests, the benchmarks, the notebooks and ``megamoe check``.
-
-One generator, one set of checkers: a failure says which stage, where, and how far off.
+"""Checkers shared by the tests, the benchmarks, the notebooks and ``megamoe check``: a failure says which
+stage, where, and how far off. (The steps they check are made by ``megamoe.inputs``.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-from .geometry import Geometry
 
 
 # ------------------------------------------------------------------------------------ checkers
@@ -73,91 +68,6 @@ def assert_close_diff(x: torch.Tensor, ref: torch.Tensor, max_diff: float, what:
             f"{ref.reshape(-1)[err.argmax()].item():.6g})"
         )
     return d
-
-
-# ------------------------------------------------------------------------------------ inputs
-@dataclass
-class MoEInputs:
-    """One rank's step: x bf16 [T, H], topk_idx int64 [T, K] (-1 = masked), topk_weights fp32 [T, K]."""
-
-    x: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-
-    def __post_init__(self) -> None:
-        from .validate import check_step_structure
-
-        check_step_structure(self.x, self.topk_idx, self.topk_weights)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.x.shape[0]
-
-    def to(self, device) -> "MoEInputs":
-        return MoEInputs(self.x.to(device), self.topk_idx.to(device), self.topk_weights.to(device))
-
-    def clone(self) -> "MoEInputs":
-        return MoEInputs(self.x.clone(), self.topk_idx.clone(), self.topk_weights.clone())
-
-
-def make_routing(
-    num_tokens: int,
-    num_experts: int,
-    num_topk: int,
-    *,
-    gen: torch.Generator,
-    mask_prob: float = 0.0,
-    skew: float = 0.0,
-    empty_experts: tuple[int, ...] = (),
-    fully_masked_tokens: tuple[int, ...] = (),
-    expert_range: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random distinct top-k experts per token and positive weights (CPU tensors).
-
-    skew > 0 draws experts from a Zipf-like law p(e) ~ 1/(e+1)**skew (hot experts);
-    empty_experts never receive a token; mask_prob masks slots with -1;
-    fully_masked_tokens get -1 in every slot (their output row must be zero).
-    expert_range restricts routing to experts [lo, hi) (e.g. one EP rank's experts).
-    """
-    lo, hi = expert_range or (0, num_experts)
-    logits = -skew * torch.log(torch.arange(num_experts, dtype=torch.float64) + 1.0)
-    allowed = torch.full((num_experts,), False)
-    allowed[lo:hi] = True
-    if empty_experts:
-        allowed[list(empty_experts)] = False
-    if int(allowed.sum()) < num_topk:
-        raise ValueError(f"only {int(allowed.sum())} experts may receive tokens but num_topk={num_topk}")
-    probs = torch.where(allowed, logits.exp(), torch.zeros_like(logits))
-    idx = torch.multinomial(probs.expand(max(num_tokens, 1), -1), num_topk, replacement=False, generator=gen)[:num_tokens]
-    w = torch.rand(num_tokens, num_topk, generator=gen, dtype=torch.float32) + 0.05
-    w = w / w.sum(dim=1, keepdim=True) * 1.5
-    if mask_prob:
-        masked = torch.rand(num_tokens, num_topk, generator=gen) < mask_prob
-        idx = idx.masked_fill(masked, -1)
-    if fully_masked_tokens:
-        idx[list(fully_masked_tokens)] = -1
-    return idx.to(torch.int64), w
-
-
-def make_inputs(
-    g: Geometry,
-    num_tokens: int,
-    *,
-    seed: int,
-    device="cpu",
-    x_scale: float = 1.0,
-    outlier_channels: int = 0,
-    **routing,
-) -> MoEInputs:
-    """Fresh random inputs for one step. x ~ N(0, x_scale) in bf16, with optional outlier channels
-    (x100) so that per-128 scales differ across groups, as in real activations."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, g.hidden, generator=gen) * x_scale
-    if outlier_channels:
-        ch = torch.randperm(g.hidden, generator=gen)[:outlier_channels]
-        x[:, ch] *= 100
-    idx, w = make_routing(num_tokens, g.num_experts, g.num_topk, gen=gen, **routing)
-    return MoEInputs(x.to(torch.bfloat16), idx, w).to(device)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

@@ -174,14 +174,20 @@ def quantize_experts_mxfp4(w1: torch.Tensor, w2: torch.Tensor) -> MXFP4Weights:
     return MXFP4Weights(l1, l1_scale, l2, l2_scale)
 
 
-def random_mxfp4_weights(g: Geometry, *, seed: int, device="cpu", row_spread: float = 1.0) -> MXFP4Weights:
+def random_mxfp4_weights(g: Geometry, *, seed: int, device="cpu", row_spread: float = 1.0,
+                         progress=None) -> MXFP4Weights:
     """Random MXFP4 experts with real-like magnitudes (std 1/sqrt(K_in)) and scale spread.
 
     Generated one expert at a time on ``device`` (DeepSeek-V4-Flash is 1.7 GB as MXFP4 but 26 GB
     as float32). Like real checkpoints, the raw scales sit below FlashInfer's legal range (about
     2**-9 .. 2**-5): repair them with ``megamoe.layouts.ranges`` before a kernel reads them.
+    ``progress(e)`` is called after expert e (a CPU makes DeepSeek-V4-Flash's 256 in minutes).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
-    parts = [quantize_experts_mxfp4(*(w[None] for w in random_dense_expert(g, gen=gen, device=device, row_spread=row_spread)))
-             for _ in range(g.num_experts)]
+    parts = []
+    for e in range(g.num_experts):
+        w1, w2 = random_dense_expert(g, gen=gen, device=device, row_spread=row_spread)
+        parts.append(quantize_experts_mxfp4(w1[None], w2[None]))
+        if progress is not None:
+            progress(e)
     return MXFP4Weights(*(torch.cat([getattr(p, name) for p in parts]) for name in ("l1", "l1_scale", "l2", "l2_scale")))

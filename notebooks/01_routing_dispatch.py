@@ -29,8 +29,8 @@ import torch
 import matplotlib.pyplot as plt
 
 from megamoe import get_geometry
+from megamoe.inputs import make_routing
 from megamoe.reference import build_layout, expert_histogram, route
-from megamoe.testing import make_routing
 
 from _nb import Figures
 

@@ -34,9 +34,10 @@ from megamoe.formats import (
     e4m3_flush_saturate, e4m3_satfinite, e8m0_to_float, quantize_mxfp4,
 )
 from megamoe.palette import backend_colour
+from megamoe.inputs import make_inputs
 from megamoe.recipe import DEEPGEMM_SM90_FP4, FLASHINFER_MXFP4
 from megamoe.reference import moe_forward
-from megamoe.testing import make_inputs, rel_l2
+from megamoe.testing import rel_l2
 from megamoe.weights import MXFP4Weights, random_dense_expert
 
 from _nb import Figures, cited

@@ -27,9 +27,10 @@ import torch
 import matplotlib.pyplot as plt
 
 from megamoe import get_geometry, make_inputs, random_mxfp4_weights
+from megamoe.inputs import MoEInputs
 from megamoe.recipe import get_recipe
 from megamoe.reference import combine, moe_forward, moe_forward_ep, undispatch
-from megamoe.testing import MoEInputs, first_mismatch
+from megamoe.testing import first_mismatch
 
 from _nb import Figures
 
@@ -163,11 +164,11 @@ figs.save(fig, "ep_traffic")
 # picks its plan (BLOCK_M, experts per wave) from the token count, so every rank of a launch must
 # pass the same count, or ranks run different tile shapes next to each other (1.5-1.9x slower on 8x
 # H200, docs/kernel-contract.md). The rule (`megamoe.layouts.plans.agreed_token_count`): every rank passes the
-# step's max and pads with rows routed to -1 (`megamoe.distributed.agreement.pad_inputs`). Masked
+# step's max and pads with rows routed to -1 (`megamoe.inputs.pad_inputs`). Masked
 # rows are never dispatched, so real rows do not change; we check that bitwise.
 
 # %%
-from megamoe.distributed.agreement import pad_inputs  # noqa: E402
+from megamoe.inputs import pad_inputs  # noqa: E402
 from megamoe.layouts.plans import agreed_token_count  # noqa: E402
 
 counts = [19, 0, 32, 5]

@@ -42,7 +42,7 @@ from megamoe.layouts.plans import (
     H20_NUM_SMS, H200_NUM_SMS, flashinfer_legal_block_ms, flashinfer_mxfp4_plan, padding_waste,
 )
 from megamoe.palette import backend_colour
-from megamoe.testing import make_routing
+from megamoe.inputs import make_routing
 
 from _nb import REPO, Figures, cited
 

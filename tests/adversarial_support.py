@@ -25,7 +25,7 @@ import torch
 
 from megamoe.geometry import get_geometry
 from megamoe.layouts.random import random_mxfp4_bytes
-from megamoe.testing import MoEInputs, make_inputs
+from megamoe.inputs import MoEInputs, make_inputs
 
 NAN_BYTE = r"E8M0 byte\(s\) 0xFF, which is NaN, not a scale"  # what a refused 0xFF says
 NONFINITE = r"holds \d+ NaN / Inf value\(s\) in \d+ row\(s\) .* although every input was finite"

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from megamoe.geometry import Geometry, get_geometry
+from megamoe.inputs import MoEInputs, make_inputs, make_routing
 from megamoe.recipe import Recipe, get_recipe
 from megamoe.reference import moe_forward, moe_forward_ep
-from megamoe.testing import MoEInputs, make_inputs, make_routing, weights_for_recipe
+from megamoe.testing import weights_for_recipe
 from megamoe.weights import MXFP4Weights
 
 

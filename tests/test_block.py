@@ -22,9 +22,10 @@ from megamoe.reference.block import (
     route_block,
     shared_expert,
 )
+from megamoe.inputs import MoEInputs, make_inputs
 from megamoe.staging import stage_into
 from megamoe.staging.checks import allocate_buffers
-from megamoe.testing import MoEInputs, assert_bitwise_equal, calc_diff, make_inputs
+from megamoe.testing import assert_bitwise_equal, calc_diff
 
 G = PRESETS["tiny"]
 

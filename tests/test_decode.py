@@ -20,7 +20,8 @@ from megamoe.recipe import MEGAMOE_DECODE, get_recipe
 from megamoe.decode.layout import MAX_SCALE_BYTE
 from megamoe.reference import moe_forward
 from megamoe.staging import stage_into, triton_available
-from megamoe.testing import assert_bitwise_equal, make_inputs
+from megamoe.testing import assert_bitwise_equal
+from megamoe.inputs import make_inputs
 from megamoe.weights import MXFP4Weights
 
 
@@ -159,7 +160,7 @@ def test_decode_probe_bytes_and_table(weights_for, capsys):
 
 
 def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
-    from megamoe.fused.matrix import default_cases
+    from megamoe.check.matrix import default_cases
     from megamoe.fused.megamoe_decode import MegaMoEDecode, default_block_m
     from megamoe.fused.registry import BACKENDS
 

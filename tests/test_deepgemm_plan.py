@@ -79,15 +79,15 @@ def _report():
 @pytest.mark.parametrize("status,ok", [("pass", True), ("detected", True), ("FAIL", False),
                                        ("NOT DETECTED", False), ("error", False)])
 def test_check_backend_fails_on_a_failed_case(monkeypatch, status, ok):
-    from megamoe.fused import registry
+    from megamoe.check import matrix
 
     rows = [{"case": "a", "status": "pass"}, {"case": "b", "status": status}]
-    monkeypatch.setattr(registry, "run_matrix", lambda name, out_json=None, **kw: rows)
+    monkeypatch.setattr(matrix, "run_matrix", lambda name, out_json=None, **kw: rows)
     rep = _report()
     rep.backends = [("fake", True, "")]
     run_backend(rep, "fake")
     assert rep.ok is ok
-    assert rep.backend_results == rows
+    assert rep.backend_results == {"fake": rows}
 
 
 def test_recipe_for_defaults_and_deepgemm_before_build():

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from megamoe.distributed import agreement as agreement_mod
-from megamoe.distributed import pad_inputs, setup_fingerprint, spawn
+from megamoe.distributed import setup_fingerprint, spawn
 from megamoe.distributed.check import fast_random_weights
 from megamoe.distributed.comm import FieldSpec, pack_rows, spec_of, unpack_rows
 from megamoe.distributed.fused import EPBackend, FusedEPLauncher, ReferenceEPBackend, check_ep_ranks, check_hopper
 from megamoe.geometry import get_geometry
+from megamoe.inputs import make_inputs, pad_inputs
 from megamoe.reference.pipeline import moe_forward
-from megamoe.testing import assert_bitwise_equal, make_inputs
+from megamoe.testing import assert_bitwise_equal
 
 SEED = 7103
 
@@ -129,7 +130,7 @@ def test_spawn_argument_checks():
 
 
 def test_check_fused_ranks_rejects_non_power_of_two_before_spawning():
-    from megamoe.distributed.fused import check_fused_ranks
+    from megamoe.distributed.check import check_fused_ranks
 
     with pytest.raises(ValueError, match="power of two in \\[1, 8\\].*got 3"):
         check_fused_ranks(3)
@@ -140,7 +141,7 @@ def test_check_fused_ranks_rejects_non_power_of_two_before_spawning():
 @pytest.mark.parametrize("backend", ["flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4"])
 def test_fused_launcher_one_rank_h200(backend):
     """The fused launcher over a 1-rank NCCL group: the same agreement/padding/launch path as N ranks."""
-    from megamoe.distributed.fused import check_fused_ranks
+    from megamoe.distributed.check import check_fused_ranks
     from megamoe.fused.registry import get_backend_class
 
     ok, why = get_backend_class(backend).availability()
@@ -155,7 +156,7 @@ def test_fused_launcher_one_rank_h200(backend):
 @pytest.mark.gpu
 @pytest.mark.dist
 def test_fused_launcher_multi_rank_ragged():
-    from megamoe.distributed.fused import check_fused_ranks
+    from megamoe.distributed.check import check_fused_ranks
 
     n = 1 << (min(torch.cuda.device_count(), 8).bit_length() - 1)
     if n < 2:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from megamoe.inputs import MoEInputs, make_inputs
 from megamoe.reference import build_layout, moe_forward, moe_forward_ep
 from megamoe.reference.routing import expert_histogram
-from megamoe.testing import MoEInputs, assert_bitwise_equal, assert_close_diff, make_inputs
+from megamoe.testing import assert_bitwise_equal, assert_close_diff
 
 
 @dataclass

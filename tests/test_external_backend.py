@@ -13,10 +13,10 @@ import torch
 from megamoe import get_geometry
 from megamoe.fused.base import FusedBackend, Plan
 from megamoe.fused.external import OneRank, backend_from_callable
-from megamoe.fused.matrix import Case, run_matrix
+from megamoe.check.matrix import Case, run_matrix
 from megamoe.fused.registry import BACKENDS, BUILTIN, get_backend_class, register_backend, unregister_backend
 from megamoe.reference import moe_forward
-from megamoe.testing import MoEInputs
+from megamoe.inputs import MoEInputs
 
 RECIPE = "flashinfer-mxfp4"
 CASES = [Case("tiny", 7, seed=1), Case("tiny", 40, routing="masked", seed=2),

@@ -8,17 +8,17 @@ import dataclasses
 import pytest
 import torch
 
+from megamoe.formats import e4m3_satfinite
 from megamoe.fused.base import cuda_hopper_reason
 from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
-from megamoe.fused.matrix import Case, default_cases
+from megamoe.check.matrix import Case, default_cases
 from megamoe.fused.registry import BACKENDS, available_backends, get_backend_class
 from megamoe.geometry import get_geometry
+from megamoe.inputs import make_inputs
 from megamoe.layouts.staging import per_token_cast_to_fp8
 from megamoe.recipe import FLASHINFER_MXFP4
 from megamoe.reference import moe_forward
 from megamoe.reference.tensorcore import EXACT_BLOCK, TensorCoreModel, tc_dot
-from megamoe.formats import e4m3_satfinite
-from megamoe.testing import make_inputs
 
 
 def test_every_backend_reports_availability_with_a_reason():
@@ -153,7 +153,7 @@ def test_tensorcore_exact_model_equals_fp64_sum_and_truncation_differs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4"])
 def test_fused_backend_matches_its_reference_small(name):
-    from megamoe.fused.matrix import run_matrix
+    from megamoe.check.matrix import run_matrix
 
     ok, why = BACKENDS[name].availability()
     if not ok:  # e.g. the FP4 kernel needs the DeepGEMM PR #323 build, the FP8 ones sgl-deep-gemm
@@ -167,7 +167,7 @@ def test_fused_backend_matches_its_reference_small(name):
 
 @pytest.mark.gpu
 def test_deepgemm_fp4_broken_layouts_are_detected_and_window_enforced():
-    from megamoe.fused.matrix import run_matrix
+    from megamoe.check.matrix import run_matrix
 
     ok, why = BACKENDS["deepgemm-sm90-fp4"].availability()
     if not ok:
@@ -187,7 +187,7 @@ def test_deepgemm_fp4_broken_layouts_are_detected_and_window_enforced():
 @pytest.mark.gpu
 def test_flashinfer_broken_layouts_are_detected():
     pytest.importorskip("flashinfer.megamoe")
-    from megamoe.fused.matrix import run_matrix
+    from megamoe.check.matrix import run_matrix
 
     rows = run_matrix("flashinfer-mxfp4", [Case("small", 64, broken="gate-up-not-interleaved"),
                                            Case("small", 64, broken="scale-off-by-one")], None, time_iters=0)
@@ -201,12 +201,13 @@ def test_deepgemm_broken_layouts_change_what_the_kernel_reads(broken):
     puts the real tensors back."""
     from types import SimpleNamespace
 
-    from megamoe.fused.matrix import Case, _break
+    from megamoe.check.matrix import Case, _break
     from megamoe.geometry import get_geometry
     from megamoe.layouts.deepgemm_sm90 import from_deepgemm_sm90_fp8, to_deepgemm_sm90_fp8, to_fp8_block
     from megamoe.recipe import DEEPGEMM_SM90_FP8
     from megamoe.reference import moe_forward
-    from megamoe.testing import calc_diff, make_inputs
+    from megamoe.inputs import make_inputs
+    from megamoe.testing import calc_diff
     from megamoe.weights import random_mxfp4_weights
 
     g = get_geometry("tiny")
@@ -221,3 +222,39 @@ def test_deepgemm_broken_layouts_change_what_the_kernel_reads(broken):
     assert calc_diff(bad, good) > 1e-2
     restore()
     assert be.l1 is l1 and be.l2 is l2
+
+
+def test_build_plans_runs_a_lane_one_at_a_time_beside_the_pool():
+    """megamoe.fused.build: jobs of one lane never overlap (deep_gemm's JIT is not thread-safe, and builds
+    that launch must not run beside a launch); jobs without a lane run in parallel; failures come back."""
+    import random
+    import threading
+    import time as _time
+
+    from megamoe.fused.build import build_plans
+
+    spans: dict = {}
+    lock = threading.Lock()
+
+    def job(key, fail=False):
+        def f():
+            t0 = _time.perf_counter()
+            _time.sleep(random.uniform(0.02, 0.04))
+            with lock:
+                spans[key] = (t0, _time.perf_counter())
+            if fail:
+                raise RuntimeError(f"no plan {key}")
+        return f
+
+    serial = [("dg", t) for t in range(random.randint(3, 5))]
+    free = [("fi", t) for t in range(4)]
+    bad = ("fi", "bad")
+    jobs = {k: job(k) for k in serial + free}
+    jobs[bad] = job(bad, fail=True)
+    errors = build_plans(jobs, {k: "deep_gemm" for k in serial}, max_workers=8)
+    assert [(k, str(e)) for k, e, _ in errors] == [(bad, f"no plan {bad}")] and "RuntimeError" in errors[0][2]
+    assert set(spans) == set(jobs)  # every job ran, the failing one too
+    lane = sorted(spans[k] for k in serial)
+    assert all(a[1] <= b[0] for a, b in zip(lane, lane[1:])), "jobs of one lane overlapped"
+    pool = sorted(spans[k] for k in free)
+    assert any(a[1] > b[0] for a, b in zip(pool, pool[1:])), "jobs without a lane did not run in parallel"

@@ -14,7 +14,7 @@ from megamoe import get_geometry
 from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, fits, flashinfer_anatomy
 from megamoe.layouts.deepgemm_configs import SM90_SMEM_CAPACITY, deepgemm_sm90_fp4_config, deepgemm_sm90_fp8_config
 from megamoe.plans_viz import L1, L2, interleaved_schedule, pipeline_events, static_schedule
-from megamoe.testing import make_routing
+from megamoe.inputs import make_routing
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 SWEEP = json.loads((RESULTS / json.loads((RESULTS / "CITED.json").read_text())["sweep"] / "results.json").read_text())

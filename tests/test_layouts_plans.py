@@ -24,7 +24,7 @@ from megamoe.layouts.plans import (
     pad_to_token_count,
     padding_waste,
 )
-from megamoe.testing import make_routing
+from megamoe.inputs import make_routing
 
 MAX_TOKENS = 8192
 

@@ -19,16 +19,11 @@ import torch
 
 from megamoe import formats
 from megamoe.geometry import get_geometry
+from megamoe.inputs import make_inputs
 from megamoe.recipe import get_recipe
 from megamoe.reference import moe_forward, route
 from megamoe.reference.routing import expert_histogram
-from megamoe.testing import (
-    assert_bitwise_equal,
-    assert_close_diff,
-    calc_diff,
-    fp8_block_weights,
-    make_inputs,
-)
+from megamoe.testing import assert_bitwise_equal, assert_close_diff, calc_diff, fp8_block_weights
 from megamoe.weights import FP8BlockWeights, MXFP4Weights, random_mxfp4_weights
 
 INV448 = torch.tensor(struct.unpack("<f", struct.pack("<f", 1 / 448))[0], dtype=torch.float32)

@@ -26,12 +26,13 @@ from megamoe.fused.staged_deepgemm import (
     staged_forward,
 )
 from megamoe.geometry import get_geometry
+from megamoe.inputs import MoEInputs, make_inputs
 from megamoe.layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_into
 from megamoe.reference import moe_forward
 from megamoe.reference.dispatch import build_layout, dispatch_slot_values, undispatch
 from megamoe.reference.gemm import promoted_gemm
 from megamoe.reference.pipeline import combine
-from megamoe.testing import MoEInputs, first_mismatch, fp8_block_weights, make_inputs
+from megamoe.testing import first_mismatch, fp8_block_weights
 from megamoe.weights import random_mxfp4_weights
 
 ALIGN = 128  # deep_gemm.get_mk_alignment_for_contiguous_layout() on the H200

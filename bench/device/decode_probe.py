@@ -41,7 +41,8 @@ from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weigh
 from megamoe.fused.megamoe_decode import default_block_m  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
-from megamoe.testing import first_mismatch, make_inputs  # noqa: E402
+from megamoe.testing import first_mismatch  # noqa: E402
+from megamoe.inputs import make_inputs  # noqa: E402
 
 TOKENS = (1, 8, 32, 2, 4, 16, 64)  # the counts issue 25 sets targets for first, in case the deadline hits
 FLASHINFER_US = {1: 73.5, 8: 225.0, 32: 537.0}  # issue 25's table (one H200, same geometry, megamoe bench)

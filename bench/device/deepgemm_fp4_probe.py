@@ -31,7 +31,8 @@ from probe_journal import ProbeJournal  # noqa: E402
 
 from megamoe.fused.deepgemm_fp4 import DeepGEMMFP4, plan_record  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
-from megamoe.testing import MoEInputs, calc_diff, make_inputs  # noqa: E402
+from megamoe.testing import calc_diff
+from megamoe.inputs import MoEInputs, make_inputs  # noqa: E402
 
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MMA = "sm90-fp8-tc"

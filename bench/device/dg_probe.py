@@ -1,7 +1,7 @@
 """H200 probe of DeepGEMM's SM90 ``fp8_mega_moe``: which configuration each token count runs, where the
 L2 activation scales live in its buffer, and how its L2-input codes differ from the reference.
 
-    source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH && python bench/device/dg_probe.py
+    pip install -e ".[fused]" && OUT=/tmp/dg python3 bench/device/dg_probe.py        (on an H200)
 
 Per case: the C++ heuristic's printout (``DG_PRINT_CONFIGS=1``, read from file descriptor 1), the
 template arguments of every kernel the JIT built for it (from the generated source in
@@ -85,7 +85,8 @@ def run_case(be, g, w_fp8, geo: str, t: int, save: bool):
     from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
     from megamoe.layouts.staging import per_token_cast_to_fp8
     from megamoe.reference import moe_forward
-    from megamoe.testing import calc_diff, make_inputs
+    from megamoe.inputs import make_inputs
+    from megamoe.testing import calc_diff
 
     dev = torch.device("cuda")
     row = {"geometry": geo, "tokens": t}
@@ -151,7 +152,7 @@ def run_case(be, g, w_fp8, geo: str, t: int, save: bool):
 
 def main():
     from megamoe.fused.deepgemm_fp8 import DeepGEMMFP8
-    from megamoe.fused.matrix import _weights
+    from megamoe.check.matrix import _weights
     from megamoe.layouts.deepgemm_sm90 import to_fp8_block
 
     dev = torch.device("cuda")

@@ -1,7 +1,7 @@
 """H200 probe: tensor-core accumulation test vectors, both fused kernels vs reference recipes, L2-input
 FP8 code match rates, rounding-point variants, broken layouts. One call; JSON + tensors under $OUT.
 
-    source .whl/prelude.sh && export PYTHONPATH=$PWD:$PYTHONPATH && python bench/device/fused_probe.py
+    pip install -e ".[fused]" && OUT=/tmp/fp python3 bench/device/fused_probe.py     (on an H200)
 
 Inputs that the CPU must re-create for the offline fits are generated on the CPU from fixed seeds
 (``tc_probe_inputs``, ``small`` weights and inputs); only the GPU's outputs travel back.
@@ -125,7 +125,7 @@ def weights_for(preset):
 
 
 def time_launch(be, m, iters=20):
-    from megamoe.fused.matrix import _time_launch
+    from megamoe.check.matrix import _time_launch
 
     return _time_launch(be, m, iters)
 
@@ -134,7 +134,8 @@ def run_case(be, g, weights_ref, t, recipes: dict, *, seed, tag, routing=None, s
     from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
     from megamoe.layouts.staging import per_token_cast_to_fp8
     from megamoe.reference import moe_forward
-    from megamoe.testing import calc_diff, make_inputs
+    from megamoe.inputs import make_inputs
+    from megamoe.testing import calc_diff
 
     inp = make_inputs(g, t, seed=seed, **(routing or {})).to("cuda")
     rec = {"backend": be.name, "geometry": g.name, "T": t, "tag": tag, "seed": seed,
@@ -265,7 +266,8 @@ def main():
     @guarded("fi broken")
     def broken():
         from megamoe.layouts._common import deinterleave_gate_up
-        from megamoe.testing import calc_diff, make_inputs
+        from megamoe.inputs import make_inputs
+        from megamoe.testing import calc_diff
         from megamoe.reference import moe_forward
 
         g, w, be = setups["small"]
@@ -321,7 +323,7 @@ def main():
         if preset == "small":
             @guarded("dg T0")
             def zero():
-                from megamoe.testing import make_inputs
+                from megamoe.inputs import make_inputs
                 inp = make_inputs(g, 0, seed=1).to("cuda")
                 be.stage(inp, 0)
                 y = be.launch(0)

@@ -7,9 +7,9 @@ import sys, time
 import torch
 
 from megamoe.geometry import PRESETS
+from megamoe.inputs import make_inputs
 from megamoe.layouts.deepgemm_sm90 import to_fp8_block
 from megamoe.reference import moe_forward
-from megamoe.testing import make_inputs
 from megamoe.weights import random_mxfp4_weights
 
 g = PRESETS["dsv4-flash"]

@@ -1,6 +1,6 @@
 """Issue 9 on the H200: the fused staging kernel (bitwise + speed) and the DeepSeek-V4 block end to end.
 
-    source .whl/prelude.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 bench/device/staging_block.py --out $OUT
+    pip install -e ".[fused]" && python3 bench/device/staging_block.py --out /tmp/staging     (on an H200)
 
 (a) bitwise: the Triton kernel (both casts) vs the reference at every preset and odd T, edge values,
     strided views, padding; NaN / Inf; and against deep_gemm's own per_token_cast_to_fp8 when importable.
@@ -32,11 +32,12 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from megamoe.bench.ceilings import measure_copy_gbps  # noqa: E402
 from megamoe.bench.timing import time_fn, time_graph  # noqa: E402
 from megamoe.geometry import PRESETS  # noqa: E402
+from megamoe.inputs import MoEInputs, make_inputs  # noqa: E402
 from megamoe.layouts.staging import _INV_448_FP32, per_token_cast_to_fp8  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
 from megamoe.staging.checks import StagingCase, allocate_buffers, make_case  # noqa: E402
 from megamoe.staging.selfcheck import check_nonfinite, default_cases, run_cases  # noqa: E402
-from megamoe.testing import MoEInputs, calc_diff, first_mismatch, make_inputs  # noqa: E402
+from megamoe.testing import calc_diff, first_mismatch  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"meta": {}, "errors": []}

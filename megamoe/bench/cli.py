@@ -1,103 +1,133 @@
-"""``megamoe bench``: arguments and entry point (megamoe/cli.py wires ``add_arguments`` and ``main``).
+"""``megamoe bench``: arguments and entry point (``megamoe.cli`` wires them; ``megamoe bench --help``).
 
-    megamoe bench                                 # dsv4-flash, 1..8192 tokens, every backend, all studies
-    megamoe bench --preset small --tokens 1 8 64 --backends reference --passes 1 --no-studies
-    python -m megamoe.bench.cli ...               # the same without the top-level CLI
+    megamoe bench                                         # small preset, 1 16 128 tokens, what runs here
+    megamoe bench --preset dsv4-flash --tokens 1 8 64 512 --backends flashinfer-mxfp4 reference
+    megamoe bench ... --append DIR                        # a second process's rows into DIR (same card)
+    megamoe bench --ranks 4                               # the distributed reference over 4 gloo ranks
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
+import os
 
-from .sweep import DEFAULT_TOKENS, SweepConfig, run_sweep
+from ..args import add_common, positive_int, refuse, resolve_common, unavailable
+from .sweep import STUDIES
+
+DESCRIPTION = """\
+Time every backend at every token count (tokens per rank) against the card's
+ceilings, measured in the same run. Results go to a new folder under --out:
+results.json, results.md, sweep.png (bench/README.md says how a number is made)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="dsv4-flash", help="geometry preset (dsv4-flash, dsv4-pro, small, tiny)")
-    p.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS, help="tokens per rank to sweep")
-    p.add_argument("--backends", nargs="+", default=None,
-                   help="names from megamoe.fused.registry.BACKENDS and/or 'reference' (default: all that run here)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rotate", type=int, default=4, help="input sets rotated for callable backends")
-    p.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed calls")
-    p.add_argument("--graph", action="store_true", help="also time CUDA-graph replays of each launch")
-    p.add_argument("--passes", type=int, default=2, help="timed passes per case, run back to back per case (A then B; repeatability spread per row)")
-    p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
-    p.add_argument("--max-diff", type=float, default=1e-3, help="calc_diff above this marks a row FAIL")
-    p.add_argument("--reference-max-tokens", type=int, default=8192)
-    p.add_argument("--reference-repeats", type=int, default=3)
-    p.add_argument("--host-min-time", type=float, default=0.5,
-                   help="host-bound rows (the eager reference): keep timing until this many seconds of samples")
-    p.add_argument("--host-min-warmup", type=float, default=1.0, help="host-bound rows: warm up at least this long")
-    p.add_argument("--host-max-repeats", type=int, default=64, help="host-bound rows: at most this many timed calls")
-    p.add_argument("--no-host-filter", action="store_true",
-                   help="host-bound rows: keep the batches a slow host probe stands beside (slow passes are still retaken)")
-    p.add_argument("--host-extra-budget", type=float, default=SweepConfig.host_extra_budget_s,
-                   help="host-bound rows: seconds the whole run may spend on retakes, their waits and set-aside calls")
-    p.add_argument("--host-max-time", type=float, default=SweepConfig.host_max_time_s,
-                   help="host-bound rows: time a pass at most this long to collect batches at the host's usual speed")
-    p.add_argument("--device-min-warmup", type=float, default=SweepConfig.device_min_warmup_s,
-                   help="device-bound rows (CUDA): warm up at least this many seconds of device time")
-    p.add_argument("--device-min-time", type=float, default=SweepConfig.device_min_time_s,
-                   help="device-bound rows (CUDA): keep timing until this many seconds of samples")
-    p.add_argument("--device-max-repeats", type=int, default=SweepConfig.device_max_repeats, help="device-bound rows: at most this many timed calls")
-    p.add_argument("--repeat-mode", choices=("interleaved", "sweeps"), default=SweepConfig.repeat_mode,
-                   help="interleaved: a case's passes back to back; sweeps: whole sweeps back to back")
-    p.add_argument("--settle", type=float, default=SweepConfig.settle_s, help="CUDA: idle seconds before each timed phase")
-    p.add_argument("--no-pin", action="store_true",
-                   help="do not pin the timing thread to one CPU (CUDA runs pin it once the builds are done)")
-    p.add_argument("--no-block-m", action="store_true", help="skip the forced-BLOCK_M study")
-    p.add_argument("--block-m-tokens", type=int, nargs="+", default=None)
-    p.add_argument("--no-ragged", action="store_true", help="skip the ragged-step study")
-    p.add_argument("--ragged-means", type=int, nargs="+", default=[16, 256, 2048])
-    p.add_argument("--no-staging", action="store_true", help="skip the staging-cost study")
-    p.add_argument("--no-overhead", action="store_true", help="skip the bare-loop overhead check")
-    p.add_argument("--overhead-tokens", type=int, nargs="+", default=[128, 8192])
-    p.add_argument("--no-studies", action="store_true", help="only ceilings + sweep")
-    p.add_argument("--deadline", type=float, default=None, help="seconds after which optional studies are skipped")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results", help="results folder; a subfolder date_card_commit is made")
-    p.add_argument("--no-progress", action="store_true")
+    add_common(p, preset="small", tokens=[1, 16, 128], ref_max=8192,
+               backends="fused backends, reference, or all (default all)",
+               out_help="a new results folder under DIR (default megamoe-results)")
+    p.add_argument("--warmup-ms", type=float, default=100.0, metavar="MS",
+                   help="warm-up of device-bound rows, CUDA (default 100)")
+    p.add_argument("--rep-ms", type=float, default=1000.0, metavar="MS",
+                   help="time per pass; host-bound rows' budget (default 1000)")
+    p.add_argument("--passes", type=positive_int, default=2, metavar="N",
+                   help="passes per device-bound case (default 2)")
+    p.add_argument("--no-flush", action="store_true", help="keep the L2 between timed calls (default: flush)")
+    p.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (default off)")
+    p.add_argument("--studies", nargs="*", default=list(STUDIES), metavar="NAME",
+                   help="block_m ragged staging overhead (default all)")
+    p.add_argument("--append", metavar="DIR", default=None,
+                   help="add rows to the results folder DIR (default off)")
+    p.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="skip what has not begun after S s (default none)")
 
 
-def config_from_args(a: argparse.Namespace) -> SweepConfig:
-    studies = not a.no_studies
-    return SweepConfig(
-        preset=a.preset, tokens=sorted(set(a.tokens)), backends=a.backends, repeats=a.repeats, warmup=a.warmup,
-        rotate=a.rotate, flush_l2=not a.no_flush, graph=a.graph, passes=a.passes, check=not a.no_check,
-        max_diff=a.max_diff, reference_max_tokens=a.reference_max_tokens, reference_repeats=a.reference_repeats,
-        host_min_time_s=a.host_min_time, host_min_warmup_s=a.host_min_warmup, host_max_repeats=a.host_max_repeats,
-        host_batch_filter=not a.no_host_filter, host_max_time_s=a.host_max_time,
-        host_extra_budget_s=a.host_extra_budget,
-        device_min_warmup_s=a.device_min_warmup, device_min_time_s=a.device_min_time,
-        device_max_repeats=a.device_max_repeats, repeat_mode=a.repeat_mode, settle_s=a.settle, pin_cpu=not a.no_pin,
-        block_m_study=studies and not a.no_block_m, block_m_tokens=a.block_m_tokens,
-        ragged=studies and not a.no_ragged, ragged_means=a.ragged_means, staging=studies and not a.no_staging,
-        overhead=studies and not a.no_overhead, overhead_tokens=a.overhead_tokens, seed=a.seed, device=a.device,
-        out_dir=a.out or None, deadline_s=a.deadline, progress=not a.no_progress,
-    )
+SWEEP_ONLY = ("warmup_ms", "rep_ms", "passes", "no_flush", "graph", "studies", "append", "deadline_s", "ref_max_tokens")
+CUDA_ONLY = ("warmup_ms", "passes", "no_flush", "graph")  # flags of device-bound rows
 
 
-def main(args: argparse.Namespace) -> int:
+def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    from .backends import fused_registry
+
+    reg = fused_registry()
+    resolve_common(p, a, [*reg, "reference"])
+    for s in a.studies:
+        if s not in STUDIES:
+            refuse(p, "--studies", s, f"names from {', '.join(STUDIES)}", STUDIES)
+    for flag, v in (("--warmup-ms", a.warmup_ms), ("--rep-ms", a.rep_ms), ("--deadline-s", a.deadline_s)):
+        if v is not None and not v >= 0:
+            refuse(p, flag, v, "a number of milliseconds >= 0" if flag != "--deadline-s" else "seconds >= 0")
+    if a.ranks > 1:
+        given = [f"--{k.replace('_', '-')}" for k in SWEEP_ONLY if getattr(a, k) != p.get_default(k)]
+        if given:
+            p.error(f"argument {given[0]}: not used with --ranks {a.ranks} (it times the distributed eager reference "
+                    f"over gloo ranks by wall clock); drop {', '.join(given)} or use --ranks 1")
+        if a.backends not in (None, ["reference"]):
+            p.error(f"argument --backends: with --ranks {a.ranks} only 'reference' is timed (the distributed eager "
+                    "reference); the fused kernels over several GPUs need the multi-GPU launcher")
+        if a.device == "cuda":
+            p.error(f"argument --device: --ranks {a.ranks} runs gloo ranks on the CPU; use --device cpu or auto")
+        return
+    if a.device == "cpu":  # no fused kernel runs on a CPU: every row is the host-bound reference, timed once
+        unused = [f"--{k.replace('_', '-')}" for k in CUDA_ONLY if getattr(a, k) != p.get_default(k)]
+        if unused:
+            p.error(f"argument {unused[0]}: has no effect on a CPU run (its rows are host-bound, timed once for "
+                    "--rep-ms); use it with --device cuda")
+    if a.ref_max_tokens != p.get_default("ref_max_tokens") and a.backends and not {"all", "reference"} & set(a.backends):
+        p.error("argument --ref-max-tokens: the reference is not among --backends, so it would change nothing")
+    unavailable(p, [n for n in (a.backends or []) if n not in ("all", "reference")], reg)
+    if a.append:
+        from .sweep import check_appendable, load_results
+        from .meta import run_metadata
+
+        try:
+            check_appendable(load_results(a.append), config_from_args(a), run_metadata(a.device))
+        except ValueError as exc:
+            p.error(f"argument --append: {exc}")
+
+
+def config_from_args(a: argparse.Namespace):
+    from .sweep import SweepConfig
+
+    return SweepConfig(preset=a.preset, tokens=list(a.tokens), device=a.device, seed=a.seed,
+                       backends=None if a.backends in (None, ["all"]) else list(a.backends), passes=a.passes,
+                       warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, flush_l2=not a.no_flush, graph=a.graph,
+                       studies=tuple(a.studies), ref_max_tokens=a.ref_max_tokens, deadline_s=a.deadline_s,
+                       out_dir=a.out, append_dir=a.append)
+
+
+def run(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    validate(p, a)
+    if a.ranks > 1:
+        return run_ranks(a)
+    import importlib.util
+
     from .report import print_tables
+    from .sweep import run_sweep
 
-    cfg = config_from_args(args)
-    results = run_sweep(cfg)
+    results = run_sweep(config_from_args(a))
     print_tables(results)
-    out = results.get("out_dir")
-    if out:
-        print(f"results written to {out}")
-    return 1 if not results["rows"] else 0
+    print(f"results written to {results['out_dir']}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plots drawn: matplotlib is not installed (pip install 'megamoe[plot]')")
+    return 0 if results["rows"] and not results["errors"] else 1
 
 
-def _standalone(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="megamoe bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return main(p.parse_args(argv))
+def run_ranks(a: argparse.Namespace) -> int:
+    """The distributed eager reference over ``--ranks`` gloo ranks, every rank at T tokens, for each T."""
+    from ..distributed.check import bench_ranks
+    from .meta import new_results_dir, run_metadata
 
-
-if __name__ == "__main__":
-    sys.exit(_standalone())
+    reports = []
+    for t in a.tokens:
+        rep = bench_ranks(a.ranks, a.preset, [t] * a.ranks, a.seed)
+        print(rep.summary())
+        reports.append(rep)
+    meta = run_metadata("cpu")
+    out = new_results_dir(a.out, meta, f"-ranks{a.ranks}")
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "ranks": a.ranks, "preset": a.preset, "steps": [vars(r) for r in reports]}, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(f"# megamoe bench --ranks {a.ranks} ({meta['date']}, commit {meta['commit']})\n\n"
+                + "\n".join(f"- {r.summary()}" for r in reports) + "\n")
+    print(f"results written to {out}")
+    return 0

@@ -19,7 +19,8 @@ import torch
 
 from ..geometry import Geometry, get_geometry
 from ..recipe import MEGAMOE_DECODE
-from ..testing import calc_diff, first_mismatch, make_inputs
+from ..testing import calc_diff, first_mismatch
+from ..inputs import make_inputs
 from ..weights import random_mxfp4_weights
 from . import gemv, routing
 from .gemv import LaunchConfig

@@ -3,7 +3,6 @@
     agree_on_step(group, T)     every rank's token count in one small all-reduce, then the agreed count
                                 (FlashInfer: every rank passes the same count, the max) and the DeepGEMM
                                 plan hint (mean tokens per rank, rounded up); the all-reduce is timed
-    pad_inputs(inputs, T_pad)   extend one rank's step to T_pad rows: x 0, topk_idx -1, weights 0
     setup_fingerprint(...)      digests of (geometry, recipe, weight shapes, weight bytes, extras)
     check_same_setup(group, fp) every rank raises the same SetupMismatchError if any rank differs,
                                 or the same RankInputError if any rank refused its own inputs
@@ -26,7 +25,6 @@ import torch.distributed as dist
 
 from ..geometry import Geometry
 from ..recipe import Recipe, get_recipe
-from ..testing import MoEInputs
 from ..validate import memo_per_version
 from .comm import _all_gather_single, comm_device
 
@@ -106,23 +104,6 @@ def agree_on_step(group, num_tokens: int, local_error: str | None = None) -> Ste
     counts = tuple(int(c) for c in got[:world])
     agreed_fn, hint_fn, rule = _plan_rules()
     return StepAgreement(counts, int(agreed_fn(list(counts))), int(hint_fn(list(counts))), seconds, rule)
-
-
-def pad_inputs(inputs: MoEInputs, num_tokens: int) -> MoEInputs:
-    """inputs [T, ...] -> [num_tokens, ...]: rows T.. are x 0, topk_idx -1 (every slot masked),
-    topk_weights 0. Masked rows are never dispatched, so the first T output rows do not change."""
-    t = inputs.num_tokens
-    if num_tokens < t:
-        raise ValueError(f"pad_inputs: num_tokens must be >= the rank's {t} tokens, got {num_tokens}")
-    if num_tokens == t:
-        return inputs
-    extra = num_tokens - t
-    x, idx, w = inputs.x, inputs.topk_idx, inputs.topk_weights
-    return MoEInputs(
-        torch.cat([x, x.new_zeros(extra, x.shape[1])]),
-        torch.cat([idx, idx.new_full((extra, idx.shape[1]), -1)]),
-        torch.cat([w, w.new_zeros(extra, w.shape[1])]),
-    )
 
 
 # ------------------------------------------------------------------------------ same setup everywhere

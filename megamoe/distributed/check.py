@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..geometry import Geometry, get_geometry
+from ..inputs import MoEInputs, make_inputs
 from ..recipe import get_recipe
 from ..reference.pipeline import moe_forward, moe_forward_ep
-from ..testing import MoEInputs, first_mismatch, make_inputs
+from ..testing import first_mismatch
 from ..weights import MXFP4Weights, random_mxfp4_weights
 from .agreement import agree_on_step, check_same_setup, setup_fingerprint
-from .fused import FusedEPLauncher, ReferenceEPBackend
+from .fused import FusedEPLauncher, ReferenceEPBackend, check_ep_ranks, make_fused_backend
 from .launch import spawn
 from .reference import SCHEMES, moe_forward_dist
 
@@ -232,3 +233,37 @@ def bench_ranks(num_ranks: int, preset: str = "tiny", tokens_per_rank: "list[int
     step_ms = {s: statistics.median(max(r[1][s][i] for r in res) for i in range(iters)) * 1e3 for s in schemes}
     agree = statistics.median(a for r in res for a in r[0]) * 1e6
     return DistBenchReport(num_ranks, g.name, tokens, step_ms, agree)
+
+
+# ------------------------------------------------------------------------------ the GPU check
+def _fused_worker(rank, world, name, g, weights, inputs, capacity):
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    be = make_fused_backend(name, g, group=dist.group.WORLD, capacity=capacity)
+    launcher = FusedEPLauncher(be, weights, g, max_tokens_per_rank=capacity)
+    y, a = launcher.step(inputs[rank].to(dev))
+    torch.cuda.synchronize()
+    return y.cpu(), a
+
+
+def check_fused_ranks(num_ranks: int, backend: str = "flashinfer-mxfp4", preset: str = "small",
+                      tokens_per_rank: "list[int] | None" = None, seed: int = 0, *, timeout_s: float = 300.0):
+    """Spawn num_ranks NCCL ranks (one GPU each), run the fused backend through FusedEPLauncher on
+    every rank's own ragged tokens, and compare each rank's y with moe_forward_ep under the backend's
+    recipe. Returns [(rank, T_r, calc_diff, StepAgreement)]. num_ranks=1 is the same path."""
+    from ..fused.registry import get_backend_class
+    from ..testing import calc_diff, weights_for_recipe
+
+    check_ep_ranks(num_ranks)
+    g = get_geometry(preset)
+    cls = get_backend_class(backend)
+    recipe = cls.recipe
+    tokens = list(tokens_per_rank) if tokens_per_rank is not None else default_tokens(num_ranks)
+    weights = cls.synthetic_weights(weights_for_recipe(fast_random_weights(g, seed=seed), recipe))
+    inputs = rank_inputs(g, tokens, seed)
+    capacity = max(1, max(tokens))
+    out = spawn(_fused_worker, num_ranks, backend="nccl", timeout_s=timeout_s,
+                args=(backend, g, weights, inputs, capacity))
+    ref = moe_forward_ep(inputs, weights, recipe, g).y
+    return [(r, tokens[r], calc_diff(y.float(), ref[r].float()), a) for r, (y, a) in enumerate(out)]

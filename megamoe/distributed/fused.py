@@ -17,17 +17,16 @@ implements it with the distributed reference, so the launcher's path also runs o
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from ..geometry import Geometry, get_geometry
+from ..geometry import Geometry
+from ..inputs import MoEInputs, pad_inputs
 from ..recipe import get_recipe
-from ..testing import MoEInputs
 from ..validate import as_int, check_step, check_weights
-from .agreement import StepAgreement, agree_on_step, check_same_setup, local_check, pad_inputs, setup_fingerprint
+from .agreement import StepAgreement, agree_on_step, check_same_setup, local_check, setup_fingerprint
 
 MAX_EP_RANKS = 8  # one NVLink domain of an H200 node
 
@@ -69,13 +68,6 @@ def check_hopper(device: "torch.device | int | None" = None, capability: "tuple[
         name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this device"
         raise RuntimeError(f"the fused Mega MoE kernels are SM90 only: expected device capability 9.x, "
                            f"got {capability[0]}.{capability[1]} ({name})")
-
-
-def _accepts(fn: Callable, arg: str) -> bool:
-    try:
-        return arg in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class FusedEPLauncher:
@@ -192,40 +184,3 @@ def make_fused_backend(name: str, g: Geometry, *, group=None, capacity: int = 25
     from ..fused.registry import make_backend
 
     return make_backend(name, g, capacity=capacity, group=group)
-
-
-# ------------------------------------------------------------------------------ the GPU check
-def _fused_worker(rank, world, name, g, weights, inputs, capacity):
-    from .agreement import StepAgreement  # noqa: F401  (unpickled in the parent)
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    be = make_fused_backend(name, g, group=dist.group.WORLD, capacity=capacity)
-    launcher = FusedEPLauncher(be, weights, g, max_tokens_per_rank=capacity)
-    y, a = launcher.step(inputs[rank].to(dev))
-    torch.cuda.synchronize()
-    return y.cpu(), a
-
-
-def check_fused_ranks(num_ranks: int, backend: str = "flashinfer-mxfp4", preset: str = "small",
-                      tokens_per_rank: "list[int] | None" = None, seed: int = 0, *, timeout_s: float = 300.0):
-    """Spawn num_ranks NCCL ranks (one GPU each), run the fused backend through FusedEPLauncher on
-    every rank's own ragged tokens, and compare each rank's y with moe_forward_ep under the backend's
-    recipe. Returns [(rank, T_r, calc_diff, StepAgreement)]. num_ranks=1 is the same path."""
-    from ..fused.registry import get_backend_class
-    from ..reference.pipeline import moe_forward_ep
-    from ..testing import calc_diff, weights_for_recipe
-    from .check import default_tokens, fast_random_weights, rank_inputs
-    from .launch import spawn
-
-    check_ep_ranks(num_ranks)
-    g = get_geometry(preset)
-    cls = get_backend_class(backend)
-    recipe = cls.recipe
-    tokens = list(tokens_per_rank) if tokens_per_rank is not None else default_tokens(num_ranks)
-    weights = cls.synthetic_weights(weights_for_recipe(fast_random_weights(g, seed=seed), recipe))
-    inputs = rank_inputs(g, tokens, seed)
-    capacity = max(1, max(tokens))
-    out = spawn(_fused_worker, num_ranks, backend="nccl", timeout_s=timeout_s,
-                args=(backend, g, weights, inputs, capacity))
-    ref = moe_forward_ep(inputs, weights, recipe, g).y
-    return [(r, tokens[r], calc_diff(y.float(), ref[r].float()), a) for r, (y, a) in enumerate(out)]

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..recipe import Recipe, get_recipe
 from ..reference.dispatch import build_layout, dispatch, dispatch_slot_values
 from ..reference.pipeline import OVERFLOW_HINT, combine, expert_forward, stage_activations, validate_rank_inputs
-from ..testing import MoEInputs
 from ..validate import as_int, check_output, check_weights
 from ..weights import FP8BlockWeights, MXFP4Weights
 from .agreement import check_same_setup, local_check, setup_fingerprint

@@ -47,7 +47,8 @@ def _parse(argv):
 def _main(rank: int, world: int, args) -> bool:
     from ..geometry import get_geometry
     from ..reference.pipeline import moe_forward, moe_forward_ep
-    from ..testing import MoEInputs, first_mismatch
+    from ..inputs import MoEInputs
+    from ..testing import first_mismatch
     from .agreement import agree_on_step, check_same_setup, setup_fingerprint
     from .check import default_tokens, fast_random_weights, rank_inputs
     from .reference import SCHEMES, moe_forward_dist

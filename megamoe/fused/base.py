@@ -5,7 +5,7 @@ Life cycle (one rank; every rank of a group calls the same sequence):
     be = make_backend("flashinfer-mxfp4", geometry, capacity=8192)     # nothing touches the GPU yet
     be.prepare(weights)           # once: checkpoint form -> megamoe.layouts -> range check -> device
     be.allocate(group=None)       # symmetric buffer over `group` (a 1-rank group is made if None)
-    be.build([1, 64, 2048])       # every plan those token counts need, JIT-built in parallel threads
+    be.build([1, 64, 2048])       # every plan those token counts need (megamoe.fused.build)
     be.stage(inputs, num_tokens)  # FP8 staging + copy into the buffer, rows past T routed to -1
     y = be.launch(num_tokens)     # the kernel alone: no host sync, no allocation   -> [num_tokens, H]
     y = be.run(inputs)            # stage + launch, returns y[:T]
@@ -20,14 +20,12 @@ CUDA graphs: capture only after ``build`` has built every plan the graph will la
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..recipe import Recipe
-from ..testing import MoEInputs
 from ..validate import as_int, check_output, check_step
 
 
@@ -106,23 +104,22 @@ class FusedBackend:
     weight_format: str = "mxfp4"  # what ``prepare`` takes: "mxfp4" (MXFP4Weights) or "fp8_block"
     persistent: bool = True  # an all-SM persistent kernel
     kernel: str = ""
+    fused: bool = True  # one fused kernel (False: the unfused peer, a pipeline of kernels and torch glue)
+    # A promise: after build(), launch() neither syncs the host nor allocates, so it may be captured in a
+    # CUDA graph and replayed after each stage() of the same token count (megamoe bench times it so).
+    graph_capturable: bool = False
+    # Plans are independent JIT compiles that may build in parallel threads. False (the safe default): they
+    # build one at a time in the kernel package's lane, as builds that launch the kernel must.
+    parallel_builds: bool = False
 
-    def __init__(
-        self,
-        geometry: Geometry,
-        *,
-        capacity: int | None = None,
-        num_max_tokens_per_rank: int | None = None,
-        force_block_m: int | None = None,
-        block_m: int | None = None,
-        group=None,
-    ) -> None:
+    def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
+        """``geometry`` (a Geometry or a preset name); ``capacity``: the most tokens one rank stages in a
+        step (the symmetric buffer is sized for it); ``force_block_m`` pins the plan's BLOCK_M (tests,
+        studies); ``group``: the EP process group (None: a 1-rank group is made at ``allocate``)."""
         from ..geometry import get_geometry
 
-        capacity = capacity if capacity is not None else num_max_tokens_per_rank
         if capacity is None:
             raise ValueError("capacity (max tokens per rank) must be a positive int, got None")
-        force_block_m = force_block_m if force_block_m is not None else block_m
         self.g = get_geometry(geometry)
         self.capacity = as_int("capacity (max tokens per rank)", capacity, lo=1, who=self.name)
         self.group = group
@@ -185,33 +182,32 @@ class FusedBackend:
         (None: the recipe's own). Backends whose numerics depend on the plan override this."""
         return self.recipe if mma is None else self.recipe.with_(mma=mma)
 
-    def build(self, token_counts, max_workers: int = 8) -> int:
-        """Build every plan the token counts need, in parallel threads. Returns how many were built."""
-        self._need_allocated("build")
-        todo = {}
+    def build_jobs(self, token_counts) -> dict:
+        """{plan key: zero-argument callable that builds it} for every plan the token counts need under the
+        current ``force_block_m`` (several counts often share one plan)."""
+        jobs: dict = {}
         for t in token_counts:
-            if t <= 0:
-                continue
-            key, fn = self._build_job(int(t))
-            todo.setdefault(key, fn)
-        errors = []
+            if t > 0:
+                key, fn = self._build_job(int(t))
+                jobs.setdefault((self.name, key), fn)
+        return jobs
 
-        def work(items):
-            for fn in items:
-                try:
-                    fn()
-                except Exception as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
+    @property
+    def build_lane(self) -> str | None:
+        """None when plans may build in parallel threads (``parallel_builds``); else the lane whose jobs
+        run one at a time (``megamoe.fused.build``): the kernel package, shared by its backends."""
+        return None if self.parallel_builds else (self.kernel_module or self.name)
 
-        fns = list(todo.values())
-        threads = [threading.Thread(target=work, args=(fns[i::max_workers],)) for i in range(min(max_workers, len(fns)))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+    def build(self, token_counts, max_workers: int = 8) -> int:
+        """Build every plan the token counts need (``megamoe.fused.build``). Returns how many were built."""
+        from .build import build_plans
+
+        self._need_allocated("build")
+        jobs = self.build_jobs(token_counts)
+        errors = build_plans(jobs, {k: self.build_lane for k in jobs}, max_workers)
         if errors:
-            raise errors[0]
-        return len(fns)
+            raise errors[0][1]
+        return len(jobs)
 
     def _build_job(self, num_tokens: int):
         """(hashable key of the plan, zero-argument callable that builds it)."""

@@ -77,6 +77,9 @@ PIN = DeepGEMMPin(
     },
 )
 DEFAULT_DEST = Path("build") / f"deepgemm-pr{PIN.pull}"
+# What the build must expose for the deepgemm-sm90-fp4 backend.
+SM90_FP4_ENTRY_POINTS = ("fp8_fp4_mega_moe", "transform_weights_for_mega_moe_sm90_fp4",
+                         "get_symm_buffer_for_sm90_mega_moe")
 JIT_CACHE = "jit-cache"
 _PACKAGE_SUBDIRS = ("utils", "testing", "legacy", "mega")
 
@@ -165,8 +168,6 @@ def build_env(dest: Path) -> dict:
 def compile_and_check(dest: Path, timeout_s: int = 1200) -> dict:
     """Import the staged package in a child process (compiles _C.so on first import) and check it exposes
     the SM90 FP4 entry points. Returns {'seconds', 'version', 'file', 'so_bytes'}; raises RuntimeError."""
-    from .deepgemm_fp4 import SM90_FP4_ENTRY_POINTS
-
     code = ("import json, time; t = time.time(); import deep_gemm as dg; "
             f"missing = [a for a in {SM90_FP4_ENTRY_POINTS!r} if not hasattr(dg, a)]; "
             "print('MEGAMOE_BUILD ' + json.dumps({'seconds': round(time.time() - t, 1), 'version': dg.__version__, "

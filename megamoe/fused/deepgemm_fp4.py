@@ -39,11 +39,9 @@ import torch
 
 from ..recipe import DEEPGEMM_SM90_FP4
 from .base import FusedBackend, Plan, kernel_availability
-from .deepgemm_build import JIT_CACHE
+from .deepgemm_build import JIT_CACHE, SM90_FP4_ENTRY_POINTS
 from .deepgemm_fp8 import capture_stdout_fd, find_all_kernel_args, parse_config_print
 
-SM90_FP4_ENTRY_POINTS = ("fp8_fp4_mega_moe", "transform_weights_for_mega_moe_sm90_fp4",
-                         "get_symm_buffer_for_sm90_mega_moe")
 KERNEL_NAME = "sm90_fp8_fp4_mega_moe_impl"
 # Template parameters of sm90_fp8_fp4_mega_moe_impl, in order (impls/sm90_fp8_fp4_mega_moe.cuh at the pin).
 TEMPLATE_PARAMS = (
@@ -207,9 +205,6 @@ class DeepGEMMFP4(FusedBackend):
             self._launch_capturing(num_tokens)
 
         return ("dg-fp4", num_tokens), warm
-
-    def build(self, token_counts, max_workers: int = 1) -> int:
-        return super().build(token_counts, max_workers=1)  # launches: one at a time
 
     # ------------------------------------------------------------------ run
     def launch(self, num_tokens: int) -> torch.Tensor:

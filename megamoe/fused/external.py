@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..recipe import Recipe, get_recipe
-from ..testing import MoEInputs
+from ..inputs import MoEInputs
 from .base import FusedBackend, Plan
 
 

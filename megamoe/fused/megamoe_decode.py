@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import MEGAMOE_DECODE
-from ..testing import MoEInputs
+from ..inputs import MoEInputs
 from .base import FusedBackend, Plan
 
 
@@ -32,10 +32,8 @@ class MegaMoEDecode(FusedBackend):
     graph_capturable = True
     max_tokens_per_rank = 64
 
-    def __init__(self, geometry, *, capacity=None, num_max_tokens_per_rank=None, force_block_m=None, block_m=None,
-                 group=None) -> None:
-        super().__init__(geometry, capacity=capacity, num_max_tokens_per_rank=num_max_tokens_per_rank,
-                         force_block_m=force_block_m, block_m=block_m, group=group)
+    def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
+        super().__init__(geometry, capacity=capacity, force_block_m=force_block_m, group=group)
         if self.capacity > self.max_tokens_per_rank:
             raise ValueError(f"{self.name}: supports at most {self.max_tokens_per_rank} tokens per rank (a decode "
                              f"kernel), got capacity {self.capacity}; use a fused backend for larger steps")

@@ -1,14 +1,13 @@
-"""Every backend by name, its availability, and the differential matrix entry point.
+"""Every backend by name and its availability.
 
     BACKENDS                      {name: backend class}; a class is also the factory
                                   ``cls(geometry, capacity=..., force_block_m=None, group=None)``
     register_backend(cls)         add a backend class defined outside the package (usable as a
-                                  decorator); ``megamoe.fused.matrix.run_matrix(cls.name, ...)`` and the
+                                  decorator); ``megamoe.check.matrix.run_matrix(cls.name, ...)`` and the
                                   benchmark sweep then find it by name like the built-in ones
     unregister_backend(name)      remove one added with register_backend
     available_backends()          [(name, ok, reason)] for ``megamoe check``
     make_backend(name, g, ...)    an instance
-    run_matrix(name, cases, out_json) -> [dict]   (``megamoe check --backend NAME``)
 """
 
 from __future__ import annotations
@@ -80,11 +79,3 @@ def available_backends() -> list[tuple[str, bool, str]]:
 
 def make_backend(name: str, geometry, **kwargs) -> FusedBackend:
     return get_backend_class(name)(geometry, **kwargs)
-
-
-def run_matrix(backend_name: str, cases=None, out_json: str | None = None, **kwargs) -> list[dict]:
-    """Run the differential matrix for one backend (``megamoe.fused.matrix``); cases None = the
-    default matrix. Writes a JSON summary to out_json when given. Returns one dict per case."""
-    from .matrix import run_matrix as _run
-
-    return _run(backend_name, cases, out_json, **kwargs)

@@ -38,9 +38,9 @@ from typing import Callable
 import torch
 
 from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..layouts.staging import _INV_448_FP32, per_token_cast_to_fp8, per_token_cast_to_fp8_into
 from ..recipe import DEEPGEMM_SM90_FP8, Recipe
-from ..testing import MoEInputs
 from ..weights import FP8BlockWeights
 from .base import FusedBackend, Plan, kernel_availability
 

@@ -105,7 +105,7 @@ def decode_probe_layer(g, device="cpu"):
     ``y[t, h] = bf16(a * decode(byte, code))``: a product of two values of at most 4 significant bits, exact
     in bf16. Byte 0xFF is left out (refused as NaN): its rows read 0. Returns (weights, inputs, pairs [8, H]
     int64); the decode table is y / a, reshaped [256, 16] (row 255 not measured)."""
-    from ..testing import MoEInputs
+    from ..inputs import MoEInputs
 
     e, h, i, k = g.num_experts, g.hidden, g.intermediate, g.num_topk
     if e < 8 or 8 * h != 4096:

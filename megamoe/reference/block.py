@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..geometry import Geometry, get_geometry
+from ..inputs import MoEInputs
 from ..recipe import Recipe, get_recipe
-from ..testing import MoEInputs
 from ..weights import MXFP4Weights, random_mxfp4_weights
 from .pipeline import moe_forward
 from .routing import route

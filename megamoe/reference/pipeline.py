@@ -20,9 +20,9 @@ import torch
 
 from ..formats import WEIGHT_DECODERS, dequantize_mxfp4_lookup, e8m0_to_float, mxfp4_decode_table, unpack_ue8m0_x4
 from ..geometry import Geometry
+from ..inputs import MoEInputs
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
-from ..testing import MoEInputs
 from ..weights import FP8BlockWeights, MXFP4Weights
 from ..validate import as_int, check_output, check_step, check_weights
 from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch

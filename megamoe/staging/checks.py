@@ -16,7 +16,8 @@ import torch
 
 from ..formats import E4M3_MAX
 from ..geometry import Geometry, get_geometry
-from ..testing import assert_bitwise_equal, make_routing
+from ..inputs import make_routing
+from ..testing import assert_bitwise_equal
 from .stage import stage_reference
 
 POISON = 0x7F  # byte written into every buffer before staging; rows [A, C) must keep it

@@ -1,0 +1,121 @@
+"""The package's shape: no import circles (lazy imports inside functions count too), no module over
+~400 lines, and every module imports on a CPU.
+
+The graph is read statically from the source (``ast``): an edge m -> n for every ``import`` / ``from ... import``
+in m, at any depth, that names a megamoe module n. ``from .pkg import name`` is an edge to ``pkg.name`` when
+that is a module, else to ``pkg`` itself."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "megamoe"
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(mod: str, is_pkg: bool, level: int, target: str | None) -> str:
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, is_pkg, node.level, node.module) if node.level else (node.module or "")
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for n in names:
+                while n and n not in mods:  # import megamoe.x.y.attr -> the module that holds it
+                    n = n.rpartition(".")[0]
+                if n and n != mod and n.startswith("megamoe"):
+                    graph[mod].add(n)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_finds_a_circle_when_there_is_one():
+    g = {"megamoe.a": {"megamoe.b"}, "megamoe.b": {"megamoe.c"}, "megamoe.c": {"megamoe.a"}, "megamoe.d": {"megamoe.a"}}
+    assert cycles(g) == [["megamoe.a", "megamoe.b", "megamoe.c"]]
+    graph = import_graph()
+    assert "megamoe.fused.base" in graph["megamoe.fused.registry"]  # edges are read at all
+    assert "megamoe.inputs" in graph["megamoe.fused.base"]
+
+
+def test_no_import_circles():
+    found = cycles(import_graph())
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_module_over_400_lines():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+OPTIONAL = {"triton", "matplotlib", "flashinfer", "deep_gemm"}  # extras a CPU install may lack
+
+
+@pytest.mark.parametrize("name", sorted(m for m in modules() if m != "megamoe.__main__"))  # that one runs the CLI
+def test_every_module_imports_on_a_cpu(name):
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in OPTIONAL:
+            raise
+        pytest.skip(f"{name} needs {exc.name}, which is not installed")
