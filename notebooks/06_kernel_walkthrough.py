@@ -258,7 +258,7 @@ figs.save(fig, "roofline")
 # (tests/test_deepgemm_fp4_recorded_configs.py).
 
 # %%
-from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, flashinfer_anatomy  # noqa: E402
+from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, flashinfer_anatomy, recorded_plans  # noqa: E402
 from megamoe.fused.fp4_records import JIT_SOURCE_FLAGS, recorded_fp4_configs  # noqa: E402
 from megamoe.layouts.deepgemm_configs import buffer_tokens_per_rank, deepgemm_sm90_fp4_config  # noqa: E402
 from megamoe.plans_viz import (  # noqa: E402
@@ -266,13 +266,7 @@ from megamoe.plans_viz import (  # noqa: E402
     static_schedule,
 )
 
-def _plan(p: dict) -> dict:
-    """A row's plan as {block_m, detail}: results written before the harness rewrite nest the package's plan
-    fields under 'detail', later ones keep them flat beside block_m."""
-    return p if "detail" in p else {"block_m": p.get("block_m"), "detail": {k: v for k, v in p.items() if k != "forced"}}
-
-
-recorded = {(r["backend"], r["tokens"]): _plan(r["plan"]) for r in rows if r["backend"] != "reference"}
+recorded = recorded_plans({"rows": rows})
 FP4 = cited("deepgemm_fp4")  # DeepGEMM SM90 FP4 on the H200: every sweep count at capacity 8192
 fp4_plans = {r.tokens: r.fields for r in recorded_fp4_configs(FP4) if r.source == "probe-plans-lossy.json: plans"}
 print(f"DeepGEMM SM90 FP4 plans recorded on the H200 ({FP4.relative_to(REPO)}): T = {sorted(fp4_plans)}")

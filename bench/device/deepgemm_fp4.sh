@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepGEMM's SM90 FP8 x FP4 Mega MoE on one H200, built from a clean unpack of its source archive and
 # checked through megamoe. Run from the repository root:
-#   ARCHIVE=path/to/deepgemm-pr323-8ddf7f9.tgz OUT=results bash bench/device/deepgemm_fp4.sh STEP...
+#   ARCHIVE=path/to/deepgemm-src.tgz OUT=results bash bench/device/deepgemm_fp4.sh STEP...
 # Steps, any subset, run in this order:
 #   build     unpack ARCHIVE into a fresh folder and run scripts/build_deepgemm.sh into $DEST (_C.so: ~100 s)
 #   stage     like build, without compiling _C.so (for restore)
@@ -18,7 +18,7 @@
 set -u
 OUT=${OUT:-/tmp/dg-fp4}
 mkdir -p "$OUT"
-ARCHIVE=${ARCHIVE:-.whl/deepgemm-pr323-8ddf7f9.tgz}
+ARCHIVE=${ARCHIVE:-.whl/deepgemm-src.tgz}  # scripts/wheelhouse.sh DEEPGEMM_SRC packs it; unpacks to DeepGEMM/
 DEST=$(realpath -m "${DEST:-build/deepgemm-pr323}")
 # shellcheck disable=SC1091
 [ -z "${MEGAMOE_SITE:-}" ] && [ -f .whl/prelude.sh ] && source .whl/prelude.sh
