@@ -42,12 +42,3 @@ def module_provenance(name: str) -> dict | None:
 def imported_kernel_modules() -> dict[str, dict]:
     """{name: provenance} for the kernel packages this process has imported (none are imported here)."""
     return {n: p for n in KERNEL_MODULES if (p := module_provenance(n)) is not None}
-
-
-def describe(prov: dict | None) -> str:
-    """One line: 'deep_gemm 2.6.1+pr323.g8ddf7f9 (DeepGEMM PR #323 at 8ddf7f9, /path)'."""
-    if not prov:
-        return "not imported"
-    build = prov.get("build") or {}
-    origin = f"{build['source']}, " if build.get("source") else ""
-    return f"{prov['module']} {prov.get('version') or '?'} ({origin}{os.path.dirname(prov.get('file') or '')})"

@@ -39,3 +39,17 @@ def test_dump_writes_the_current_record_and_prints_what_json_cannot_hold_as_text
     journal.dump()  # the probe keeps filling the same dict; each dump writes what it holds now
     got = json.loads((tmp_path / "new" / "p.json").read_text())
     assert got["cases"] == [{"dtype": "torch.float8_e4m3fn", "shape": [3, 5], "v": value}]
+
+
+def test_guard_records_results_errors_and_the_deadline(tmp_path):
+    mod = _journal_module()
+    record = {"errors": []}
+    journal = mod.ProbeJournal(str(tmp_path), "p.json", record)
+    assert journal.guard("ok", 60.0, key="ok")(lambda x: {"twice": 2 * x})(21) == {"twice": 42}
+    assert journal.guard("bad", 60.0)(lambda: 1 / 0)() is None  # recorded, not raised
+    late = mod.ProbeJournal(str(tmp_path), "q.json", {"errors": []}, t0=mod.time.time() - 100)
+    assert late.guard("late", 10.0, key="late")(lambda: 1)() is None
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert got["ok"] == {"twice": 42} and set(got["seconds"]) == {"ok"}
+    assert [e["what"] for e in got["errors"]] == ["bad"] and "ZeroDivisionError" in got["errors"][0]["error"]
+    assert late.data["errors"] == [{"what": "late", "error": "skipped: deadline"}] and "late" not in late.data

@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 import torch
 
@@ -36,26 +35,6 @@ from megamoe.inputs import MoEInputs, make_inputs  # noqa: E402
 
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MMA = "sm90-fp8-tc"
-
-
-def section(name, journal, deadline):
-    def deco(fn):
-        def run(*a, **k):
-            if journal.elapsed() > deadline:
-                journal.data["errors"].append({"section": name, "error": "skipped: deadline"})
-                return None
-            t = time.time()
-            try:
-                journal.data[name] = fn(*a, **k)
-            except Exception as exc:  # noqa: BLE001 - one section must not stop the rest
-                journal.log(f"FAILED {name}: {exc}\n{traceback.format_exc()}")
-                journal.data["errors"].append({"section": name, "error": f"{type(exc).__name__}: {exc}",
-                                               "tb": traceback.format_exc()[-3000:]})
-            finally:
-                journal.data.setdefault("seconds", {})[name] = round(time.time() - t, 1)
-                journal.dump()
-        return run
-    return deco
 
 
 def raw_backend(g, weights, capacity):
@@ -265,12 +244,9 @@ def lossy_probe(log):
 
 def plans_probe(log):
     g = get_geometry("dsv4-flash")
-    from megamoe.weights import MXFP4Weights
+    from dg_prebuild import zero_weights  # beside this script
 
-    e, h, i = g.num_experts, g.hidden, g.intermediate
-    z = lambda *s: torch.zeros(*s, dtype=torch.uint8, device="cuda")  # noqa: E731
-    w = MXFP4Weights(z(e, 2 * i, h // 2), z(e, 2 * i, h // 32) + 127, z(e, h, i // 2), z(e, h, i // 32) + 127)
-    be = backend(g, w, 8192, lossy=False)
+    be = backend(g, zero_weights(g, "cuda"), 8192, lossy=False)
     t = time.time()
     be.build(list(SWEEP_TOKENS))
     rec = plan_record(be, SWEEP_TOKENS)
@@ -396,7 +372,7 @@ def main() -> None:
            "plans": plans_probe, "determinism": determinism_probe,
            "race": race_probe}
     for name in a.sections:
-        section(name, journal, a.deadline)(fns[name])(journal.log)
+        journal.guard(name, a.deadline, key=name)(fns[name])(journal.log)
     journal.log("done", {k: v for k, v in journal.data.get("seconds", {}).items()})
 
 

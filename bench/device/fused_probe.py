@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import torch
 from probe_journal import ProbeJournal  # beside this script
@@ -30,24 +29,7 @@ log, dump = JOURNAL.log, JOURNAL.dump
 
 
 def guarded(what):
-    def deco(fn):
-        def run(*a, **k):
-            if time.time() - T0 > DEADLINE:
-                RESULTS["errors"].append({"what": what, "error": "skipped: deadline"})
-                return None
-            try:
-                return fn(*a, **k)
-            except Exception as exc:  # noqa: BLE001
-                tb = traceback.format_exc()
-                log(f"FAILED {what}: {exc}\n{tb}")
-                RESULTS["errors"].append({"what": what, "error": f"{type(exc).__name__}: {exc}", "tb": tb[-3000:]})
-                return None
-            finally:
-                dump()
-
-        return run
-
-    return deco
+    return JOURNAL.guard(what, DEADLINE)
 
 
 # ------------------------------------------------------------------------------------ TC vectors

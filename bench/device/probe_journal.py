@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 
 
 class ProbeJournal:
@@ -33,3 +34,30 @@ class ProbeJournal:
         # default=str: shapes, dtypes and devices land as their printed form rather than failing the dump
         with open(self.path, "w") as f:
             json.dump(self.data, f, indent=1, default=str)
+
+    def guard(self, what: str, deadline_s: float, key: str | None = None):
+        """Decorator for one case or section of a probe: not begun once ``deadline_s`` seconds have passed
+        (recorded in ``data['errors']``), an exception recorded there instead of raised, the record dumped
+        after. With ``key``, the result is stored in ``data[key]`` and the seconds in ``data['seconds'][key]``."""
+        def deco(fn):
+            def run(*a, **k):
+                if self.elapsed() > deadline_s:
+                    self.data["errors"].append({"what": what, "error": "skipped: deadline"})
+                    return None
+                t = time.time()
+                try:
+                    out = fn(*a, **k)
+                    if key is not None:
+                        self.data[key] = out
+                    return out
+                except Exception as exc:  # noqa: BLE001 - one case must not stop the probe
+                    tb = traceback.format_exc()
+                    self.log(f"FAILED {what}: {exc}\n{tb}")
+                    self.data["errors"].append({"what": what, "error": f"{type(exc).__name__}: {exc}", "tb": tb[-3000:]})
+                    return None
+                finally:
+                    if key is not None:
+                        self.data.setdefault("seconds", {})[key] = round(time.time() - t, 1)
+                    self.dump()
+            return run
+        return deco

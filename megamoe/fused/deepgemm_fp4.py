@@ -227,11 +227,6 @@ class DeepGEMMFP4(FusedBackend):
                 "l2_in_sf_pool": b.l2_acts_sf.float().contiguous(), "l2_group": 64,
                 "block_m": (self.plan(m).block_m or None) if m else None}
 
-    def describe_build(self) -> str:
-        from ..provenance import describe
-
-        return describe(self.provenance())
-
     def destroy(self) -> None:
         buf = getattr(self, "buf", None)
         if buf is not None:
