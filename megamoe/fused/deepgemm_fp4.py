@@ -30,6 +30,7 @@ Intermediates: the buffer exposes ``l1_acts`` (pool e4m3 [P, H]), ``l2_acts`` (L
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -83,6 +84,7 @@ def sm90_fp4_missing(dg) -> list[str]:
     return [a for a in SM90_FP4_ENTRY_POINTS if not hasattr(dg, a)]
 
 
+@functools.cache  # once per process: every launch calls it, and the lookup below touches the filesystem
 def _import():
     """Import deep_gemm with the heuristic's printout on and, for a megamoe source build, its own JIT cache
     (so its kernels never mix with another deep_gemm's in ~/.deep_gemm)."""
