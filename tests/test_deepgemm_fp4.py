@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megamoe.formats import E8M0_BIAS, dequantize_mxfp4, e2m1_decode, e4m3_satfinite, pack_e2m1
-from megamoe.fused.deepgemm_build import PIN, SourceError, verify_source
+from megamoe.fused.deepgemm_build import JIT_CACHE_OWNER, PATCH_DIR, PIN, SourceError, apply_patches, own_jit_cache, verify_source
 from megamoe.fused.deepgemm_fp4 import KERNEL_NAME, TEMPLATE_PARAMS, parse_fp4_config_key
 from megamoe.fused.deepgemm_fp8 import parse_config_print, parse_template_args
 from megamoe.geometry import Geometry, get_geometry
@@ -121,6 +121,45 @@ def test_build_refuses_a_tree_that_is_not_the_pin(tmp_path):
     with pytest.raises(SourceError, match=rf"not DeepGEMM pull request #{PIN.pull} at {PIN.commit}: .*sgl_deep_gemm/__init__.py"):
         verify_source(tmp_path)
     assert PIN.version == "2.6.1+pr323.g8ddf7f9"
+
+
+def test_patches_only_add_proxy_fences():
+    """megamoe's patches to the pull request change memory ordering only: every hunk adds lines, and every
+    added line is a comment, a preprocessor line of the fence macros, or a call of one of them."""
+    assert PIN.patches and PIN.build_version(True) == PIN.version + f".megamoe{len(PIN.patches)}"
+    assert PIN.build_version(False) == PIN.version
+    for name in PIN.patches:
+        lines = (PATCH_DIR / name).read_text().splitlines()
+        body = lines[next(i for i, x in enumerate(lines) if x.startswith("--- a/")):]
+        removed = [x for x in body[2:] if x.startswith("-")]
+        added = [x[1:].strip() for x in body[2:] if x.startswith("+")]
+        assert not removed, removed
+        calls = [x for x in added if x.startswith("MEGAMOE_FENCE_PROXY_ASYNC_")]
+        assert len(calls) >= 10
+        other = [x for x in added if x and x not in calls and not x.startswith(("//", "#"))]
+        assert other == [], other
+
+
+def test_patch_that_does_not_apply_is_refused_by_name(tmp_path):
+    target = tmp_path / "include/deep_gemm/impls/sm90_fp8_fp4_mega_moe.cuh"
+    target.parent.mkdir(parents=True)
+    target.write_text("// some other revision of the kernel\n" * 40)
+    with pytest.raises(SourceError, match=PIN.patches[0]):
+        apply_patches(tmp_path)
+
+
+def test_kernel_cache_of_another_build_is_emptied(tmp_path):
+    """DeepGEMM keys its cache on the launcher source, not the headers: a patched build must not reuse the
+    kernels an unpatched one compiled (or the other way round)."""
+    cache = own_jit_cache(tmp_path, "v-raw")
+    (cache / "cache").mkdir()
+    (cache / "cache" / "kernel.cubin").write_bytes(b"x")
+    assert (own_jit_cache(tmp_path, "v-raw") / "cache" / "kernel.cubin").exists()  # same build: kept
+    cache = own_jit_cache(tmp_path, "v-patched")
+    assert not (cache / "cache").exists() and (cache / JIT_CACHE_OWNER).read_text().strip() == "v-patched"
+    (cache / JIT_CACHE_OWNER).unlink()
+    (cache / "stray.cubin").write_bytes(b"x")
+    assert not (own_jit_cache(tmp_path, "v-patched") / "stray.cubin").exists()  # no owner recorded: emptied
 
 
 def test_decode_probe_layer_reads_the_decode_table_through_the_reference():

@@ -320,33 +320,37 @@ def determinism_probe(log):
     return rows
 
 
-def race_probe(log):
-    """Repeat one launch N times at every sweep token count: how many outputs differ from the first, and
-    which configuration flags the racy counts share."""
+def race_probe(log, counts=(1, 2, 4, 7, 8, 16, 32, 64, 96, 128, 192, 256, 300, 512, 1024, 2048, 4096, 8192),
+               launches=None):
+    """Repeat launches at each token count, two ways: the same input every time, and two inputs alternating
+    (each output compared with the first output of its own input). Same-input differences are a race inside
+    one launch; alternating-only differences are data of the previous launch read back (stale reads)."""
     g, w = weights("dsv4-flash", "synthetic")
     be = backend(g, w, 8192, lossy=False)
-    counts = (1, 2, 4, 7, 8, 16, 32, 64, 96, 128, 192, 256, 300, 512, 1024, 2048, 4096, 8192)
     be.build(list(counts))
     rows = []
     for t in counts:
-        inp = make_inputs(g, t, seed=77 + t).to("cuda")
-        n = 60 if t <= 512 else 20
-        first, changed, max_rows = None, 0, 0
-        for _ in range(n):
-            y = _launch(be, inp, t)
-            if first is None:
-                first = y
-            elif not torch.equal(y.view(torch.int16), first.view(torch.int16)):
-                changed += 1
-                max_rows = max(max_rows, int((y.view(torch.int16) != first.view(torch.int16)).any(1).sum()))
-        torch.cuda.synchronize()
+        inps = [make_inputs(g, t, seed=77 + t + 1000 * j).to("cuda") for j in range(2)]
+        n = launches or (60 if t <= 512 else 20)
         p = be.plan(t)
         row = {"tokens": t, "tokens_per_expert": t * g.num_topk / g.num_experts, "launches": n,
-               "differing_from_first": changed, "max_rows_differing": max_rows, "block_m": p.block_m, **p.detail}
-        log(f"race T{t:5d} differing {changed:3d}/{n} rows<= {max_rows:3d}  {p.describe()} "
-            f"wide={p.detail.get('wide_load_decode')} mathwg={p.detail.get('math_wg_participates_in_decode')} "
-            f"early_b={p.detail.get('early_b_decode')} done_mbar={p.detail.get('decode_done_mbarrier')} "
-            f"l2cnt={p.detail.get('l2_arrival_counter')} nsplit={p.detail.get('ss_nsplit')}")
+               "block_m": p.block_m, **p.detail}
+        for pattern in ("same", "alternating"):
+            first, changed, max_rows = [None, None], 0, 0
+            for i in range(n):
+                j = i % 2 if pattern == "alternating" else 0
+                y = _launch(be, inps[j], t)
+                if first[j] is None:
+                    first[j] = y
+                elif not torch.equal(y.view(torch.int16), first[j].view(torch.int16)):
+                    changed += 1
+                    max_rows = max(max_rows, int((y.view(torch.int16) != first[j].view(torch.int16)).any(1).sum()))
+            torch.cuda.synchronize()
+            key = "" if pattern == "same" else "alternating_"
+            row.update({f"{key}differing_from_first": changed, f"{key}max_rows_differing": max_rows})
+        log(f"race T{t:5d} same {row['differing_from_first']:3d}/{n} rows<= {row['max_rows_differing']:3d} "
+            f"alternating {row['alternating_differing_from_first']:3d}/{n} rows<= "
+            f"{row['alternating_max_rows_differing']:3d}  {p.describe()} early_b={p.detail.get('early_b_decode')}")
         rows.append(row)
     be.destroy()
     return rows
@@ -357,6 +361,8 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp4_probe"))
     p.add_argument("--sections", nargs="+", default=["lut", "checkpoint", "variants", "lossy", "plans"])
     p.add_argument("--deadline", type=float, default=400.0, help="sections not begun by then are skipped (s)")
+    p.add_argument("--race-tokens", type=int, nargs="+", help="token counts of the race section (default: the sweep's)")
+    p.add_argument("--race-launches", type=int, help="launches per count and pattern (default: 60, 20 above 512)")
     a = p.parse_args()
     from megamoe.provenance import imported_kernel_modules
 
@@ -370,7 +376,8 @@ def main() -> None:
         sys.exit(1)
     fns = {"lut": lut_probe, "checkpoint": checkpoint_probe, "variants": variants_probe, "lossy": lossy_probe,
            "plans": plans_probe, "determinism": determinism_probe,
-           "race": race_probe}
+           "race": lambda log: race_probe(log, *([tuple(a.race_tokens)] if a.race_tokens else []),
+                                          launches=a.race_launches)}
     for name in a.sections:
         journal.guard(name, a.deadline, key=name)(fns[name])(journal.log)
     journal.log("done", {k: v for k, v in journal.data.get("seconds", {}).items()})

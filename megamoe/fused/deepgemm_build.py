@@ -47,10 +47,16 @@ class DeepGEMMPin:
     # sha256 of the files that define the kernel's numerics and host API: an unpacked archive has no git
     # metadata, so these identify the ref (a git checkout is checked by its HEAD as well).
     files: dict = field(default_factory=dict)
+    # megamoe's patches to the staged copy (deepgemm_patches/, applied in order; the source is never touched)
+    patches: tuple = ()
 
     @property
     def version(self) -> str:
         return f"{self.base_version}+pr{self.pull}.g{self.commit}"
+
+    def build_version(self, patched: bool) -> str:
+        """``deep_gemm.__version__`` of a build: the pull request's, plus ``.megamoe<N>`` with N patches."""
+        return f"{self.version}.megamoe{len(self.patches)}" if patched and self.patches else self.version
 
     @property
     def fetch(self) -> str:
@@ -75,12 +81,17 @@ PIN = DeepGEMMPin(
             "3d4e24012acc8d496c3713091814406d8833c789393ac434b2108355f2301680",
         "sgl_deep_gemm/__init__.py": "454b60171c9485069d978210a5e66127ef6c1afce51e5fbba55a2b0336ae5d56",
     },
+    patches=("0001-sm90-fp4-mega-moe-proxy-fences.patch",),
 )
+PATCH_DIR = Path(__file__).with_name("deepgemm_patches")
 DEFAULT_DEST = Path("build") / f"deepgemm-pr{PIN.pull}"
 # What the build must expose for the deepgemm-sm90-fp4 backend.
 SM90_FP4_ENTRY_POINTS = ("fp8_fp4_mega_moe", "transform_weights_for_mega_moe_sm90_fp4",
                          "get_symm_buffer_for_sm90_mega_moe")
 JIT_CACHE = "jit-cache"
+# DeepGEMM keys its kernel cache on the generated launcher source, not on the headers it includes: kernels
+# compiled from other headers (an unpatched build) would be reused silently. The cache records the build.
+JIT_CACHE_OWNER = "BUILD-VERSION"
 _PACKAGE_SUBDIRS = ("utils", "testing", "legacy", "mega")
 
 
@@ -121,8 +132,40 @@ def verify_source(src: Path, pin: DeepGEMMPin = PIN) -> dict:
     return {"files_verified": sorted(pin.files), "git_head": head}
 
 
-def stage(src: Path, dest: Path, pin: DeepGEMMPin = PIN) -> Path:
-    """Lay out the importable package in ``dest`` (see the module docstring); returns ``dest/deep_gemm``."""
+def apply_patches(pkg: Path, pin: DeepGEMMPin = PIN) -> list:
+    """Apply ``pin.patches`` to the staged package ``pkg`` (paths in the patches start at the DeepGEMM root,
+    ``deep_gemm/...``); returns [{name, sha256}]. Raises SourceError naming the patch that does not apply."""
+    if shutil.which("patch"):
+        command = ["patch", "-p2", "--forward", "--batch", "--no-backup-if-mismatch", "-i"]
+    elif shutil.which("git"):  # `git apply` outside a repository patches plain files as `patch` does
+        command = ["git", "apply", "-p2"]
+    else:
+        raise SourceError("applying megamoe's DeepGEMM patches needs `patch` or `git` (or pass --no-patches to "
+                          "build the pull request unpatched)")
+    applied = []
+    for name in pin.patches:
+        path = PATCH_DIR / name
+        proc = subprocess.run([*command, str(path)], cwd=str(pkg), capture_output=True, text=True, timeout=60)
+        if proc.returncode:
+            raise SourceError(f"patch {name} does not apply to {pkg}: {proc.stdout[-800:]}{proc.stderr[-800:]}")
+        applied.append({"name": name, "sha256": _sha256(path)})
+    return applied
+
+
+def own_jit_cache(dest: Path, version: str) -> Path:
+    """``dest/jit-cache``, emptied unless it was filled by this very build version (see JIT_CACHE_OWNER)."""
+    cache = Path(dest) / JIT_CACHE
+    owner = cache / JIT_CACHE_OWNER
+    if cache.exists() and (not owner.exists() or owner.read_text().strip() != version):
+        shutil.rmtree(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    owner.write_text(version + "\n")
+    return cache
+
+
+def stage(src: Path, dest: Path, pin: DeepGEMMPin = PIN, patched: bool = True) -> Path:
+    """Lay out the importable package in ``dest`` (see the module docstring) and apply megamoe's patches
+    unless ``patched`` is False; returns ``dest/deep_gemm``."""
     src, dest = Path(src).resolve(), Path(dest).resolve()
     checked = verify_source(src, pin)
     pkg = dest / "deep_gemm"
@@ -142,15 +185,17 @@ def stage(src: Path, dest: Path, pin: DeepGEMMPin = PIN) -> Path:
         if (dest / rel).exists():
             shutil.rmtree(dest / rel)
         shutil.copytree(src / rel, dest / rel)
-    (pkg / "VERSION").write_text(pin.version + "\n")
+    patches = apply_patches(pkg, pin) if patched else []
+    version = pin.build_version(patched)
+    (pkg / "VERSION").write_text(version + "\n")
     import torch
 
     info = {"source": f"DeepGEMM PR #{pin.pull} at {pin.commit}", "repo": pin.repo, "pull": pin.pull,
-            "commit": pin.commit, "version": pin.version, "src": str(src), **checked,
+            "commit": pin.commit, "version": version, "patches": patches, "src": str(src), **checked,
             "staged_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     (pkg / "BUILD.json").write_text(json.dumps(info, indent=1) + "\n")
-    (dest / JIT_CACHE).mkdir(exist_ok=True)
+    own_jit_cache(dest, version)
     return pkg
 
 
@@ -197,14 +242,16 @@ def main(argv=None) -> int:
     p.add_argument("src", help="DeepGEMM source tree at the pinned ref (git checkout with submodules, or unpacked archive)")
     p.add_argument("dest", nargs="?", default=str(DEFAULT_DEST), help=f"where to stage the package (default: {DEFAULT_DEST})")
     p.add_argument("--no-compile", action="store_true", help="stage only; the first `import deep_gemm` compiles _C.so")
+    p.add_argument("--no-patches", action="store_true",
+                   help=f"build the pull request as it is, without megamoe's patches ({', '.join(PIN.patches)})")
     a = p.parse_args(argv)
     try:
-        pkg = stage(Path(a.src), Path(a.dest))
+        pkg = stage(Path(a.src), Path(a.dest), patched=not a.no_patches)
     except SourceError as exc:
         print(f"build_deepgemm: {exc}", file=sys.stderr)
         return 2
     dest = pkg.parent
-    print(f"staged {pkg} ({PIN.version})")
+    print(f"staged {pkg} ({(pkg / 'VERSION').read_text().strip()})")
     if not a.no_compile:
         res = compile_and_check(dest)
         print(f"compiled _C.so ({res['so_bytes']} bytes) and imported deep_gemm {res['version']} in {res['seconds']} s")
