@@ -14,7 +14,8 @@
 #             backend against its reference, broken layouts, the window, the block, the one-rank launcher)
 #   probe     bench/device/deepgemm_fp4_probe.py (decode table, the checkpoint case, recipe variants, lossy
 #             scales, plans)
-#   matrix    the full differential matrix of deepgemm-sm90-fp4 (megamoe.check.matrix)
+#   matrix    the full differential matrix of deepgemm-sm90-fp4 (megamoe.check.matrix); MATRIX_ONLY=substring
+#             of the case ids to run, MATRIX_REPEATS relaunches per case (8)
 #   pack      $DEST's _C.so and kernel cache into $OUT/dg-build.tgz
 # Everything is logged to $OUT/log.txt; at most 7 files land in $OUT. PATCHES=0 builds the pull request unpatched.
 set -u
@@ -46,8 +47,8 @@ step_stage() {  # the package layout only; `restore` then brings a saved _C.so a
 
 step_restore() {
   mkdir -p "$DEST" && tar xzf "${RESTORE:?RESTORE=path to a dg-build.tgz}" -C "$DEST" && python3 -c \
-    "import sys; from megamoe.fused.deepgemm_build import own_jit_cache as o; o(sys.argv[1], open(sys.argv[2]).read().strip())" \
-    "$DEST" "$DEST/deep_gemm/VERSION"
+    "import sys; from megamoe.fused.deepgemm_build import build_identity as b, own_jit_cache as o; o(sys.argv[1], b(sys.argv[2]))" \
+    "$DEST" "$DEST/deep_gemm"
   say "restore exit $? ($(find "$DEST/jit-cache" -name '*.cubin' 2>/dev/null | wc -l) cubins kept for $(cat "$DEST/jit-cache/BUILD-VERSION"))"
 }
 
@@ -110,6 +111,7 @@ from megamoe.check.matrix import default_cases
 only = __import__("os").environ.get("MATRIX_ONLY", "")  # a substring of the case ids to keep ("" = all)
 cases = [c for c in default_cases("deepgemm-sm90-fp4", (), True) if only in c.id]
 rows = run_matrix("deepgemm-sm90-fp4", cases, f"{out}/matrix-fp4.json", mma="sm90-fp8-tc", ref_max_tokens=512,
+                  repeats=int(__import__("os").environ.get("MATRIX_REPEATS", "8")),
                   deadline_s=float(__import__("os").environ.get("MATRIX_DEADLINE", "300")))
 meta = {"modules": imported_kernel_modules(), "wall_s": round(time.time() - t, 1)}
 json.dump({"meta": meta, "rows": rows}, open(f"{out}/matrix-fp4.json", "w"), indent=1, default=str)

@@ -152,14 +152,20 @@ def apply_patches(pkg: Path, pin: DeepGEMMPin = PIN) -> list:
     return applied
 
 
-def own_jit_cache(dest: Path, version: str) -> Path:
-    """``dest/jit-cache``, emptied unless it was filled by this very build version (see JIT_CACHE_OWNER)."""
+def build_identity(pkg: Path) -> str:
+    """What a staged package's kernels are compiled from: its version and the digests of its patches."""
+    info = json.loads((Path(pkg) / "BUILD.json").read_text())
+    return " ".join([info["version"], *(p["sha256"][:16] for p in info.get("patches", []))])
+
+
+def own_jit_cache(dest: Path, identity: str) -> Path:
+    """``dest/jit-cache``, emptied unless it was filled by this very build (``identity``, see JIT_CACHE_OWNER)."""
     cache = Path(dest) / JIT_CACHE
     owner = cache / JIT_CACHE_OWNER
-    if cache.exists() and (not owner.exists() or owner.read_text().strip() != version):
+    if cache.exists() and (not owner.exists() or owner.read_text().strip() != identity):
         shutil.rmtree(cache)
     cache.mkdir(parents=True, exist_ok=True)
-    owner.write_text(version + "\n")
+    owner.write_text(identity + "\n")
     return cache
 
 
@@ -195,7 +201,7 @@ def stage(src: Path, dest: Path, pin: DeepGEMMPin = PIN, patched: bool = True) -
             "staged_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     (pkg / "BUILD.json").write_text(json.dumps(info, indent=1) + "\n")
-    own_jit_cache(dest, version)
+    own_jit_cache(dest, build_identity(pkg))
     return pkg
 
 
