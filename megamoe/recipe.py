@@ -27,7 +27,7 @@ WEIGHT_DECODES = tuple(WEIGHT_DECODERS)  # ("exact", "e4m3_flush_saturate", "e4m
 L2_SCALES = ("pow2_ceil", "continuous")
 MMA_MODELS = ("exact-block", "sm90-fp8-tc")
 ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
-SILU_EXPS = ("fp32", "fp64-rounded")
+SILU_EXPS = ("fp32", "fp64-rounded", "fast-math")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class Recipe:
         ``fp32``          exp(-g) in FP32 (each device's own exp: not bit-reproducible across devices)
         ``fp64-rounded``  exp(-g) in float64, rounded once to FP32 (devices agree unless their float64
                           exp straddles an FP32 rounding boundary: ~2**-28 per element)
+        ``fast-math``     CUDA's __expf(-g) = ex2.approx(fl32(-g * fl32(log2 e))): the rounded argument
+                          modelled exactly, ex2 as float64 exp2 rounded once (kernels built with fast_math)
     """
 
     name: str
@@ -128,6 +130,7 @@ DEEPGEMM_SM90_FP4 = Recipe(
     weight_decode="e4m3_rn",
     l2_group=64,
     l2_scale="pow2_ceil",
+    silu_exp="fast-math",  # the backend launches with fast_math=True (the kernel's __expf and rcp.approx)
 )  # scale bytes 119..133 (2**-8 .. 2**6), derived from e4m3_rn: below, 0.5 x 2**-9 falls under e4m3's
 # smallest subnormal; above, 6 x 2**7 passes 448 (the kernel's table wraps there; measured on the H200)
 

@@ -572,3 +572,24 @@ def test_kernel_recipe_with_float_slot_outputs_matches_per_expert_path():
             continue
         one = expert_forward(st.pool_x[rows], st.pool_x_sf[rows], st.pool_weight[rows], w, e, g, recipe)
         assert torch.equal(st.l2_out[rows], one[3].to(torch.float64)), f"expert {e}"
+
+
+def test_fast_math_exp_is_expf_with_its_rounded_argument():
+    """silu_exp="fast-math" against struct-level FP32 arithmetic written out here: t = fl32(-g * fl32(log2 e)),
+    e = fl32(2**t) (math.pow in double, rounded once), v = fl32(g * fl32(1 / fl32(1 + e))) * u, element by element."""
+    torch.manual_seed(31)
+    g = torch.randn(512) * 6
+    u = torch.randn(512)
+    f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]  # noqa: E731
+    l2e = f32(math.log2(math.e))
+    want = []
+    for gi, ui in zip(g.tolist(), u.tolist()):
+        gi = min(gi, 7.0)
+        ui = max(min(ui, 7.0), -7.0)
+        e = f32(math.pow(2.0, f32(-gi * l2e)))
+        want.append(f32(f32(gi * f32(1.0 / f32(1.0 + e))) * ui))
+    got = _swiglu(torch.cat([g, u])[None], 7.0, silu_exp="fast-math")[0]
+    assert_bitwise_equal(got, torch.tensor(want, dtype=torch.float32))
+    plain = _swiglu(torch.cat([g, u])[None], 7.0, silu_exp="fp32")[0]
+    assert not torch.equal(got, plain)  # the rounded argument is visible (a few ulps on many elements)
+    assert ((got - plain).abs() <= 32 * torch.finfo(torch.float32).eps * plain.abs() + 1e-30).all()

@@ -34,7 +34,9 @@ BACKENDS1=${BACKENDS1:-flashinfer-mxfp4 deepgemm-sm90-fp8 deepgemm-staged-fp8 re
 BACKENDS2=${BACKENDS2:-deepgemm-sm90-fp4 flashinfer-mxfp4}
 TOTAL_S=${TOTAL_S:-500}          # the whole script; the two processes share it
 P1_DEADLINE_S=${P1_DEADLINE_S:-300}
-EXTRA=${EXTRA:-}
+EXTRA=${EXTRA:-}                 # extra `megamoe bench` flags for both processes
+EXTRA1=${EXTRA1:-}               # ... for process 1 only (e.g. --studies overhead staging)
+EXTRA2=${EXTRA2:-}               # ... for process 2 only
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export MEGAMOE_COMMIT=${MEGAMOE_COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
@@ -44,7 +46,7 @@ start=$SECONDS
 
 # shellcheck disable=SC2086  # TOKENS, BACKENDS and EXTRA are lists
 timeout -k 10 "$((TOTAL_S - 20))" "$PY" -m megamoe bench --preset "$PRESET" --tokens $TOKENS --device "$DEVICE" \
-  --backends $BACKENDS1 --passes 2 --deadline-s "$P1_DEADLINE_S" --out "$OUT" $EXTRA 2>&1 | tee "$OUT/log-1.txt"
+  --backends $BACKENDS1 --passes 2 --deadline-s "$P1_DEADLINE_S" --out "$OUT" $EXTRA $EXTRA1 2>&1 | tee "$OUT/log-1.txt"
 rc1=${PIPESTATUS[0]}
 dir=$(sed -n 's/^results written to //p' "$OUT/log-1.txt" | tail -n 1)
 echo "[run_sweep] process 1: exit $rc1 after $((SECONDS - start)) s; results in ${dir:-(none)}"
@@ -61,7 +63,7 @@ else
   # shellcheck disable=SC2086
   PYTHONPATH=$DEEPGEMM_FP4_PATH:$PYTHONPATH timeout -k 10 "$((left - 5))" "$PY" -m megamoe bench --preset "$PRESET" \
     --tokens $TOKENS --device "$DEVICE" --backends $BACKENDS2 --passes 2 --deadline-s "$((left - 25))" \
-    --append "$dir" $EXTRA 2>&1 | tee "$OUT/log-2.txt"
+    --append "$dir" $EXTRA $EXTRA2 2>&1 | tee "$OUT/log-2.txt"
   rc2=${PIPESTATUS[0]}
   echo "[run_sweep] process 2: exit $rc2 after $((SECONDS - start)) s"
 fi

@@ -8,8 +8,10 @@
         continuous:  sf = max(amax, floor) * fl32(1/448)
     q = e4m3_rn_satfinite(vw * (1 / sf))
 
-The kernels use a fast-math sigmoid (approximate exp and reciprocal): a few FP32 ulps that the
-reference does not model. They can flip an FP8 code where vw / sf lies on a rounding boundary.
+The kernels use a fast-math sigmoid (approximate exp and reciprocal). ``silu_exp="fast-math"`` models the
+exp as CUDA's __expf computes it, ex2.approx(fl32(-g * fl32(log2 e))): the rounded product is most of its
+error; the approximate ex2 itself (a few ulps) is modelled by exp2 in float64 rounded once, and rcp.approx by
+IEEE division. What is left can flip an FP8 code where vw / sf lies on a rounding boundary.
 """
 
 from __future__ import annotations
@@ -19,18 +21,25 @@ import torch
 from ..formats import E4M3_MAX, e4m3_satfinite, e8m0_to_float, float_to_e8m0
 
 _INV_448 = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+_LOG2E_F32 = 1.4426950408889634  # __expf multiplies its argument by fl32(log2 e) in FP32
 
 
 def swiglu(h: torch.Tensor, clamp: float, gate_up_bf16: bool = False, silu_exp: str = "fp32") -> torch.Tensor:
     """h [M, 2I] (gate columns then up columns; the logical order, not a kernel's interleave) -> v [M, I].
-    ``silu_exp``: "fp32" (exp in h's dtype) or "fp64-rounded" (exp in float64, rounded once to h's dtype)."""
+    ``silu_exp``: "fp32" (exp in h's dtype), "fp64-rounded" (exp in float64, rounded once to h's dtype) or
+    "fast-math" (__expf: the argument times fl32(log2 e) rounded to h's dtype, then exp2 in float64 rounded)."""
     i = h.shape[-1] // 2
     g, u = h[..., :i], h[..., i:]
     if gate_up_bf16:
         g, u = g.to(torch.bfloat16).to(h.dtype), u.to(torch.bfloat16).to(h.dtype)
     g = g.clamp(max=clamp)
     u = u.clamp(min=-clamp, max=clamp)
-    e = torch.exp(-g.double()).to(g.dtype) if silu_exp == "fp64-rounded" else torch.exp(-g)
+    if silu_exp == "fast-math":
+        e = torch.exp2((-g * torch.tensor(_LOG2E_F32, dtype=g.dtype)).double()).to(g.dtype)
+    elif silu_exp == "fp64-rounded":
+        e = torch.exp(-g.double()).to(g.dtype)
+    else:
+        e = torch.exp(-g)
     return g * (1.0 / (1.0 + e)) * u
 
 
