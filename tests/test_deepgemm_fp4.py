@@ -232,3 +232,13 @@ def test_decode_options_the_printout_does_not_name_are_kept_only_where_every_cac
                                                       {"num_max_tokens_per_rank": 8448, **printed}))
     assert "ambiguous" not in alone and alone["wide_load_decode"] is False
     assert agreed_template_args([]) is None
+
+
+def test_unpatched_build_is_reported_not_silently_used():
+    from megamoe.fused.deepgemm_fp4 import missing_patches_warning
+
+    patched = {"version": PIN.build_version(True), "patches": [{"name": n, "sha256": "x"} for n in PIN.patches]}
+    assert missing_patches_warning(patched) == ""
+    raw = {"version": PIN.version, "patches": []}
+    assert PIN.patches[0] in missing_patches_warning(raw) and "lacks" in missing_patches_warning(raw)
+    assert "not a megamoe build" in missing_patches_warning(None)

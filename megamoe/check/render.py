@@ -54,7 +54,7 @@ def render_backends(avail, console) -> None:
     from rich.table import Table
 
     bt = Table(title="fused backends")
-    for col in ("backend", "runs here", "why not"):
+    for col in ("backend", "runs here", "why not (or a warning)"):
         bt.add_column(col)
     for name, ok, why in avail:
         bt.add_row(name, "[green]yes[/green]" if ok else "[yellow]no[/yellow]", why)

@@ -40,7 +40,7 @@ import torch
 
 from ..recipe import DEEPGEMM_SM90_FP4
 from .base import FusedBackend, Plan, kernel_availability
-from .deepgemm_build import JIT_CACHE, SM90_FP4_ENTRY_POINTS
+from .deepgemm_build import JIT_CACHE, PIN, SM90_FP4_ENTRY_POINTS
 from .deepgemm_fp8 import capture_stdout_fd, find_all_kernel_args, parse_config_print
 
 KERNEL_NAME = "sm90_fp8_fp4_mega_moe_impl"
@@ -99,6 +99,18 @@ def _import():
     return deep_gemm
 
 
+def missing_patches_warning(build: dict | None) -> str:
+    """'' when the imported deep_gemm is a megamoe build carrying every patch of the pin (``build``: its
+    BUILD.json, as ``megamoe.provenance`` reads it); else a warning naming what it lacks."""
+    have = {p.get("name") for p in (build or {}).get("patches", [])}
+    missing = [name for name in PIN.patches if name not in have]
+    if not missing:
+        return ""
+    what = "this deep_gemm is not a megamoe build" if build is None else "this build lacks megamoe's patches"
+    return (f"warning: {what} ({', '.join(missing)}): without the proxy fences identical launches can differ "
+            "(measured on the H200, docs/deepgemm-fp4.md); rebuild with scripts/build_deepgemm.sh")
+
+
 def parse_fp4_config_key(text: str) -> dict:
     """The last ``MegaMoESM90FP4Config(key=value, ...)`` of the printout -> {key: int | bool | str}."""
     found = re.findall(r"MegaMoESM90FP4Config\(([^()]*)\)", text)
@@ -129,6 +141,8 @@ class DeepGEMMFP4(FusedBackend):
         if not ok and why.startswith("kernel missing"):
             why += (" (the SM90 FP8 x FP4 Mega MoE is DeepGEMM PR #323: build it with scripts/build_deepgemm.sh "
                     "and put it first on PYTHONPATH)")
+        if ok:  # runs, but say so when it is the pull request without the fences (a known race)
+            why = missing_patches_warning((cls.provenance() or {}).get("build"))
         return ok, why
 
     @classmethod
