@@ -379,8 +379,9 @@ figs.save(fig, "persistent_schedule")
 # DeepGEMM SM90 FP4 column is read from its H200 results folder: the decode table of all 256 scale
 # bytes x 16 codes read back through a crafted layer (notebook 3 plots it), the reference variants that
 # pin its L2 requant, the plan of every sweep token count, and a race probe that relaunched every count
-# 20-60 times and compared the outputs bit for bit. FlashInfer and DeepGEMM FP8 were never relaunched
-# that way: their determinism is not known.
+# 20-60 times and compared the outputs bit for bit: first on the pull request as it is, then on the
+# build with megamoe's proxy-fence patch (docs/deepgemm-fp4.md). FlashInfer and DeepGEMM FP8 were never
+# relaunched that way: their determinism is not known.
 
 # %%
 from megamoe.recipe import DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, FLASHINFER_MXFP4  # noqa: E402
@@ -392,7 +393,8 @@ def fp4_probe(name):
 
 lut = fp4_probe("probe-lut-checkpoint.json")["lut"]
 variants = [v for v in fp4_probe("probe-determinism-variants.json")["variants"] if "code_match" in v["base-tc"]]
-race = fp4_probe("probe-race.json")["race"]
+race = fp4_probe("probe-race.json")["race"]  # the pull request as it is
+fenced = json.loads((cited("deepgemm_fp4_fences") / "race-2.json").read_text())["patched"]["fp4_probe.json"]["race"]
 
 
 def span(values):
@@ -451,18 +453,22 @@ for row, key in (("BLOCK_M", "block_m"), ("stages", "num_stages"), ("swap-AB", "
     table[f"{row} (DeepSeek-V4-Flash, one H200)"] = tuple(
         by_tokens((t, p[key]) for t, p in plans_of[b].items()) + " [recorded]" for b in plans_of)
 table["identical relaunches"] = (
-    "not checked", "differ at T " + ", ".join(f"{t} ({n}/{m} launches)" for t, n, m in racy)
-    + f"; bit-identical at T {', '.join(map(str, steady))} [measured]", "not checked")
+    "not checked", "as pull request #323: differ at T " + ", ".join(f"{t} ({n}/{m} launches)" for t, n, m in racy)
+    + f", bit-identical at T {', '.join(map(str, steady))}; with megamoe's fences: "
+    + ", ".join(f"T {r['tokens']} {r['differing_from_first'] + r['alternating_differing_from_first']}/{2 * r['launches']}"
+                for r in fenced) + " [measured]", "not checked")
 for row, cells in table.items():
     print(row)
     for name, cell in zip(names, cells):
         print(f"  {name:18s} {cell}")
 
 # %% [markdown]
-# The same plans drawn over T, and the FP4 kernel's relaunches: at T = 96 (2.25 rows per expert, the
-# one count with early-B decode) 59 of 60 launches differ from the first; every racy count runs
-# BLOCK_M 64 with swap-AB and 5 stages. A layer that must give the same bits twice cannot use those
-# counts; `megamoe check` reports such a case `nondeterministic`, a failure.
+# The same plans drawn over T, and the FP4 kernel's relaunches as the pull request builds it: at T = 96
+# (2.25 rows per expert, the one count with early-B decode) 59 of 60 launches differ from the first;
+# every racy count runs BLOCK_M 64 with swap-AB and 5 stages. The cause was missing proxy fences (scale
+# factors written with plain stores, read by TMA on another SM); with megamoe's patch no launch at those
+# counts differs (the black crosses). `megamoe check` reports any case that differs on a relaunch
+# `nondeterministic`, a failure.
 
 # %%
 fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 3.6))
@@ -476,6 +482,11 @@ ax0.legend(fontsize=8)
 ts = [r["tokens"] for r in race]
 ax2.bar(range(len(ts)), [100 * r["differing_from_first"] / r["launches"] for r in race],
         color=backend_colour("deepgemm-sm90-fp4"))
+fenced_at = {r["tokens"]: r for r in fenced}
+ax2.scatter([i for i, t in enumerate(ts) if t in fenced_at],
+            [100 * fenced_at[t]["differing_from_first"] / fenced_at[t]["launches"] for t in ts if t in fenced_at],
+            marker="x", color="black", zorder=3, label="with megamoe's fences")
+ax2.legend(fontsize=7)
 ax2.set_xticks(range(len(ts)), ts, rotation=60, fontsize=7)
 ax2.set(xlabel="tokens per rank T", ylabel="% of launches differing from the first",
         title="DeepGEMM SM90 FP4: relaunches of one input (H200)")
