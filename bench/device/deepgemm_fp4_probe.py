@@ -262,6 +262,20 @@ def _launch(be, inp, m):
     return be.launch(m)[: inp.num_tokens].clone()
 
 
+class Relaunches:
+    """Outputs compared bit for bit with the first output of the same input: launches that differ, and the
+    most rows one of them changed."""
+
+    def __init__(self):
+        self.first, self.changed, self.max_rows = {}, 0, 0
+
+    def add(self, j: int, y: torch.Tensor) -> None:
+        first = self.first.setdefault(j, y)
+        if first is not y and not torch.equal(y.view(torch.int16), first.view(torch.int16)):
+            self.changed += 1
+            self.max_rows = max(self.max_rows, int((y.view(torch.int16) != first.view(torch.int16)).any(1).sum()))
+
+
 def determinism_probe(log):
     """Does one launch depend on what ran before it? Same inputs launched back to back; real launches
     alternating with padding-only ones (every route -1, as a warm-up or an idle data-parallel rank sends);
@@ -291,7 +305,7 @@ def determinism_probe(log):
 
         out = {"capacity": cap, "tokens": t, "swap_ab_env": swap, "plan": None, "patterns": {}}
         for pattern in ("same", "after-padding", "alternating-inputs"):
-            diffs, nans, first, changed, changed_rows = [], 0, [None, None], 0, 0
+            diffs, nans, seen = [], 0, Relaunches()
             for i in range(n):
                 j = (i % 2) if pattern == "alternating-inputs" else 0
                 if pattern == "after-padding":
@@ -300,17 +314,13 @@ def determinism_probe(log):
                 d, nn = score(y, j)
                 diffs.append(d)
                 nans += nn
-                if first[j] is None:
-                    first[j] = y
-                elif not torch.equal(y.view(torch.int16), first[j].view(torch.int16)):
-                    changed += 1
-                    changed_rows = max(changed_rows, int((y.view(torch.int16) != first[j].view(torch.int16)).any(1).sum()))
+                seen.add(j, y)
             torch.cuda.synchronize()
             ds = sorted(diffs)
             out["patterns"][pattern] = {"launches": n, "calc_diff_median": ds[len(ds) // 2], "calc_diff_max": ds[-1],
                                         "over_1e-5": sum(d > 1e-5 for d in diffs), "over_1e-6": sum(d > 1e-6 for d in diffs),
-                                        "nan_elements": nans, "launches_differing_from_first": changed,
-                                        "max_rows_differing": changed_rows}
+                                        "nan_elements": nans, "launches_differing_from_first": seen.changed,
+                                        "max_rows_differing": seen.max_rows}
             log(f"determinism cap {cap} T{t} swap-env {swap} {pattern:20s} {out['patterns'][pattern]}")
         out["plan"] = be.plan(t).describe()
         rows.append(out)
@@ -336,18 +346,13 @@ def race_probe(log, counts=(1, 2, 4, 7, 8, 16, 32, 64, 96, 128, 192, 256, 300, 5
         row = {"tokens": t, "tokens_per_expert": t * g.num_topk / g.num_experts, "launches": n,
                "block_m": p.block_m, **p.detail}
         for pattern in ("same", "alternating"):
-            first, changed, max_rows = [None, None], 0, 0
+            seen = Relaunches()
             for i in range(n):
                 j = i % 2 if pattern == "alternating" else 0
-                y = _launch(be, inps[j], t)
-                if first[j] is None:
-                    first[j] = y
-                elif not torch.equal(y.view(torch.int16), first[j].view(torch.int16)):
-                    changed += 1
-                    max_rows = max(max_rows, int((y.view(torch.int16) != first[j].view(torch.int16)).any(1).sum()))
+                seen.add(j, _launch(be, inps[j], t))
             torch.cuda.synchronize()
             key = "" if pattern == "same" else "alternating_"
-            row.update({f"{key}differing_from_first": changed, f"{key}max_rows_differing": max_rows})
+            row.update({f"{key}differing_from_first": seen.changed, f"{key}max_rows_differing": seen.max_rows})
         log(f"race T{t:5d} same {row['differing_from_first']:3d}/{n} rows<= {row['max_rows_differing']:3d} "
             f"alternating {row['alternating_differing_from_first']:3d}/{n} rows<= "
             f"{row['alternating_max_rows_differing']:3d}  {p.describe()} early_b={p.detail.get('early_b_decode')}")
