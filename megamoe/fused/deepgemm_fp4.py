@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import re
+import warnings
 
 import torch
 
@@ -172,8 +173,12 @@ class DeepGEMMFP4(FusedBackend):
 
     def _allocate(self) -> None:
         g = self.g
-        self.buf = _import().get_symm_buffer_for_sm90_mega_moe(self.group, g.num_experts, self.capacity,
-                                                               g.num_topk, g.hidden, g.intermediate)
+        dg = _import()  # provenance reads the module this process imported
+        warning = missing_patches_warning((self.provenance() or {}).get("build"))
+        if warning:  # it runs (to measure the pull request as it is), but never without saying so
+            warnings.warn(f"{self.name}: {warning}", RuntimeWarning, stacklevel=2)
+        self.buf = dg.get_symm_buffer_for_sm90_mega_moe(self.group, g.num_experts, self.capacity,
+                                                        g.num_topk, g.hidden, g.intermediate)
         self.y = torch.empty(self.buf.num_max_tokens_per_rank, g.hidden, dtype=torch.bfloat16, device=self.device)
 
     # ------------------------------------------------------------------ plans
