@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The H200 sweep and its studies in one script, under 8.5 minutes of wall time on one H200, JIT builds included.
+# The H200 sweep and its studies in one script, within a wall-time budget (TOTAL_S, default 500 s), JIT builds
+# included; studies that do not fit are skipped and listed, and can be run on their own (--studies NAME...).
 #
 #   pip install -e ".[fused,plot]"                     # flashinfer-python, sgl-deep-gemm (the FP8 backends)
 #   bash scripts/build_deepgemm.sh SRC /opt/dg-fp4     # DeepGEMM PR #323 for deepgemm-sm90-fp4 (optional)
@@ -7,14 +8,15 @@
 #
 # Two deep_gemm builds cannot live in one process (sgl-deep-gemm serves deepgemm-sm90-fp8 and the unfused peer;
 # deepgemm-sm90-fp4 needs the source build first on PYTHONPATH), so it runs two processes on the same card:
-#   process 1: flashinfer-mxfp4, deepgemm-sm90-fp8, deepgemm-staged-fp8 and the eager reference; the ceilings and
-#              every study (overhead, staging, block_m, ragged)                       ~320 s on an H200
+#   process 1: flashinfer-mxfp4, deepgemm-sm90-fp8, deepgemm-staged-fp8 and the eager reference (BACKENDS1; add
+#              megamoe-decode), the ceilings, then the studies (overhead, staging, block_m, ragged)
 #   process 2: deepgemm-sm90-fp4, and flashinfer-mxfp4 again as the anchor between the two processes; its rows
 #              join process 1's folder (megamoe bench --append), studies only for what process 1 did not study
-#                                                                                     ~170 s
-# (estimates from the last full sweeps' section times, not yet measured with this harness). Sweep cases and
-# studies not begun by a process's deadline are skipped and listed in results.md: process 1 stops starting
-# work at 300 s (P1_DEADLINE_S), process 2 25 s before the 500 s budget (TOTAL_S) runs out.
+# Measured on H200s (bench/results/*/NOTE.md): process 1 with the five backends, 14 counts, 2 passes: setup 46-83 s,
+# sweep ~206 s, so its studies start near the 300 s deadline and rarely all fit (block_m 28 s and ragged 33 s for
+# two backends, alone); process 2's sweep ~108 s. Sweep cases and studies not begun by a process's deadline are
+# skipped and listed in results.md: process 1 stops starting work at 300 s (P1_DEADLINE_S), process 2 25 s before
+# the budget runs out.
 # Without DEEPGEMM_FP4_PATH process 2 is skipped. Every section writes results.json / results.md as it ends, so
 # a timeout or a crash still leaves what finished.
 # Files: $OUT/<date>_<card>_<commit>/{results.json,results.md,sweep.png,block_m.png}, $OUT/log-1.txt, log-2.txt,
