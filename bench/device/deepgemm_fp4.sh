@@ -7,7 +7,7 @@
 #             with megamoe's patches (megamoe/fused/deepgemm_patches/) unless PATCHES=0
 #   stage     like build, without compiling _C.so (for restore)
 #   restore   unpack a saved $OUT-style dg-build.tgz (RESTORE=path) into $DEST: _C.so, and the kernel cache
-#             only if it was compiled by the same build version (patched or not)
+#             only if the same build filled it (version and patch digests: jit-cache/BUILD-VERSION)
 #   prebuild  compile the FP4 kernels the tests, the probe, the matrix and the sweep need, ~16 processes side
 #             by side (DeepGEMM compiles one kernel at a time in the launching thread)
 #   tests     the gpu-marked FP4 tests (layout byte-equal to transform_weights_for_mega_moe_sm90_fp4, the
