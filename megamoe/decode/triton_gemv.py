@@ -176,6 +176,32 @@ def _pass_row(start, m0, M: tl.constexpr, count):
 
 
 @triton.jit
+def _pass_rows(start, m0, count):
+    """The pool rows of the pass's (up to) four tokens (``_pass_row`` 0..3)."""
+    return (_pass_row(start, m0, 0, count), _pass_row(start, m0, 1, count), _pass_row(start, m0, 2, count),
+            _pass_row(start, m0, 3, count))
+
+
+@triton.jit
+def _work_item(j, touched_ptr, seg_start_ptr, seg_count_ptr, G: tl.constexpr, BN: tl.constexpr):
+    """Work item j -> (expert, its first pool row, its row count, gi [1, G] group index, widx [BN, G] the word
+    of each (row, group) inside one 4-word block of a tile)."""
+    e = tl.load(touched_ptr + j).to(tl.int64)
+    start = tl.load(seg_start_ptr + j)
+    count = tl.load(seg_count_ptr + j)
+    gi = tl.arange(0, G)[None, :]
+    widx = tl.arange(0, BN)[:, None] * G + gi
+    return e, start, count, gi, widx
+
+
+@triton.jit
+def _tile_words(base, widx, G: tl.constexpr, BN: tl.constexpr):
+    """The four consecutive [BN, G] word blocks of a tile at ``base`` (K words 0..3 of each group)."""
+    return (tl.load(base + widx), tl.load(base + G * BN + widx), tl.load(base + 2 * G * BN + widx),
+            tl.load(base + 3 * G * BN + widx))
+
+
+@triton.jit
 def _bf16_bits(v):
     """float32 -> bfloat16 bits (int16), round to nearest even (finite inputs)."""
     b = v.to(tl.int32, bitcast=True)
@@ -225,18 +251,10 @@ def l1_program(
         NK: tl.constexpr = H // (32 * G)
         PG: tl.constexpr = 4  # groups per 128-K promotion block
         TILE: tl.constexpr = 2 * 4 * G * BN
-        e = tl.load(touched_ptr + j).to(tl.int64)
-        start = tl.load(seg_start_ptr + j)
-        count = tl.load(seg_count_ptr + j)
-        gi = tl.arange(0, G)[None, :]
-        ri = tl.arange(0, BN)[:, None]
-        widx = ri * G + gi  # [BN, G] word of one (half, wig) block
+        e, start, count, gi, widx = _work_item(j, touched_ptr, seg_start_ptr, seg_count_ptr, G, BN)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
-            r0 = _pass_row(start, m0, 0, count)
-            r1 = _pass_row(start, m0, 1, count)
-            r2 = _pass_row(start, m0, 2, count)
-            r3 = _pass_row(start, m0, 3, count)
+            r0, r1, r2, r3 = _pass_rows(start, m0, count)
             t0 = tl.load(row_token_ptr + r0).to(tl.int64)
             t1 = tl.load(row_token_ptr + r1).to(tl.int64)
             t2 = tl.load(row_token_ptr + r2).to(tl.int64)
@@ -252,14 +270,8 @@ def l1_program(
             for i in range(NK):
                 base = w_ptr + ((e * NT + t) * NK + i) * TILE
                 sbase = s_ptr + ((e * NT + t) * NK + i) * (2 * G * BN)
-                gw0 = tl.load(base + widx)
-                gw1 = tl.load(base + G * BN + widx)
-                gw2 = tl.load(base + 2 * G * BN + widx)
-                gw3 = tl.load(base + 3 * G * BN + widx)
-                uw0 = tl.load(base + 4 * G * BN + widx)
-                uw1 = tl.load(base + 5 * G * BN + widx)
-                uw2 = tl.load(base + 6 * G * BN + widx)
-                uw3 = tl.load(base + 7 * G * BN + widx)
+                gw0, gw1, gw2, gw3 = _tile_words(base, widx, G, BN)  # gate half
+                uw0, uw1, uw2, uw3 = _tile_words(base + 4 * G * BN, widx, G, BN)  # up half
                 gs = tl.load(sbase + widx)
                 us = tl.load(sbase + G * BN + widx)
                 k0 = i * (32 * G) + gi * 32  # [1, G] first K of each group
@@ -308,29 +320,18 @@ def l2_program(
         NK: tl.constexpr = I // (32 * G)
         PG: tl.constexpr = L2_GROUP // 32
         TILE: tl.constexpr = 4 * G * BN
-        e = tl.load(touched_ptr + j).to(tl.int64)
-        start = tl.load(seg_start_ptr + j)
-        count = tl.load(seg_count_ptr + j)
-        gi = tl.arange(0, G)[None, :]
-        ri = tl.arange(0, BN)[:, None]
-        widx = ri * G + gi
+        e, start, count, gi, widx = _work_item(j, touched_ptr, seg_start_ptr, seg_count_ptr, G, BN)
         n = t * BN + tl.arange(0, BN)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
-            r0 = _pass_row(start, m0, 0, count)
-            r1 = _pass_row(start, m0, 1, count)
-            r2 = _pass_row(start, m0, 2, count)
-            r3 = _pass_row(start, m0, 3, count)
+            r0, r1, r2, r3 = _pass_rows(start, m0, count)
             a0 = tl.zeros([BN], tl.float32)
             a1 = tl.zeros([BN], tl.float32)
             a2 = tl.zeros([BN], tl.float32)
             a3 = tl.zeros([BN], tl.float32)
             for i in range(NK):
                 base = w_ptr + ((e * NT + t) * NK + i) * TILE
-                w0 = tl.load(base + widx)
-                w1 = tl.load(base + G * BN + widx)
-                w2 = tl.load(base + 2 * G * BN + widx)
-                w3 = tl.load(base + 3 * G * BN + widx)
+                w0, w1, w2, w3 = _tile_words(base, widx, G, BN)
                 sb = tl.load(s_ptr + ((e * NT + t) * NK + i) * (G * BN) + widx)
                 k0 = i * (32 * G) + gi * 32
                 sg = i * (G // PG)
