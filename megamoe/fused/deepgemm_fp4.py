@@ -143,8 +143,14 @@ class DeepGEMMFP4(FusedBackend):
             why += (" (the SM90 FP8 x FP4 Mega MoE is DeepGEMM PR #323: build it with scripts/build_deepgemm.sh "
                     "and put it first on PYTHONPATH)")
         if ok:  # runs, but say so when it is the pull request without the fences (a known race)
-            why = missing_patches_warning((cls.provenance() or {}).get("build"))
+            why = cls.patch_warning()
         return ok, why
+
+    @classmethod
+    def patch_warning(cls) -> str:
+        """``missing_patches_warning`` of the deep_gemm this process imported ('' for a patched build)."""
+        _import()
+        return missing_patches_warning((cls.provenance() or {}).get("build"))
 
     @classmethod
     def synthetic_weights(cls, weights):
@@ -173,12 +179,11 @@ class DeepGEMMFP4(FusedBackend):
 
     def _allocate(self) -> None:
         g = self.g
-        dg = _import()  # provenance reads the module this process imported
-        warning = missing_patches_warning((self.provenance() or {}).get("build"))
+        warning = self.patch_warning()
         if warning:  # it runs (to measure the pull request as it is), but never without saying so
             warnings.warn(f"{self.name}: {warning}", RuntimeWarning, stacklevel=2)
-        self.buf = dg.get_symm_buffer_for_sm90_mega_moe(self.group, g.num_experts, self.capacity,
-                                                        g.num_topk, g.hidden, g.intermediate)
+        self.buf = _import().get_symm_buffer_for_sm90_mega_moe(self.group, g.num_experts, self.capacity,
+                                                               g.num_topk, g.hidden, g.intermediate)
         self.y = torch.empty(self.buf.num_max_tokens_per_rank, g.hidden, dtype=torch.bfloat16, device=self.device)
 
     # ------------------------------------------------------------------ plans
