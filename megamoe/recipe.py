@@ -25,7 +25,7 @@ from .formats import WEIGHT_DECODERS, scale_byte_window
 
 WEIGHT_DECODES = tuple(WEIGHT_DECODERS)  # ("exact", "e4m3_flush_saturate", "e4m3_rn")
 L2_SCALES = ("pow2_ceil", "continuous")
-MMA_MODELS = ("exact-block", "sm90-fp8-tc")
+MMA_MODELS = ("exact-block", "sm90-fp8-tc", "sm90-fp8-tc-operands")  # megamoe.reference.tensorcore.MODELS
 ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
 SILU_EXPS = ("fp32", "fp64-rounded", "fast-math")
 

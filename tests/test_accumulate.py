@@ -3,6 +3,8 @@ DeepGEMM SM90 source (prescale / WGMMA / postscale), and the recipe plumbing."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,9 +17,21 @@ def _e4m3(shape, gen, scale=1.0):
     return (torch.randn(shape, generator=gen) * scale).to(torch.float8_e4m3fn).float()
 
 
+def _exp(v: float) -> int:
+    """e4m3 exponent, 1 <= |significand| < 2, subnormals and zero at -6 (written apart from the library's)."""
+    return max(math.frexp(v)[1] - 1, -6) if v else -6
+
+
 def _oracle(a, a_sf, b, b_sf, pk, mode, model_name):
     """One output element at a time, straight from the kernel's loop structure."""
     model = MODELS[model_name]
+
+    def step(acc, i, j, c0):
+        ks = range(c0, c0 + model.chunk)
+        e_ops = torch.tensor([[_exp(float(a[i, k])) + _exp(float(b[j, k])) for k in ks]]) if model.align == "operands" else None
+        p = (a[i, c0 : c0 + model.chunk] * b[j, c0 : c0 + model.chunk]).double().view(1, -1)
+        return tc_step(acc.view(1), p, model, e_ops)[0]
+
     m, k = a.shape
     n = b.shape[0]
     ga = k // a_sf.shape[1]
@@ -36,11 +50,11 @@ def _oracle(a, a_sf, b, b_sf, pk, mode, model_name):
                 if mode == "promote":
                     blk = torch.tensor(0.0, dtype=torch.float64)
                     for c0 in range(kb * pk, (kb + 1) * pk, model.chunk):
-                        blk = tc_step(blk.view(1), (a[i, c0 : c0 + model.chunk] * b[j, c0 : c0 + model.chunk]).double().view(1, -1), model)[0]
+                        blk = step(blk, i, j, c0)
                     acc = (s.double() * blk + acc).float().double()
                 else:
                     for c0 in range(kb * pk, (kb + 1) * pk, model.chunk):
-                        acc = tc_step(acc.view(1), (a[i, c0 : c0 + model.chunk] * b[j, c0 : c0 + model.chunk]).double().view(1, -1), model)[0]
+                        acc = step(acc, i, j, c0)
                     if mode == "rescale":
                         acc = (acc * s.double()).float().double()
                 prev = s
@@ -51,7 +65,7 @@ def _oracle(a, a_sf, b, b_sf, pk, mode, model_name):
 
 
 @pytest.mark.parametrize("mode", ["promote", "rescale", "rescale-ratio"])
-@pytest.mark.parametrize("model", ["exact-block", "sm90-fp8-tc"])
+@pytest.mark.parametrize("model", ["exact-block", "sm90-fp8-tc", "sm90-fp8-tc-operands"])
 @pytest.mark.parametrize("pk", [128, 64])
 def test_modes_match_scalar_oracle(mode, model, pk):
     gen = torch.Generator().manual_seed(hash((mode, model, pk)) % 2**31)
@@ -121,3 +135,28 @@ def test_batch_budget():
     from megamoe.reference.pipeline import _batch_budget
 
     assert _batch_budget("cpu") == 256 << 20
+
+
+def test_operand_alignment_keeps_the_bit_a_product_alignment_drops():
+    """Hand-worked: 1.5 * 1.5 = 2.25 (operand exponents 0 + 0, product exponent 1) plus two products of
+    2**-13. Aligned to the product's exponent the unit is 2**(1 - 13): both small terms drop, the result is
+    2.25. Aligned to ea + eb = 0 the unit is 2**-13: both stay, sum 2.25 + 2**-12, which the 13-bit output
+    (unit 2**-12 at exponent 1) keeps."""
+    from megamoe.reference.tensorcore import SM90_FP8_TC, SM90_FP8_TC_OPERANDS, tc_dot
+
+    a = torch.zeros(1, 32)
+    b = torch.zeros(1, 32)
+    a[0, :3] = torch.tensor([1.5, 2.0**-6, 2.0**-6])
+    b[0, :3] = torch.tensor([1.5, 2.0**-7, 2.0**-7])
+    assert float(tc_dot(a, b, SM90_FP8_TC)[0, 0]) == 2.25
+    assert float(tc_dot(a, b, SM90_FP8_TC_OPERANDS)[0, 0]) == 2.25 + 2.0**-12
+    # 1.0 * 2.0 has significands multiplying to 1: both alignments agree (2 + 2**-12 needs unit 2**-12).
+    a[0, 0], b[0, 0] = 1.0, 2.0
+    assert float(tc_dot(a, b, SM90_FP8_TC)[0, 0]) == float(tc_dot(a, b, SM90_FP8_TC_OPERANDS)[0, 0]) == 2.0
+
+
+def test_operand_exponents_of_e4m3_subnormals_are_minus_6():
+    from megamoe.reference.tensorcore import operand_exponents
+
+    x = torch.tensor([448.0, 1.0, 1.875, 2.0**-6, 2.0**-7, 2.0**-9, 0.0, -3.0])
+    assert operand_exponents(x).tolist() == [8, 0, 0, -6, -6, -6, -6, 1]

@@ -15,7 +15,8 @@
 #   probe     bench/device/deepgemm_fp4_probe.py (decode table, the checkpoint case, recipe variants, lossy
 #             scales, plans)
 #   matrix    the full differential matrix of deepgemm-sm90-fp4 (megamoe.check.matrix); MATRIX_ONLY=substring
-#             of the case ids to run, MATRIX_REPEATS relaunches per case (8)
+#             of the case ids to run, MATRIX_REPEATS relaunches per case (8), MATRIX_MMA the reference's
+#             tensor-core model (sm90-fp8-tc; the file names carry it when it is another)
 #   pack      $DEST's _C.so and kernel cache into $OUT/dg-build.tgz
 # Everything is logged to $OUT/log.txt; at most 7 files land in $OUT. PATCHES=0 builds the pull request unpatched.
 set -u
@@ -110,14 +111,16 @@ t = time.time()
 from megamoe.check.matrix import default_cases
 only = __import__("os").environ.get("MATRIX_ONLY", "")  # a substring of the case ids to keep ("" = all)
 cases = [c for c in default_cases("deepgemm-sm90-fp4", (), True) if only in c.id]
-rows = run_matrix("deepgemm-sm90-fp4", cases, f"{out}/matrix-fp4.json", mma="sm90-fp8-tc", ref_max_tokens=512,
+mma = __import__("os").environ.get("MATRIX_MMA", "sm90-fp8-tc")
+name = "matrix-fp4" + ("" if mma == "sm90-fp8-tc" else f"-{mma}")
+rows = run_matrix("deepgemm-sm90-fp4", cases, f"{out}/{name}.json", mma=mma, ref_max_tokens=512,
                   repeats=int(__import__("os").environ.get("MATRIX_REPEATS", "8")),
                   deadline_s=float(__import__("os").environ.get("MATRIX_DEADLINE", "300")))
 meta = {"modules": imported_kernel_modules(), "wall_s": round(time.time() - t, 1)}
-json.dump({"meta": meta, "rows": rows}, open(f"{out}/matrix-fp4.json", "w"), indent=1, default=str)
-open(f"{out}/matrix-fp4.md", "w").write(format_table(rows) + "\n")
+json.dump({"meta": meta, "rows": rows}, open(f"{out}/{name}.json", "w"), indent=1, default=str)
+open(f"{out}/{name}.md", "w").write(format_table(rows) + "\n")
 bad = [r["case"] for r in rows if r.get("status") not in ("pass", "detected")]
-print("MATRIX", len(rows), "cases;", "not passing:", bad)
+print("MATRIX", mma, len(rows), "cases;", "not passing:", bad)
 EOF
   say "matrix exit $?; $(grep MATRIX "$LOG" | tail -1)"
 }

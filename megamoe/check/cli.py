@@ -13,7 +13,7 @@ import json
 import os
 
 from ..args import add_common, positive_int, refuse, resolve_common, unavailable
-from ..recipe import RECIPES
+from ..recipe import MMA_MODELS, RECIPES
 
 DESCRIPTION = """\
 Run every stage of every kernel recipe against the exact reference on this
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-m", type=positive_int, default=8, metavar="BM", help="pool padding BLOCK_M (default 8)")
     p.add_argument("--dist", action="store_true", help="real gloo ranks, not simulated (default off)")
     p.add_argument("--mma", default="sm90-fp8-tc", metavar="MODEL",
-                   help="matrix: exact-block or sm90-fp8-tc (default sm90-fp8-tc)")
+                   help=f"matrix: the reference's tensor-core model, one of {', '.join(MMA_MODELS)} (default sm90-fp8-tc)")
     p.add_argument("--quick", action="store_true", help="matrix: the shorter case list (default off)")
     p.add_argument("--deadline-s", type=float, default=None, metavar="S",
                    help="matrix: skip cases not begun after S s (default none)")
@@ -46,8 +46,8 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[st
     for r in a.recipes or []:
         if r not in KERNEL_RECIPES:
             refuse(p, "--recipes", r, f"names from {', '.join(KERNEL_RECIPES)}", KERNEL_RECIPES)
-    if a.mma not in ("exact-block", "sm90-fp8-tc"):
-        refuse(p, "--mma", a.mma, "exact-block or sm90-fp8-tc", ("exact-block", "sm90-fp8-tc"))
+    if a.mma not in MMA_MODELS:
+        refuse(p, "--mma", a.mma, " or ".join(MMA_MODELS), MMA_MODELS)
     if a.deadline_s is not None and not a.deadline_s >= 0:
         refuse(p, "--deadline-s", a.deadline_s, "seconds >= 0")
     if not a.backends:

@@ -5,12 +5,18 @@ values is exact (at most 8 significant bits). The hardware then adds ``chunk`` p
 running accumulator c in one fused step:
 
     terms  = [c, p_1, ..., p_chunk]                       # c: FP32 accumulator, p: exact products
-    e_max  = largest exponent among the nonzero terms     # frexp convention, |m| in [0.5, 1)
-    unit   = 2 ** (e_max - 1 - frac_bits)                 # every term aligned to the largest one
+    e_max  = largest exponent among the nonzero terms     # IEEE convention, 1 <= |significand| < 2
+    unit   = 2 ** (e_max - frac_bits)                     # every term aligned to the largest one
     t_i    = round_term(terms_i / unit) * unit            # bits below ``unit`` are dropped (rz / floor)
     c'     = round_out(sum t_i, out_bits)                 # exact sum, then the result's own rounding
 
-and chains such steps over the instruction's K (32 for FP8) and over successive instructions that
+What "exponent" means for a product is the ``align`` parameter. "product": the product's own exponent.
+"operands": the sum of its operands' exponents, ea + eb (e4m3 subnormals count as 2**-6), the way a
+multiplier that keeps the significand product in [1, 4) would align it: the unit is then half as large
+whenever the largest product's significands multiply to 2 or more. The second is the model of Microsoft's
+MMA-Sim for Hopper's FP8 ``wgmma`` (13 fraction bits, truncation, output truncated to 13 bits).
+
+It chains such steps over the instruction's K (32 for FP8) and over successive instructions that
 accumulate into the same registers (the four k32 steps of one 128-wide block). ``TensorCoreModel``
 names the parameters; ``SM90_FP8_TC`` is the one fitted on the H200 (``bench/device/fused_probe.py``
 collects the test vectors, ``fit_tensorcore_model`` searches the grid, docs/kernel-numerics.md
@@ -37,6 +43,7 @@ class TensorCoreModel:
     term_round: str = "rz"  # "rz": toward zero; "floor": toward -inf (two's-complement truncation)
     out_bits: int = 23  # mantissa bits the accumulator keeps after each step
     out_round: str = "rn"  # "rn" or "rz"
+    align: str = "product"  # which exponent of a product sets e_max: "product" or "operands" (ea + eb)
 
     def __post_init__(self) -> None:
         if self.chunk <= 0 or 32 % self.chunk:
@@ -45,6 +52,8 @@ class TensorCoreModel:
             raise ValueError(f"term_round must be 'rz' or 'floor', got {self.term_round!r}")
         if self.out_round not in ("rn", "rz"):
             raise ValueError(f"out_round must be 'rn' or 'rz', got {self.out_round!r}")
+        if self.align not in ("product", "operands"):
+            raise ValueError(f"align must be 'product' or 'operands', got {self.align!r}")
         if not 1 <= self.out_bits <= 23:
             raise ValueError(f"out_bits must be in [1, 23], got {self.out_bits}")
 
@@ -59,10 +68,15 @@ EXACT_BLOCK = TensorCoreModel("exact-block")
 # outputs bit for bit (the exact FP32 sum: 51%). Not yet bit-exact: some products below the alignment
 # unit round toward -inf rather than toward zero.
 SM90_FP8_TC = TensorCoreModel("sm90-fp8-tc", chunk=32, frac_bits=13, term_round="rz", out_bits=13, out_round="rz")
+# The same with the alignment of Microsoft's MMA-Sim for Hopper FP8 wgmma: e_max from the operands'
+# exponents (ea + eb), so a largest product with significands multiplying to >= 2 keeps one more bit.
+SM90_FP8_TC_OPERANDS = TensorCoreModel(
+    "sm90-fp8-tc-operands", chunk=32, frac_bits=13, term_round="rz", out_bits=13, out_round="rz", align="operands"
+)
 
 
-# Recipe.mma name -> model. Experiments may rebind an entry (see bench/device/fused_probe.py).
-MODELS: dict[str, TensorCoreModel] = {"exact-block": EXACT_BLOCK, "sm90-fp8-tc": SM90_FP8_TC}
+# Recipe.mma name -> model (recipe.MMA_MODELS lists the same names). Experiments may rebind an entry.
+MODELS: dict[str, TensorCoreModel] = {m.name: m for m in (EXACT_BLOCK, SM90_FP8_TC, SM90_FP8_TC_OPERANDS)}
 
 
 def _round_mantissa(s: torch.Tensor, bits: int, mode: str) -> torch.Tensor:
@@ -75,14 +89,29 @@ def _round_mantissa(s: torch.Tensor, bits: int, mode: str) -> torch.Tensor:
     return torch.ldexp(scaled, e - (bits + 1))
 
 
-def tc_step(c: torch.Tensor, p: torch.Tensor, model: TensorCoreModel) -> torch.Tensor:
-    """One fused step: c float64 [...] (FP32 values), p float64 [..., chunk] exact products -> c' float64."""
+def operand_exponents(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 values (any float dtype) -> int32 exponent, 1 <= |significand| < 2; subnormals and zero: -6."""
+    _, e = torch.frexp(x.float())
+    e = torch.where(x != 0, e - 1, torch.full_like(e, -6))  # frexp(0) has exponent 0
+    return e.clamp(min=-6).to(torch.int32)
+
+
+def tc_step(c: torch.Tensor, p: torch.Tensor, model: TensorCoreModel, e_ops: torch.Tensor | None = None) -> torch.Tensor:
+    """One fused step: c float64 [...] (FP32 values), p float64 [..., chunk] exact products -> c' float64.
+
+    e_ops int [..., chunk]: ea + eb of each product (``operand_exponents``), needed when the model aligns
+    by operands; zero products never set e_max."""
     terms = torch.cat([c.unsqueeze(-1), p], dim=-1)
     if model.frac_bits < 52:
         _, e = torch.frexp(terms)
+        e = e - 1  # IEEE convention: 1 <= |significand| < 2
+        if model.align == "operands":
+            if e_ops is None:
+                raise ValueError(f"model {model.name} aligns by operand exponents: pass e_ops")
+            e = torch.cat([e[..., :1], e_ops.to(e.dtype)], dim=-1)
         e = torch.where(terms != 0, e, torch.full_like(e, -10_000))
         e_max = e.amax(dim=-1, keepdim=True).clamp(min=-1000)
-        shift = (model.frac_bits + 1) - e_max  # terms * 2**shift puts the unit at 1
+        shift = model.frac_bits - e_max  # terms * 2**shift puts the unit at 1
         q = torch.ldexp(terms, shift.expand_as(terms))
         q = torch.trunc(q) if model.term_round == "rz" else torch.floor(q)
         s = torch.ldexp(q.sum(dim=-1), -shift.squeeze(-1))
@@ -107,9 +136,14 @@ def tc_dot(a: torch.Tensor, b: torch.Tensor, model: TensorCoreModel, c: torch.Te
         return (a.double() @ b.double().transpose(-1, -2)).float()
     acc = torch.zeros(*lead, m, n, dtype=torch.float64, device=a.device) if c is None else c.double()
     ad, bd = a.double(), b.double()
+    by_operands = model.align == "operands" and model.frac_bits < 52
+    if by_operands:  # int16: ea + eb of e4m3 values lies in [-12, 16]
+        ea, eb = operand_exponents(a).to(torch.int16), operand_exponents(b).to(torch.int16)
     for k0 in range(0, k, model.chunk):
-        p = ad[..., :, None, k0 : k0 + model.chunk] * bd[..., None, :, k0 : k0 + model.chunk]  # [..., M, N, chunk]
-        acc = tc_step(acc, p, model)
+        ks = slice(k0, k0 + model.chunk)
+        p = ad[..., :, None, ks] * bd[..., None, :, ks]  # [..., M, N, chunk]
+        e_ops = ea[..., :, None, ks] + eb[..., None, :, ks] if by_operands else None
+        acc = tc_step(acc, p, model, e_ops)
     return acc.float()
 
 
@@ -117,10 +151,10 @@ def tc_dot(a: torch.Tensor, b: torch.Tensor, model: TensorCoreModel, c: torch.Te
 def model_grid() -> list[TensorCoreModel]:
     """The candidate models the H200 probe is fitted against."""
     out = [EXACT_BLOCK]
-    for chunk, frac, tr, ob, orr in product(
-        (4, 8, 16, 32), range(10, 27), ("rz", "floor"), (13, 23), ("rz", "rn")
+    for chunk, frac, tr, ob, orr, al in product(
+        (4, 8, 16, 32), range(10, 27), ("rz", "floor"), (13, 23), ("rz", "rn"), ("product", "operands")
     ):
-        out.append(TensorCoreModel(f"c{chunk}-f{frac}-{tr}-o{ob}{orr}", chunk, frac, tr, ob, orr))
+        out.append(TensorCoreModel(f"c{chunk}-f{frac}-{tr}-o{ob}{orr}-{al}", chunk, frac, tr, ob, orr, al))
     return out
 
 
