@@ -16,7 +16,7 @@
 #             scales, plans)
 #   matrix    the full differential matrix of deepgemm-sm90-fp4 (megamoe.check.matrix); MATRIX_ONLY=substring
 #             of the case ids to run, MATRIX_REPEATS relaunches per case (8), MATRIX_MMA the reference's
-#             tensor-core model (sm90-fp8-tc; the file names carry it when it is another)
+#             tensor-core model (sm90-fp8-tc-operands; the file names carry it when it is another)
 #   pack      $DEST's _C.so and kernel cache into $OUT/dg-build.tgz
 # Everything is logged to $OUT/log.txt; at most 7 files land in $OUT. PATCHES=0 builds the pull request unpatched.
 set -u
@@ -111,8 +111,8 @@ t = time.time()
 from megamoe.check.matrix import default_cases
 only = __import__("os").environ.get("MATRIX_ONLY", "")  # a substring of the case ids to keep ("" = all)
 cases = [c for c in default_cases("deepgemm-sm90-fp4", (), True) if only in c.id]
-mma = __import__("os").environ.get("MATRIX_MMA", "sm90-fp8-tc")
-name = "matrix-fp4" + ("" if mma == "sm90-fp8-tc" else f"-{mma}")
+mma = __import__("os").environ.get("MATRIX_MMA", "sm90-fp8-tc-operands")
+name = "matrix-fp4" + ("" if mma == "sm90-fp8-tc-operands" else f"-{mma}")
 rows = run_matrix("deepgemm-sm90-fp4", cases, f"{out}/{name}.json", mma=mma, ref_max_tokens=512,
                   repeats=int(__import__("os").environ.get("MATRIX_REPEATS", "8")),
                   deadline_s=float(__import__("os").environ.get("MATRIX_DEADLINE", "300")))

@@ -34,7 +34,7 @@ from megamoe.testing import calc_diff
 from megamoe.inputs import MoEInputs, make_inputs  # noqa: E402
 
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-MMA = "sm90-fp8-tc"
+MMA = "sm90-fp8-tc-operands"
 
 
 def raw_backend(g, weights, capacity):

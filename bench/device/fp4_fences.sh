@@ -60,10 +60,9 @@ out, variants = sys.argv[1], sys.argv[2:]
 merged = {}
 for v in variants:
     merged[v] = {}
-    for name in ("fp4_probe.json", "matrix-fp4.json"):
-        path = os.path.join(out, v, name)
-        if os.path.exists(path):
-            merged[v][name] = json.load(open(path))
+    for name in sorted(os.listdir(os.path.join(out, v)) if os.path.isdir(os.path.join(out, v)) else []):
+        if name == "fp4_probe.json" or name.startswith("matrix-fp4") and name.endswith(".json"):
+            merged[v][name] = json.load(open(os.path.join(out, v, name)))
 json.dump(merged, open(os.path.join(out, "race.json"), "w"), indent=1, default=str)
 with open(os.path.join(out, "fences-log.txt"), "a") as log:
     for v in variants:

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the folder the results go to}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=200
-MMA=${MMA:-sm90-fp8-tc}
+MMA=${MMA:-sm90-fp8-tc-operands}
 REF_MAX=${REF_MAX:-512}
 for spec in ${BACKENDS:-flashinfer-mxfp4:250 deepgemm-sm90-fp8:250}; do
   name=${spec%%:*}; dl=${spec##*:}

@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel recipes compared with exact (default all)")
     p.add_argument("--block-m", type=positive_int, default=8, metavar="BM", help="pool padding BLOCK_M (default 8)")
     p.add_argument("--dist", action="store_true", help="real gloo ranks, not simulated (default off)")
-    p.add_argument("--mma", default="sm90-fp8-tc", metavar="MODEL",
-                   help=f"matrix: the reference's tensor-core model, one of {', '.join(MMA_MODELS)} (default sm90-fp8-tc)")
+    p.add_argument("--mma", default="sm90-fp8-tc-operands", metavar="MODEL",
+                   help=f"matrix: the reference's tensor-core model, one of {', '.join(MMA_MODELS)} "
+                        "(default sm90-fp8-tc-operands, bit-exact on the H200's test vectors)")
     p.add_argument("--quick", action="store_true", help="matrix: the shorter case list (default off)")
     p.add_argument("--deadline-s", type=float, default=None, metavar="S",
                    help="matrix: skip cases not begun after S s (default none)")

@@ -127,9 +127,7 @@ def _weights(preset: str, kind: str, device, cls=None):
 
     g = get_geometry(preset)
     w = random_mxfp4_weights(g, seed=0, device=device) if preset != "small" else random_mxfp4_weights(g, seed=0).to(device)
-    if cls is not None and kind != "lossy" and cls.weight_format == "mxfp4":
-        w = cls.synthetic_weights(w)
-    if kind == "checkpoint":
+    if kind == "checkpoint":  # written as a model's files hold them (no global scales), then loaded back
         import tempfile
 
         from ..layouts.checkpoint import load_layer, write_checkpoint
@@ -137,6 +135,8 @@ def _weights(preset: str, kind: str, device, cls=None):
         d = tempfile.mkdtemp(prefix="megamoe-ckpt-")
         write_checkpoint(d, 3, w.to("cpu"), num_files=2)
         w = load_layer(d, 3, device=device)
+    if cls is not None and kind != "lossy" and cls.weight_format == "mxfp4":
+        w = cls.synthetic_weights(w)
     return g, w
 
 
@@ -216,8 +216,8 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
                ref_max_tokens: int | None = None, log=print) -> list[dict]:
     """Run every case on one backend; returns one row per case and writes {"rows": [...]} to out_json.
 
-    ``mma`` picks the reference's block-sum model (None: the recipe's own, "sm90-fp8-tc": the tensor
-    cores emulated). The reference recipe of a case is the backend's ``recipe_for(launch tokens)``
+    ``mma`` picks the reference's block-sum model (None: the recipe's own; "sm90-fp8-tc-operands": the
+    tensor cores emulated, ``megamoe.reference.tensorcore``). The reference recipe of a case is the backend's ``recipe_for(launch tokens)``
     (DeepGEMM's accumulation mode depends on the configuration its heuristic picked).
     ``repeats``: the step is staged and launched that many more times and must give the same bits (a kernel
     that is right once but differs on a relaunch is reported ``nondeterministic``, a failure).
@@ -338,7 +338,8 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
                 restore()
             be.force_block_m = None
         rows.append(row)
-        log(f"[matrix] {c.id:45s} {row.get('status'):12s} diff {row.get('calc_diff', float('nan')):.2e} "
+        relaunched = f" relaunches differing {row['repeats_differing']}/{row['repeats']}" if row.get("repeats") else ""
+        log(f"[matrix] {c.id:45s} {row.get('status'):12s} diff {row.get('calc_diff', float('nan')):.2e}{relaunched} "
             f"codes {row.get('code_match', float('nan')):.4f} sf {row.get('sf_match', float('nan')):.3f} "
             f"{row.get('launch_us', float('nan')):8.1f} us  {row.get('plan', '')}")
         _write(out_json, rows)
