@@ -362,9 +362,12 @@ def _fp8(w):
 
 
 def _write(path, rows) -> None:
+    """{"meta": {"modules": the kernel packages this process imported, with versions}, "rows": rows}."""
+    from ..provenance import imported_kernel_modules
+
     if path:
         with open(path, "w") as f:
-            json.dump({"rows": rows}, f, indent=1, default=str)
+            json.dump({"meta": {"modules": imported_kernel_modules()}, "rows": rows}, f, indent=1, default=str)
 
 
 def format_table(rows: list[dict]) -> str:
