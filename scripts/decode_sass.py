@@ -1,7 +1,7 @@
 """Compile the decode kernels for sm_90 on any machine (no GPU: Triton's bundled ptxas) and report registers,
 spills and the instruction mix of the L1 K-loop, the numbers docs/decode-kernel.md quotes.
 
-    python3 scripts/decode_sass.py [--block-m 1] [--warps 4]
+    python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def main() -> int:
     ap.add_argument("--block-m", type=int, default=1)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--bn2", type=int, default=32, help="L2 rows per program")
+    ap.add_argument("--prefetch", action="store_true", help="the next K-iteration's tile loaded first")
     args = ap.parse_args()
-    geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True)
+    geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),
         ("l2_kernel", l2_kernel, L2_SIG, dict(BN=args.bn2, L2_GROUP=32, **geo), 1),

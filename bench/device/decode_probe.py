@@ -11,8 +11,8 @@
     from kineto (torch.profiler) over 30 replays; bytes each launch moves and its GB/s.
 (c) the size-aware ceiling: a plain Triton kernel that reads exactly the bytes of the touched experts
     (contiguous, int32 x 4 per thread), timed the same way.
-(d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s:
-    fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2
+(d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s
+    (--variants NAME... picks some): prefetch (each K-iteration loads the next one's tile first), fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2
     rows per program instead of 64), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s /
     time per launch say why.
 FlashInfer is not run here (its JIT build takes minutes): its times from issue 25 are printed beside.
@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--var-s", type=float, default=0.3, help="seconds of replays per variant and plain read")
     ap.add_argument("--deadline", type=float, default=165.0, help="skip what is left past this many seconds")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--variants", nargs="*", default=None, metavar="NAME",
+                    help="variants to time (default all: prefetch fused warps8 l2-bn32 bm-alt)")
     ap.add_argument("--geometry", default="dsv4-flash", help="a preset; 'tiny' with --device cpu is a dry run")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -172,8 +174,9 @@ def main() -> int:
     variants = {}
     try:
         dw32 = case_decode_weights(args.geometry, str(dev), 32)
-        variants = {"fused": (dw, dict(fused=True)), "warps8": (dw, dict(l1_warps=8, l2_warps=8)),
-                    "l2-bn32": (dw32, {}), "bm-alt": (dw, "alt")}
+        variants = {"prefetch": (dw, dict(prefetch=True)), "fused": (dw, dict(fused=True)),
+                    "warps8": (dw, dict(l1_warps=8, l2_warps=8)), "l2-bn32": (dw32, {}), "bm-alt": (dw, "alt")}
+        variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     except Exception:  # noqa: BLE001
         res["errors"].append(traceback.format_exc())
     print(f"[decode] weights ready at {elapsed():.0f} s", flush=True)

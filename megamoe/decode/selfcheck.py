@@ -37,6 +37,8 @@ class DecodeCase:
     bn2: int = 64
     broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
     fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
+    prefetch: bool = False  # L1 / L2 load the next K-iteration's tile first (LaunchConfig.prefetch)
+    groups: tuple[int, int] | None = None  # 32-K groups per K-iteration of L1, L2 (None: default_tiles)
     seed: int = 0
 
     @property
@@ -44,6 +46,8 @@ class DecodeCase:
         parts = [self.geometry, f"T{self.tokens}", f"bm{self.block_m}", f"bn2-{self.bn2}"]
         parts += [self.routing] if self.routing != "uniform" else []
         parts += ["fused"] if self.fused else []
+        parts += ["prefetch"] if self.prefetch else []
+        parts += [f"g{self.groups[0]}x{self.groups[1]}"] if self.groups else []
         parts += [f"BROKEN-{self.broken}"] if self.broken else []
         return "-".join(parts)
 
@@ -57,14 +61,17 @@ class DecodeCase:
 GEOMETRIES = {"wide": Geometry("decode-wide", num_experts=4, num_topk=2, hidden=512, intermediate=512)}
 
 # Small enough for the interpreter: every BLOCK_M, a chunk loop longer than one pass (skewed: one expert
-# gets most tokens), masked slots, a token with every slot masked, several L2 tile widths, and two broken
-# variants that the reference comparison must catch.
+# gets most tokens), masked slots, a token with every slot masked, several L2 tile widths, four K-iterations
+# per program (with and without the prefetch), and two broken variants that the reference comparison must
+# catch.
 CPU_CASES = (
     DecodeCase("tiny", 1, 1, bn2=256, seed=1),
     DecodeCase("tiny", 4, 2, "masked", bn2=128, seed=2),
     DecodeCase("tiny", 6, 4, "skewed", bn2=256, seed=3),
     DecodeCase("wide", 2, 2, "allmasked", bn2=512, seed=4),
     DecodeCase("tiny", 5, 2, "masked", bn2=64, fused=True, seed=7),
+    DecodeCase("wide", 3, 2, "masked", bn2=128, groups=(4, 4), seed=8),
+    DecodeCase("wide", 3, 4, "masked", bn2=128, groups=(4, 4), prefetch=True, seed=9),
     DecodeCase("tiny", 3, 1, broken="gate-up-swapped", bn2=256, seed=5),
     DecodeCase("tiny", 3, 1, broken="l2-scale-off-by-one", bn2=256, seed=6),
 )
@@ -81,10 +88,14 @@ def case_weights(name: str, device: str):
 
 
 @functools.lru_cache(maxsize=4)
-def case_decode_weights(name: str, device: str, bn2: int = 64):
-    """``case_weights`` prepared for the kernel with an L2 tile of bn2 rows (cached)."""
+def case_decode_weights(name: str, device: str, bn2: int = 64, groups: tuple[int, int] | None = None):
+    """``case_weights`` prepared for the kernel with an L2 tile of bn2 rows and, if given, (L1, L2) groups per
+    K-iteration (fewer groups: more K-iterations per program on a small geometry) (cached)."""
     g = geometry_of(name)
-    return prepare_decode_weights(case_weights(name, device), *default_tiles(g.hidden, g.intermediate, bn2=bn2))
+    t1, t2 = default_tiles(g.hidden, g.intermediate, bn2=bn2)
+    if groups:
+        t1, t2 = TileShape(t1.bn, groups[0]), TileShape(t2.bn, groups[1])
+    return prepare_decode_weights(case_weights(name, device), t1, t2)
 
 _STAGE_FIELDS = {
     "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32",
@@ -117,7 +128,7 @@ def make_case(case: DecodeCase, device):
 
     g = geometry_of(case.geometry)
     w = case_weights(case.geometry, str(device))
-    dw = case_decode_weights(case.geometry, str(device), case.bn2)
+    dw = case_decode_weights(case.geometry, str(device), case.bn2, case.groups)
     if case.broken == "gate-up-swapped":
         dw = dataclasses.replace(dw, l1_words=dw.l1_words.flip(3).contiguous(), l1_scales=dw.l1_scales.flip(3).contiguous())
     elif case.broken == "l2-scale-off-by-one":
@@ -139,7 +150,7 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     g, w, dw, inp, buf = make_case(case, device)
     t = case.tokens
     row = {"case": case.id, **dataclasses.asdict(case)}
-    cfg = LaunchConfig(block_m=case.block_m, store_l1=True)
+    cfg = LaunchConfig(block_m=case.block_m, store_l1=True, prefetch=case.prefetch)
     if case.broken:  # the whole path once, against the reference: it must differ
         y = moe_decode(dw, buf, t, g.clamp, cfg)
         row["calc_diff"] = calc_diff(y, moe_forward(inp, w, MEGAMOE_DECODE, g))

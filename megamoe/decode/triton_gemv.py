@@ -202,6 +202,23 @@ def _tile_words(base, widx, G: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _l1_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
+    """K-iteration i of L1 tile (e, t): the gate and up words (4 blocks each) and their scale bytes."""
+    base = w_ptr + ((e * NT + t) * NK + i) * (2 * 4 * G * BN)
+    sbase = s_ptr + ((e * NT + t) * NK + i) * (2 * G * BN)
+    gw0, gw1, gw2, gw3 = _tile_words(base, widx, G, BN)
+    uw0, uw1, uw2, uw3 = _tile_words(base + 4 * G * BN, widx, G, BN)
+    return gw0, gw1, gw2, gw3, uw0, uw1, uw2, uw3, tl.load(sbase + widx), tl.load(sbase + G * BN + widx)
+
+
+@triton.jit
+def _l2_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
+    """K-iteration i of L2 tile (e, t): 4 word blocks and their scale bytes."""
+    w0, w1, w2, w3 = _tile_words(w_ptr + ((e * NT + t) * NK + i) * (4 * G * BN), widx, G, BN)
+    return w0, w1, w2, w3, tl.load(s_ptr + ((e * NT + t) * NK + i) * (G * BN) + widx)
+
+
+@triton.jit
 def _bf16_bits(v):
     """float32 -> bfloat16 bits (int16), round to nearest even (finite inputs)."""
     b = v.to(tl.int32, bitcast=True)
@@ -243,14 +260,14 @@ def l1_program(
     l1_ptr, q_ptr, x2_ptr, sf2_ptr,  # fp32 [S, 2I], uint8 [S, I], fp32 [S, I], fp32 [S, I/BN]
     clamp,
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-    BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
-    """One L1 program: gate and up rows [t BN, (t+1) BN) of work item j's expert, all its rows."""
+    """One L1 program: gate and up rows [t BN, (t+1) BN) of work item j's expert, all its rows.
+    PREFETCH: load K-iteration i + 1's tile before the arithmetic of iteration i (registers; same bits)."""
     if j < tl.load(num_touched_ptr):
         NT: tl.constexpr = I // BN
         NK: tl.constexpr = H // (32 * G)
         PG: tl.constexpr = 4  # groups per 128-K promotion block
-        TILE: tl.constexpr = 2 * 4 * G * BN
         e, start, count, gi, widx = _work_item(j, touched_ptr, seg_start_ptr, seg_count_ptr, G, BN)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
@@ -267,13 +284,15 @@ def l1_program(
             u1 = tl.zeros([BN], tl.float32)
             u2 = tl.zeros([BN], tl.float32)
             u3 = tl.zeros([BN], tl.float32)
+            nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _l1_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
             for i in range(NK):
-                base = w_ptr + ((e * NT + t) * NK + i) * TILE
-                sbase = s_ptr + ((e * NT + t) * NK + i) * (2 * G * BN)
-                gw0, gw1, gw2, gw3 = _tile_words(base, widx, G, BN)  # gate half
-                uw0, uw1, uw2, uw3 = _tile_words(base + 4 * G * BN, widx, G, BN)  # up half
-                gs = tl.load(sbase + widx)
-                us = tl.load(sbase + G * BN + widx)
+                if PREFETCH:  # this iteration's tile was loaded by the previous one; load the next (the last
+                    # iteration reloads its own: no read past the expert)
+                    gw0, gw1, gw2, gw3, uw0, uw1, uw2, uw3, gs, us = nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1
+                    nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _l1_tile(
+                        w_ptr, s_ptr, e, t, tl.minimum(i + 1, NK - 1), widx, NT, NK, G, BN)
+                else:
+                    gw0, gw1, gw2, gw3, uw0, uw1, uw2, uw3, gs, us = _l1_tile(w_ptr, s_ptr, e, t, i, widx, NT, NK, G, BN)
                 k0 = i * (32 * G) + gi * 32  # [1, G] first K of each group
                 xp0 = x_ptr + t0 * H + k0
                 xp1 = x_ptr + t1 * H + k0
@@ -312,14 +331,14 @@ def l2_program(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, L2_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, ASM: tl.constexpr, XC: tl.constexpr,
+    BLOCK_M: tl.constexpr, ASM: tl.constexpr, XC: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
-    """One L2 program: output rows [t BN, (t+1) BN) of work item j's expert, all its rows -> bf16."""
+    """One L2 program: output rows [t BN, (t+1) BN) of work item j's expert, all its rows -> bf16.
+    PREFETCH as in ``l1_program``."""
     if j < tl.load(num_touched_ptr):
         NT: tl.constexpr = H // BN
         NK: tl.constexpr = I // (32 * G)
         PG: tl.constexpr = L2_GROUP // 32
-        TILE: tl.constexpr = 4 * G * BN
         e, start, count, gi, widx = _work_item(j, touched_ptr, seg_start_ptr, seg_count_ptr, G, BN)
         n = t * BN + tl.arange(0, BN)
         m0 = 0
@@ -329,10 +348,13 @@ def l2_program(
             a1 = tl.zeros([BN], tl.float32)
             a2 = tl.zeros([BN], tl.float32)
             a3 = tl.zeros([BN], tl.float32)
+            nw0, nw1, nw2, nw3, ns = _l2_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
             for i in range(NK):
-                base = w_ptr + ((e * NT + t) * NK + i) * TILE
-                w0, w1, w2, w3 = _tile_words(base, widx, G, BN)
-                sb = tl.load(s_ptr + ((e * NT + t) * NK + i) * (G * BN) + widx)
+                if PREFETCH:
+                    w0, w1, w2, w3, sb = nw0, nw1, nw2, nw3, ns
+                    nw0, nw1, nw2, nw3, ns = _l2_tile(w_ptr, s_ptr, e, t, tl.minimum(i + 1, NK - 1), widx, NT, NK, G, BN)
+                else:
+                    w0, w1, w2, w3, sb = _l2_tile(w_ptr, s_ptr, e, t, i, widx, NT, NK, G, BN)
                 k0 = i * (32 * G) + gi * 32
                 sg = i * (G // PG)
                 a0, a1, a2, a3 = _half_step(
@@ -356,20 +378,20 @@ def l2_program(
 def l1_kernel(w_ptr, s_ptr, x_ptr, xsf_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
               row_token_ptr, row_weight_ptr, l1_ptr, q_ptr, x2_ptr, sf2_ptr, clamp,
               H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-              BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr):
+              BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
     """grid (W, I / BN): ``l1_program`` (j, t) = (program_id 0, program_id 1)."""
     l1_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x_ptr, xsf_ptr, num_touched_ptr, touched_ptr,
                seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr, l1_ptr, q_ptr, x2_ptr, sf2_ptr, clamp,
-               H, I, BN, G, BLOCK_M, STORE_L1, ASM)
+               H, I, BN, G, BLOCK_M, STORE_L1, ASM, PREFETCH)
 
 
 @triton.jit
 def l2_kernel(w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, out_ptr,
               H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, L2_GROUP: tl.constexpr,
-              BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+              BLOCK_M: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
     """grid (W, H / BN): ``l2_program`` (j, t) = (program_id 0, program_id 1)."""
     l2_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr,
-               seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, "")
+               seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, "", PREFETCH)
 
 
 @triton.jit
