@@ -258,3 +258,41 @@ def test_build_plans_runs_a_lane_one_at_a_time_beside_the_pool():
     assert all(a[1] <= b[0] for a, b in zip(lane, lane[1:])), "jobs of one lane overlapped"
     pool = sorted(spans[k] for k in free)
     assert any(a[1] > b[0] for a, b in zip(pool, pool[1:])), "jobs without a lane did not run in parallel"
+
+
+def test_repeat_check_counts_and_describes_differing_relaunches():
+    """A fake backend whose third relaunch leaves one row unwritten (still NaN) and changes another."""
+    from types import SimpleNamespace
+
+    from megamoe.check.matrix import _repeat_check
+
+    gen = torch.Generator().manual_seed(3)
+    t, h = 6, 16
+    good = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    topk = torch.tensor([[0, 1], [2, -1], [-1, -1], [3, 4], [5, 6], [7, -1]])
+    calls = {"n": 0}
+
+    class Fake:
+        y = torch.empty(t, h, dtype=torch.bfloat16)
+
+        def stage(self, inp, m):
+            pass
+
+        def launch(self, m):
+            calls["n"] += 1
+            if calls["n"] == 3:  # rows 1 and 4: one never written, one off in one element
+                self.y[[0, 2, 3, 5]] = good[[0, 2, 3, 5]]
+                self.y[4] = good[4]
+                self.y[4, 7] = good[4, 7] * 2 + 1
+            else:
+                self.y.copy_(good)
+            return self.y
+
+    out = _repeat_check(Fake(), SimpleNamespace(topk_idx=topk), t, good.clone(), 5, t)
+    assert out["repeats"] == 5 and out["repeats_differing"] == 1 and out["repeat_rows_differing_max"] == 2
+    seen = {r["token"]: r for r in out["repeat_rows_seen"]}
+    assert set(seen) == {1, 4} and all(r["relaunch"] == 2 for r in seen.values())
+    assert seen[1]["routed_slots"] == 1 and seen[1]["nan"] == h and seen[1]["elements_differing"] == h
+    assert seen[4]["routed_slots"] == 2 and seen[4]["nan"] == 0 and seen[4]["elements_differing"] == 1
+    written = (good[4, 7] * 2 + 1).to(torch.bfloat16)  # what the fake stored, in bf16
+    assert seen[4]["max_abs_change"] == abs(float(written) - float(good[4, 7])) > 0

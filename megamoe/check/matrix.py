@@ -188,18 +188,31 @@ def _time_launch(be, m: int, iters: int) -> float:
 
 def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) -> dict:
     """Stage and launch the same step ``repeats`` more times (output poisoned each time); how many outputs
-    differ from the first, in how many rows at most."""
-    differing, rows = 0, 0
+    differ from the first, in how many rows at most, and what the differing rows of the first few such
+    relaunches look like (token, its routed slots, elements differing, still NaN-poisoned, largest change)."""
+    differing, rows, seen = 0, 0, []
     first = y_first.view(torch.int16)
-    for _ in range(repeats):
+    slots = (inp.topk_idx[:t] >= 0).sum(dim=1)
+    for n in range(repeats):
         if isinstance(getattr(be, "y", None), torch.Tensor):  # the backend's output buffer, poisoned
             be.y.fill_(float("nan"))
         be.stage(inp, m)
-        y = be.launch(m)[:t].view(torch.int16)
-        if not torch.equal(y, first):
+        y = be.launch(m)[:t]
+        bad = (y.view(torch.int16) != first).any(dim=1)
+        if bad.any():
             differing += 1
-            rows = max(rows, int((y != first).any(dim=1).sum()))
-    return {"repeats": repeats, "repeats_differing": differing, "repeat_rows_differing_max": rows}
+            rows = max(rows, int(bad.sum()))
+            if len(seen) < 4:
+                for tok in torch.nonzero(bad).flatten()[:4].tolist():
+                    a, b = y[tok].float(), y_first[tok].float()
+                    seen.append({"relaunch": n, "token": tok, "routed_slots": int(slots[tok]),
+                                 "elements_differing": int((y[tok].view(torch.int16) != first[tok]).sum()),
+                                 "nan": int(torch.isnan(a).sum()), "max_abs_change": float((a - b).abs().nan_to_num(0).max()),
+                                 "first_row_abs_max": float(b.abs().max())})
+    out = {"repeats": repeats, "repeats_differing": differing, "repeat_rows_differing_max": rows}
+    if seen:
+        out["repeat_rows_seen"] = seen
+    return out
 
 
 def _subset(inp, n: int, seed: int):
