@@ -2,11 +2,13 @@
 # What megamoe's proxy-fence patch to DeepGEMM PR #323 (megamoe/fused/deepgemm_patches/0001-*.patch) changes,
 # measured on one H200 on builds that share one _C.so: the pull request unpatched (raw), patched, and patched
 # with fence families compiled out. Each build runs the race probe (identical launches, and two inputs
-# alternating) and, with MASKED_REPEATS set, the matrix case dsv4-flash-T128-auto-masked relaunched that often.
+# alternating) and, with MASKED_REPEATS set, the matrix cases whose ids contain MASKED_CASE (default
+# dsv4-flash-T128-auto-masked; "masked" takes the masked and all-masked cases of both presets) relaunched that often.
 # Run from the repository root:
 #   RESTORE=dg-build.tgz OUT=results [VARIANTS=...] [MASKED_REPEATS=100] bash bench/device/fp4_fences.sh [COUNTS...]
-# VARIANTS: raw, patched, or without-F[-F...] with F in global, shared, decode (default: raw patched
-# without-decode without-shared-decode without-global-decode). RESTORE: a dg-build.tgz from
+# VARIANTS: raw, patched, or without-F[-F...] with F in global, shared, decode, combine (patch 0002's fences) or
+# drain (its wait for the last TMA stores) (default: raw patched without-decode without-shared-decode
+# without-global-decode). RESTORE: a dg-build.tgz from
 # `bash bench/device/deepgemm_fp4.sh ... pack` (its _C.so serves every build; its kernel cache only the build
 # that compiled it). Leaves the patched build in build/deepgemm-pr323 for the matrix, the tests and the sweep;
 # writes $OUT/race.json and $OUT/fences-log.txt.
@@ -29,7 +31,10 @@ for v in $VARIANTS; do
   rm -rf "$d" && cp -r "$MAIN" "$d" && rm -rf "$d/jit-cache"
   defines=""
   for f in $(echo "${v#without-}" | tr '-' ' '); do
-    defines="$defines\n#define MEGAMOE_NO_$(echo "$f" | tr a-z A-Z)_PROXY_FENCE"
+    case $f in
+      drain) defines="$defines\n#define MEGAMOE_NO_STORE_DRAIN" ;;
+      *) defines="$defines\n#define MEGAMOE_NO_$(echo "$f" | tr a-z A-Z)_PROXY_FENCE" ;;
+    esac
   done
   sed -i "0,/^#pragma once\$/s//#pragma once$defines/" "$d/deep_gemm/include/deep_gemm/impls/sm90_fp8_fp4_mega_moe.cuh"
   echo "$(cat "$MAIN/deep_gemm/VERSION").$v" > "$d/deep_gemm/VERSION"
@@ -48,7 +53,7 @@ say "kernels compiled"
 
 for v in $VARIANTS; do
   OUT=$OUT/$v DEST=$(dest "$v") PROBE_SECTIONS=race PROBE_ARGS="--race-tokens $TOKENS" PROBE_DEADLINE=200 $FP4 probe
-  [ -n "${MASKED_REPEATS:-}" ] && OUT=$OUT/$v DEST=$(dest "$v") MATRIX_ONLY=dsv4-flash-T128-auto-masked \
+  [ -n "${MASKED_REPEATS:-}" ] && OUT=$OUT/$v DEST=$(dest "$v") MATRIX_ONLY=${MASKED_CASE:-dsv4-flash-T128-auto-masked} \
     MATRIX_REPEATS=$MASKED_REPEATS $FP4 matrix
   say "$v: $(grep -h 'race T' "$OUT/$v/log.txt" | sed 's/^.*race /T/; s/  BLOCK_M.*//' | tr '\n' ';') \
 $(grep -h '^MATRIX\|relaunch' "$OUT/$v/log.txt" | tail -1)"
