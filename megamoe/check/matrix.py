@@ -202,17 +202,14 @@ def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) 
         if bad.any():
             differing += 1
             rows = max(rows, int(bad.sum()))
-            if len(seen) < 4:
-                for tok in torch.nonzero(bad).flatten()[:4].tolist():
-                    a, b = y[tok].float(), y_first[tok].float()
-                    seen.append({"relaunch": n, "token": tok, "routed_slots": int(slots[tok]),
-                                 "elements_differing": int((y[tok].view(torch.int16) != first[tok]).sum()),
-                                 "nan": int(torch.isnan(a).sum()), "max_abs_change": float((a - b).abs().nan_to_num(0).max()),
-                                 "first_row_abs_max": float(b.abs().max())})
+            for tok in torch.nonzero(bad).flatten()[:4].tolist() if len(seen) < 4 else []:
+                a, b = y[tok].float(), y_first[tok].float()
+                seen.append({"relaunch": n, "token": tok, "routed_slots": int(slots[tok]),
+                             "elements_differing": int((y[tok].view(torch.int16) != first[tok]).sum()),
+                             "nan": int(torch.isnan(a).sum()), "max_abs_change": float((a - b).abs().nan_to_num(0).max()),
+                             "first_row_abs_max": float(b.abs().max())})
     out = {"repeats": repeats, "repeats_differing": differing, "repeat_rows_differing_max": rows}
-    if seen:
-        out["repeat_rows_seen"] = seen
-    return out
+    return {**out, "repeat_rows_seen": seen} if seen else out
 
 
 def _subset(inp, n: int, seed: int):

@@ -78,7 +78,7 @@ def l2(dw: DecodeWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
 
 def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
-    from .triton_gemv import combine_kernel
+    from .triton_combine import combine_kernel
 
     if num_tokens == 0:
         return

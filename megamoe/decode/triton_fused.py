@@ -21,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_gemv import combine_tile, l1_program, l2_program
+from .triton_combine import combine_tile
+from .triton_gemv import l1_program, l2_program
 
 
 @triton.jit

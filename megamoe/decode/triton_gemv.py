@@ -1,4 +1,4 @@
-"""The decode path's two weight-streaming kernels (Triton); their twins are in ``gemv_torch.py``.
+"""The decode path's two weight-streaming kernels (Triton); their twins are in ``gemv.py`` (``l1_torch``, ``l2_torch``).
 
     l1_kernel   grid (W, I / BN):  work item j (a touched expert e, its M rows), channels [t BN, (t+1) BN)
                 of gate and of up over all H; then SwiGLU, the routing weight, the FP8 requant of those
@@ -392,23 +392,3 @@ def l2_kernel(w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr, seg_s
     """grid (W, H / BN): ``l2_program`` (j, t) = (program_id 0, program_id 1)."""
     l2_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr,
                seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, "", PREFETCH)
-
-
-@triton.jit
-def combine_tile(tok, cols, slot_out_ptr, slot_row_ptr, y_ptr, H: tl.constexpr, K: tl.constexpr, XC: tl.constexpr):
-    """y[tok, cols] = bf16(sum over slots k ascending of fp32(slot_out[slot_row[tok, k], cols])), masked skipped."""
-    acc = tl.zeros(cols.shape, tl.float32)
-    for k in tl.static_range(K):
-        row = tl.load(slot_row_ptr + tok * K + k)
-        v = tl.load(slot_out_ptr + row.to(tl.int64) * H + cols, mask=(cols < H) & (row >= 0), other=0,
-                    cache_modifier=XC)
-        v32 = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        acc = tl.where(row >= 0, acc + v32, acc)
-    tl.store(y_ptr + tok.to(tl.int64) * H + cols, _bf16_bits(acc), mask=cols < H)
-
-
-@triton.jit
-def combine_kernel(slot_out_ptr, slot_row_ptr, y_ptr, T, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
-    """grid (T, H / BH): ``combine_tile`` of token program_id 0, columns tile program_id 1."""
-    combine_tile(tl.program_id(0), tl.program_id(1) * BH + tl.arange(0, BH), slot_out_ptr, slot_row_ptr, y_ptr, H, K,
-                 "")
