@@ -6,9 +6,8 @@
 # dsv4-flash-T128-auto-masked; "masked" takes the masked and all-masked cases of both presets) relaunched that often.
 # Run from the repository root:
 #   RESTORE=dg-build.tgz OUT=results [VARIANTS=...] [MASKED_REPEATS=100] bash bench/device/fp4_fences.sh [COUNTS...]
-# VARIANTS: raw, patched, or without-F[-F...] with F in global, shared, decode, combine (patch 0002's fences) or
-# drain (its wait for the last TMA stores) (default: raw patched without-decode without-shared-decode
-# without-global-decode). RESTORE: a dg-build.tgz from
+# VARIANTS: raw, patched, or without-F[-F...] with F in global, shared, decode (default: raw patched
+# without-decode without-shared-decode without-global-decode). RESTORE: a dg-build.tgz from
 # `bash bench/device/deepgemm_fp4.sh ... pack` (its _C.so serves every build; its kernel cache only the build
 # that compiled it). Leaves the patched build in build/deepgemm-pr323 for the matrix, the tests and the sweep;
 # writes $OUT/race.json and $OUT/fences-log.txt.
@@ -31,10 +30,7 @@ for v in $VARIANTS; do
   rm -rf "$d" && cp -r "$MAIN" "$d" && rm -rf "$d/jit-cache"
   defines=""
   for f in $(echo "${v#without-}" | tr '-' ' '); do
-    case $f in
-      drain) defines="$defines\n#define MEGAMOE_NO_STORE_DRAIN" ;;
-      *) defines="$defines\n#define MEGAMOE_NO_$(echo "$f" | tr a-z A-Z)_PROXY_FENCE" ;;
-    esac
+    defines="$defines\n#define MEGAMOE_NO_$(echo "$f" | tr a-z A-Z)_PROXY_FENCE"
   done
   sed -i "0,/^#pragma once\$/s//#pragma once$defines/" "$d/deep_gemm/include/deep_gemm/impls/sm90_fp8_fp4_mega_moe.cuh"
   echo "$(cat "$MAIN/deep_gemm/VERSION").$v" > "$d/deep_gemm/VERSION"

@@ -81,7 +81,7 @@ PIN = DeepGEMMPin(
             "3d4e24012acc8d496c3713091814406d8833c789393ac434b2108355f2301680",
         "sgl_deep_gemm/__init__.py": "454b60171c9485069d978210a5e66127ef6c1afce51e5fbba55a2b0336ae5d56",
     },
-    patches=("0001-sm90-fp4-mega-moe-proxy-fences.patch", "0002-sm90-fp4-mega-moe-combine-handoff.patch"),
+    patches=("0001-sm90-fp4-mega-moe-proxy-fences.patch",),
 )
 PATCH_DIR = Path(__file__).with_name("deepgemm_patches")
 DEFAULT_DEST = Path("build") / f"deepgemm-pr{PIN.pull}"
