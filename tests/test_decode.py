@@ -174,7 +174,10 @@ def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
         MegaMoEDecode("dsv4-flash", capacity=65)
     be = MegaMoEDecode("dsv4-flash", capacity=64)
     assert [be.plan(t).block_m for t in (1, 16, 17, 64)] == [1, 1, 2, 2] == [default_block_m(t) for t in (1, 16, 17, 64)]
+    # the prefetch measured faster: L1 at every count, L2 up to 8 tokens (megamoe_decode.default_launch_config)
+    assert [(be.launch_config(t).l1_prefetch, be.launch_config(t).l2_prefetch) for t in (1, 8, 9, 64)] == \
+        [(True, True), (True, True), (True, False), (True, False)]
     be.set_force_block_m(4)
-    assert be.plan(1).block_m == 4 and be.plan(1).forced
+    assert be.plan(1).block_m == 4 and be.plan(1).forced and be.launch_config(1).l2_prefetch
     cases = default_cases("megamoe-decode", be.legal_block_ms(), True, max_tokens=MegaMoEDecode.max_tokens_per_rank)
     assert cases and max(c.launch_tokens for c in cases) == 64

@@ -12,7 +12,8 @@
 (c) the size-aware ceiling: a plain Triton kernel that reads exactly the bytes of the touched experts
     (contiguous, int32 x 4 per thread), timed the same way.
 (d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s
-    (--variants NAME... picks some): prefetch (each K-iteration loads the next one's tile first), fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2
+    (--variants NAME... picks some): no-prefetch / prefetch (each K-iteration of L1 and L2 loads the next
+    one's tile first: neither / both; the default prefetches in L1, and in L2 up to 8 tokens), fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2
     rows per program instead of 64), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s /
     time per launch say why.
 FlashInfer is not run here (its JIT build takes minutes): its times from issue 25 are printed beside.
@@ -22,6 +23,7 @@ Results: $OUT/decode_probe.json; a short table is printed last. Budget < 3 minut
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,9 +38,9 @@ import triton.language as tl
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from megamoe.bench.timing import GraphSet, L2Flusher  # noqa: E402
-from megamoe.decode import DecodeBuffers, LaunchConfig, moe_decode  # noqa: E402
+from megamoe.decode import DecodeBuffers, moe_decode  # noqa: E402
 from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights, passed, run_case  # noqa: E402
-from megamoe.fused.megamoe_decode import default_block_m  # noqa: E402
+from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
@@ -174,7 +176,8 @@ def main() -> int:
     variants = {}
     try:
         dw32 = case_decode_weights(args.geometry, str(dev), 32)
-        variants = {"prefetch": (dw, dict(prefetch=True)), "fused": (dw, dict(fused=True)),
+        variants = {"no-prefetch": (dw, dict(l1_prefetch=False, l2_prefetch=False)),
+                    "prefetch": (dw, dict(l1_prefetch=True, l2_prefetch=True)), "fused": (dw, dict(fused=True)),
                     "warps8": (dw, dict(l1_warps=8, l2_warps=8)), "l2-bn32": (dw32, {}), "bm-alt": (dw, "alt")}
         variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     except Exception:  # noqa: BLE001
@@ -185,7 +188,9 @@ def main() -> int:
         row = {"tokens": t}
         res["rows"].append(row)
         try:
-            c = run_case(DecodeCase(args.geometry, t, default_block_m(t), seed=t), str(dev))
+            d = default_launch_config(t)
+            c = run_case(DecodeCase(args.geometry, t, d.block_m, l1_prefetch=d.l1_prefetch, l2_prefetch=d.l2_prefetch,
+                                    seed=t), str(dev))
             row.update({k: c[k] for k in ("route", "l1", "l2", "combine", "poison_kept", "calc_diff", "bitwise_frac",
                                           "repeat_identical", "nan")})
             row["correct"] = passed(c)
@@ -198,7 +203,7 @@ def main() -> int:
             continue
         try:
             inp, buf, touched, slots = staged_buffers(g, t, dev)
-            cfg = LaunchConfig(block_m=default_block_m(t))
+            cfg = default_launch_config(t)
             y0 = moe_decode(dw, buf, t, g.clamp, cfg).clone()
             tm = time_replays(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
             kin = kineto_us(tm.pop("graph"), flush)
@@ -221,9 +226,9 @@ def main() -> int:
                 if kw == "alt":
                     if t == 1:
                         continue
-                    vcfg = LaunchConfig(block_m=1 if cfg.block_m != 1 else 2)
+                    vcfg = dataclasses.replace(cfg, block_m=1 if cfg.block_m != 1 else 2)
                 else:
-                    vcfg = LaunchConfig(block_m=cfg.block_m, **kw)
+                    vcfg = dataclasses.replace(cfg, **kw)
                 buf.y.fill_(float("nan"))
                 yv = moe_decode(dwv, buf, t, g.clamp, vcfg).clone()
                 gave_up = int(buf.counters[-1])

@@ -34,7 +34,9 @@ class LaunchConfig:
     combine_block: int = 1024
     store_l1: bool = False
     fused: bool = False  # L1, L2 and the combine in one launch (triton_fused.py)
-    prefetch: bool = False  # L1 / L2 load the next K-iteration's tile before this one's arithmetic
+    # L1 / L2 load the next K-iteration's tile before this one's arithmetic (more registers, same bits)
+    l1_prefetch: bool = False
+    l2_prefetch: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16
@@ -59,7 +61,7 @@ def l1(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig)
         dw.l1_words, dw.l1_scales, buf.x32, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
         buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_x, buf.l2_sf, float(clamp),
         H=dw.hidden, I=dw.intermediate, BN=t1.bn, G=t1.groups, BLOCK_M=cfg.block_m,
-        STORE_L1=cfg.store_l1, ASM=not buf.interpret, PREFETCH=cfg.prefetch, **_kw(cfg.l1_warps, buf.interpret),
+        STORE_L1=cfg.store_l1, ASM=not buf.interpret, PREFETCH=cfg.l1_prefetch, **_kw(cfg.l1_warps, buf.interpret),
     )
 
 
@@ -73,7 +75,7 @@ def l2(dw: DecodeWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
     l2_kernel[grid](
         dw.l2_words, dw.l2_scales, buf.l2_x, buf.l2_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
         buf.slot_out, H=dw.hidden, I=dw.intermediate, BN=t2.bn, G=t2.groups, L2_GROUP=dw.l1_tile.bn,
-        BLOCK_M=cfg.block_m, ASM=not buf.interpret, PREFETCH=cfg.prefetch, **_kw(cfg.l2_warps, buf.interpret),
+        BLOCK_M=cfg.block_m, ASM=not buf.interpret, PREFETCH=cfg.l2_prefetch, **_kw(cfg.l2_warps, buf.interpret),
     )
 
 

@@ -37,7 +37,8 @@ class DecodeCase:
     bn2: int = 64
     broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
     fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
-    prefetch: bool = False  # L1 / L2 load the next K-iteration's tile first (LaunchConfig.prefetch)
+    l1_prefetch: bool = False  # L1 / L2 load the next K-iteration's tile first (LaunchConfig)
+    l2_prefetch: bool = False
     groups: tuple[int, int] | None = None  # 32-K groups per K-iteration of L1, L2 (None: default_tiles)
     seed: int = 0
 
@@ -46,7 +47,7 @@ class DecodeCase:
         parts = [self.geometry, f"T{self.tokens}", f"bm{self.block_m}", f"bn2-{self.bn2}"]
         parts += [self.routing] if self.routing != "uniform" else []
         parts += ["fused"] if self.fused else []
-        parts += ["prefetch"] if self.prefetch else []
+        parts += [f"prefetch-{'l1' * self.l1_prefetch}{'l2' * self.l2_prefetch}"] if self.l1_prefetch or self.l2_prefetch else []
         parts += [f"g{self.groups[0]}x{self.groups[1]}"] if self.groups else []
         parts += [f"BROKEN-{self.broken}"] if self.broken else []
         return "-".join(parts)
@@ -71,7 +72,7 @@ CPU_CASES = (
     DecodeCase("wide", 2, 2, "allmasked", bn2=512, seed=4),
     DecodeCase("tiny", 5, 2, "masked", bn2=64, fused=True, seed=7),
     DecodeCase("wide", 3, 2, "masked", bn2=128, groups=(4, 4), seed=8),
-    DecodeCase("wide", 3, 4, "masked", bn2=128, groups=(4, 4), prefetch=True, seed=9),
+    DecodeCase("wide", 3, 4, "masked", bn2=128, groups=(4, 4), l1_prefetch=True, l2_prefetch=True, seed=9),
     DecodeCase("tiny", 3, 1, broken="gate-up-swapped", bn2=256, seed=5),
     DecodeCase("tiny", 3, 1, broken="l2-scale-off-by-one", bn2=256, seed=6),
 )
@@ -150,7 +151,7 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     g, w, dw, inp, buf = make_case(case, device)
     t = case.tokens
     row = {"case": case.id, **dataclasses.asdict(case)}
-    cfg = LaunchConfig(block_m=case.block_m, store_l1=True, prefetch=case.prefetch)
+    cfg = LaunchConfig(block_m=case.block_m, store_l1=True, l1_prefetch=case.l1_prefetch, l2_prefetch=case.l2_prefetch)
     if case.broken:  # the whole path once, against the reference: it must differ
         y = moe_decode(dw, buf, t, g.clamp, cfg)
         row["calc_diff"] = calc_diff(y, moe_forward(inp, w, MEGAMOE_DECODE, g))
