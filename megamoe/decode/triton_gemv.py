@@ -284,7 +284,8 @@ def l1_program(
             u1 = tl.zeros([BN], tl.float32)
             u2 = tl.zeros([BN], tl.float32)
             u3 = tl.zeros([BN], tl.float32)
-            nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _l1_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
+            if PREFETCH:
+                nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _l1_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
             for i in range(NK):
                 if PREFETCH:  # this iteration's tile was loaded by the previous one; load the next (the last
                     # iteration reloads its own: no read past the expert)
@@ -348,7 +349,8 @@ def l2_program(
             a1 = tl.zeros([BN], tl.float32)
             a2 = tl.zeros([BN], tl.float32)
             a3 = tl.zeros([BN], tl.float32)
-            nw0, nw1, nw2, nw3, ns = _l2_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
+            if PREFETCH:
+                nw0, nw1, nw2, nw3, ns = _l2_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
             for i in range(NK):
                 if PREFETCH:
                     w0, w1, w2, w3, sb = nw0, nw1, nw2, nw3, ns
