@@ -49,7 +49,7 @@ def promoted_gemm(
 
     ``promote_k`` is the promotion block; it must divide the activation-scale group ga and 128.
     ``mma`` names the block-sum model (``megamoe.reference.tensorcore``): "exact-block" (exact, one
-    FP32 rounding) or "sm90-fp8-tc" (the H200 tensor cores' own accumulation, emulated).
+    FP32 rounding) or a tensor-core model ("sm90-fp8-tc-operands": the H200's own accumulation, bit for bit).
     ``accumulate`` is one of ACCUMULATE_MODES (module docstring).
     """
     if accumulate not in ACCUMULATE_MODES:
