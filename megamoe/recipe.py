@@ -179,7 +179,9 @@ MEGAMOE_DECODE = Recipe(
     l2_amax_floor=1e-10,
     silu_exp="fp64-rounded",
     # scale bytes 0..252 (derived from the exact decode: 6 * 2**(253 - 127) overflows FP32)
-    verified="CPU: Triton interpreter bit-identical to this recipe (tests/test_decode.py); H200: pending",
+    verified=("CPU: Triton interpreter bit-identical to this recipe (tests/test_decode.py); H200: bit-identical at "
+              "1..64 tokens (bench/results/2026-12-03_nvidia-h200_52af10a27c; with the prefetch at 1, 8, 32: "
+              "..._tc-operands/decode-prefetch)"),
 )
 
 RECIPES: dict[str, Recipe] = {
