@@ -380,8 +380,8 @@ figs.save(fig, "persistent_schedule")
 # bytes x 16 codes read back through a crafted layer (notebook 3 plots it), the reference variants that
 # pin its L2 requant, the plan of every sweep token count, and a race probe that relaunched every count
 # 20-60 times and compared the outputs bit for bit: first on the pull request as it is, then on the
-# build with megamoe's proxy-fence patch (docs/deepgemm-fp4.md). FlashInfer and DeepGEMM FP8 were never
-# relaunched that way: their determinism is not known.
+# build with megamoe's proxy-fence patch (docs/deepgemm-fp4.md). FlashInfer and DeepGEMM FP8 were only
+# relaunched by their matrices (8 times per case, no difference).
 
 # %%
 from megamoe.recipe import DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, FLASHINFER_MXFP4  # noqa: E402
@@ -467,8 +467,9 @@ for row, cells in table.items():
 # (2.25 rows per expert, the one count with early-B decode) 59 of 60 launches differ from the first;
 # every racy count runs BLOCK_M 64 with swap-AB and 5 stages. The cause was missing proxy fences (scale
 # factors written with plain stores, read by TMA on another SM); with megamoe's patch no launch at those
-# counts differs (the black crosses). `megamoe check` reports any case that differs on a relaunch
-# `nondeterministic`, a failure.
+# counts differs (the black crosses). A rarer race remains where slots are masked: at T = 128, 0.1-2% of
+# relaunches change the rows of one expert's tokens by a few bf16 ulps (docs/deepgemm-fp4.md). `megamoe
+# check` reports any case that differs on a relaunch `nondeterministic`, a failure.
 
 # %%
 fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 3.6))
