@@ -79,6 +79,25 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Relaunches:
+    """Outputs [T, H] (2-byte floats) of repeated launches, each compared bit for bit with the first output of
+    the same input (``key``): how many differ (``changed``) and the most rows one of them changed."""
+
+    def __init__(self) -> None:
+        self.first, self.changed, self.max_rows = {}, 0, 0
+
+    def add(self, y: torch.Tensor, key=0) -> torch.Tensor | None:
+        """Record y; returns its rows [T] (bool) that differ from the first output of ``key`` (None for that one)."""
+        first = self.first.setdefault(key, y)
+        if first is y:
+            return None
+        bad = (y.view(torch.int16) != first.view(torch.int16)).any(dim=1)
+        if bad.any():
+            self.changed += 1
+            self.max_rows = max(self.max_rows, int(bad.sum()))
+        return bad
+
+
 # ------------------------------------------------------------------------------------ weights for a recipe
 def fp8_block_weights(weights):
     """MXFP4Weights -> FP8BlockWeights (DeepGEMM SM90 FP8 input): dequantize each expert exactly,

@@ -56,20 +56,20 @@ def test_guard_records_results_errors_and_the_deadline(tmp_path):
 
 
 def test_relaunches_compare_each_input_with_its_own_first_output():
-    """The race probe's counter (bench/device/deepgemm_fp4_probe.py): with two inputs alternating, each output
-    is compared with its own input's first output, bit for bit, and the most changed rows are kept."""
-    spec = importlib.util.spec_from_file_location("fp4_probe", _PATH.with_name("deepgemm_fp4_probe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """The relaunch counter of the race probe and the matrix (megamoe.testing.Relaunches): with two inputs
+    alternating, each output is compared with its own input's first output, bit for bit, and the most changed
+    rows are kept."""
+    from megamoe.testing import Relaunches
+
     torch.manual_seed(5)
     a, b = torch.randn(6, 16).bfloat16(), torch.randn(6, 16).bfloat16()
-    seen = mod.Relaunches()
+    seen = Relaunches()
     for j, y in ((0, a), (1, b), (0, a.clone()), (1, b.clone())):
-        seen.add(j, y)
+        seen.add(y, j)
     assert (seen.changed, seen.max_rows) == (0, 0)  # equal bits, other tensors: no difference
     two_rows = a.clone()
     two_rows[[1, 4], 3] += 1
-    seen.add(0, two_rows)
-    seen.add(1, a)  # input 1's first output is b: a differs from it in (almost surely) every row
+    assert seen.add(two_rows, 0).tolist() == [False, True, False, False, True, False]
+    seen.add(a, 1)  # input 1's first output is b: a differs from it in (almost surely) every row
     assert seen.changed == 2 and seen.max_rows == int((a.view(torch.int16) != b.view(torch.int16)).any(1).sum())
     assert seen.max_rows >= 2

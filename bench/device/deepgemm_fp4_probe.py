@@ -30,7 +30,7 @@ from probe_journal import ProbeJournal  # noqa: E402
 
 from megamoe.fused.deepgemm_fp4 import DeepGEMMFP4, plan_record  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
-from megamoe.testing import calc_diff
+from megamoe.testing import Relaunches, calc_diff  # noqa: E402
 from megamoe.inputs import MoEInputs, make_inputs  # noqa: E402
 
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -262,20 +262,6 @@ def _launch(be, inp, m):
     return be.launch(m)[: inp.num_tokens].clone()
 
 
-class Relaunches:
-    """Outputs compared bit for bit with the first output of the same input: launches that differ, and the
-    most rows one of them changed."""
-
-    def __init__(self):
-        self.first, self.changed, self.max_rows = {}, 0, 0
-
-    def add(self, j: int, y: torch.Tensor) -> None:
-        first = self.first.setdefault(j, y)
-        if first is not y and not torch.equal(y.view(torch.int16), first.view(torch.int16)):
-            self.changed += 1
-            self.max_rows = max(self.max_rows, int((y.view(torch.int16) != first.view(torch.int16)).any(1).sum()))
-
-
 def determinism_probe(log):
     """Does one launch depend on what ran before it? Same inputs launched back to back; real launches
     alternating with padding-only ones (every route -1, as a warm-up or an idle data-parallel rank sends);
@@ -314,7 +300,7 @@ def determinism_probe(log):
                 d, nn = score(y, j)
                 diffs.append(d)
                 nans += nn
-                seen.add(j, y)
+                seen.add(y, j)
             torch.cuda.synchronize()
             ds = sorted(diffs)
             out["patterns"][pattern] = {"launches": n, "calc_diff_median": ds[len(ds) // 2], "calc_diff_max": ds[-1],
@@ -349,7 +335,7 @@ def race_probe(log, counts=(1, 2, 4, 7, 8, 16, 32, 64, 96, 128, 192, 256, 300, 5
             seen = Relaunches()
             for i in range(n):
                 j = i % 2 if pattern == "alternating" else 0
-                seen.add(j, _launch(be, inps[j], t))
+                seen.add(_launch(be, inps[j], t), j)
             torch.cuda.synchronize()
             key = "" if pattern == "same" else "alternating_"
             row.update({f"{key}differing_from_first": seen.changed, f"{key}max_rows_differing": seen.max_rows})

@@ -190,25 +190,25 @@ def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) 
     """Stage and launch the same step ``repeats`` more times (output poisoned each time); how many outputs
     differ from the first, in how many rows at most, and what the differing rows of the first few such
     relaunches look like (token, its routed slots, elements differing, still NaN-poisoned, largest change)."""
-    differing, rows, seen = 0, 0, []
-    first = y_first.view(torch.int16)
+    from ..testing import Relaunches
+
+    relaunches, seen = Relaunches(), []
+    relaunches.add(y_first)
     slots = (inp.topk_idx[:t] >= 0).sum(dim=1)
     for n in range(repeats):
         if isinstance(getattr(be, "y", None), torch.Tensor):  # the backend's output buffer, poisoned
             be.y.fill_(float("nan"))
         be.stage(inp, m)
         y = be.launch(m)[:t]
-        bad = (y.view(torch.int16) != first).any(dim=1)
-        if bad.any():
-            differing += 1
-            rows = max(rows, int(bad.sum()))
-            for tok in torch.nonzero(bad).flatten()[:4].tolist() if len(seen) < 4 else []:
-                a, b = y[tok].float(), y_first[tok].float()
-                seen.append({"relaunch": n, "token": tok, "routed_slots": int(slots[tok]),
-                             "elements_differing": int((y[tok].view(torch.int16) != first[tok]).sum()),
-                             "nan": int(torch.isnan(a).sum()), "max_abs_change": float((a - b).abs().nan_to_num(0).max()),
-                             "first_row_abs_max": float(b.abs().max())})
-    out = {"repeats": repeats, "repeats_differing": differing, "repeat_rows_differing_max": rows}
+        bad = relaunches.add(y)
+        for tok in torch.nonzero(bad).flatten()[:4].tolist() if len(seen) < 4 else []:
+            a, b = y[tok].float(), y_first[tok].float()
+            seen.append({"relaunch": n, "token": tok, "routed_slots": int(slots[tok]),
+                         "elements_differing": int((y[tok].view(torch.int16) != y_first[tok].view(torch.int16)).sum()),
+                         "nan": int(torch.isnan(a).sum()), "max_abs_change": float((a - b).abs().nan_to_num(0).max()),
+                         "first_row_abs_max": float(b.abs().max())})
+    out = {"repeats": repeats, "repeats_differing": relaunches.changed,
+           "repeat_rows_differing_max": relaunches.max_rows}
     return {**out, "repeat_rows_seen": seen} if seen else out
 
 
