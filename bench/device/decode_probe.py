@@ -13,9 +13,10 @@
     (contiguous, int32 x 4 per thread), timed the same way.
 (d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s
     (--variants NAME... picks some): no-prefetch / prefetch (each K-iteration of L1 and L2 loads the next
-    one's tile first: neither / both; the default prefetches in L1, and in L2 up to 8 tokens), fused (L1 + L2 + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2
-    rows per program instead of 64), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s /
-    time per launch say why.
+    one's tile first: neither / both; the default prefetches in L1, and in L2 up to 8 tokens), fused (L1 + L2
+    + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2 rows per program
+    instead of 64), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s / time
+    per launch say why.
 FlashInfer is not run here (its JIT build takes minutes): its times from issue 25 are printed beside.
 Results: $OUT/decode_probe.json; a short table is printed last. Budget < 3 minutes (--deadline).
 """
@@ -151,7 +152,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=165.0, help="skip what is left past this many seconds")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--variants", nargs="*", default=None, metavar="NAME",
-                    help="variants to time (default all: prefetch fused warps8 l2-bn32 bm-alt)")
+                    help="variants to time (default all: no-prefetch prefetch fused warps8 l2-bn32 bm-alt)")
     ap.add_argument("--geometry", default="dsv4-flash", help="a preset; 'tiny' with --device cpu is a dry run")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
