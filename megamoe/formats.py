@@ -230,9 +230,21 @@ def decode_exact(x: torch.Tensor) -> torch.Tensor:
     return x.float()
 
 
+def decode_e4m3_group(x: torch.Tensor) -> torch.Tensor:
+    """The tensor-core decode kernel's rule (megamoe.decode.layout_tc): e2m1 * 2**-6 into the MMA, 2**(s - 121)
+    on each group's FP32 sum. The value itself where that is exact, NaN where it is not: a group's sum is a
+    multiple of 2**-25 below 2**11, so its scaled block sums stay normal and finite for bytes 20..235 (the
+    smallest code 0.5 * 2**-107 .. the largest 6 * 2**108)."""
+    a = x.abs()
+    ok = (x == 0) | ((a >= 2.0**-108) & (a <= 6 * 2.0**108))
+    return torch.where(ok, x.float(), torch.full_like(x, float("nan"), dtype=torch.float32))
+
+
 # What a weight decoder makes of e2m1 * 2**(b - 127) (``Recipe.weight_decode``): exact, FlashInfer's
-# flush-and-saturate, or DeepGEMM SM90 FP4's e4m3 round-to-nearest with subnormals.
-WEIGHT_DECODERS = {"exact": decode_exact, "e4m3_flush_saturate": e4m3_flush_saturate, "e4m3_rn": e4m3_satfinite}
+# flush-and-saturate, DeepGEMM SM90 FP4's e4m3 round-to-nearest with subnormals, or megamoe's tensor-core
+# decode kernel (the exact value inside its window).
+WEIGHT_DECODERS = {"exact": decode_exact, "e4m3_flush_saturate": e4m3_flush_saturate, "e4m3_rn": e4m3_satfinite,
+                   "e4m3_group": decode_e4m3_group}
 
 
 def _decoder(weight_decode: str):

@@ -184,9 +184,23 @@ MEGAMOE_DECODE = Recipe(
               "..._tc-operands/decode-prefetch)"),
 )
 
+MEGAMOE_DECODE_TC = MEGAMOE_DECODE.with_(
+    name="megamoe-decode-tc",
+    kernel="megamoe.decode tensor-core path (Triton FP8 MMAs, one per 32-K scale group; 1..64 tokens per rank)",
+    # Where it differs from megamoe-decode (megamoe/decode/triton_tc.py; reference.gemm.group_scaled_gemm):
+    #  2. Weights enter the MMA as e2m1 * 2**-6 (e4m3, exact); 2**(s - 121) multiplies each 32-K group's sum
+    #     in FP32, exact for scale bytes 20..235 (the e4m3_group decode's window; others refused at prepare).
+    #  3. Each group's sum is the tensor cores' own (a fresh k32 MMA, sm90-fp8-tc-operands); a 128-K block is
+    #     the FP32 sum of its 4 scaled groups in ascending K; the promotion is unchanged.
+    #  6. L2 the same, one group per promotion block.
+    weight_decode="e4m3_group",
+    mma="sm90-fp8-tc-operands",
+    verified="CPU: Triton interpreter bit-identical on inputs whose group sums are exact (tests/test_decode_tc.py)",
+)
+
 RECIPES: dict[str, Recipe] = {
     r.name: r for r in (EXACT, FLASHINFER_MXFP4, DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, DEEPGEMM_SM100_FP4,
-                        MEGAMOE_DECODE)
+                        MEGAMOE_DECODE, MEGAMOE_DECODE_TC)
 }
 
 

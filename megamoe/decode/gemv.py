@@ -37,6 +37,8 @@ class LaunchConfig:
     # L1 / L2 load the next K-iteration's tile before this one's arithmetic (more registers, same bits)
     l1_prefetch: bool = False
     l2_prefetch: bool = False
+    # Software-pipeline stages of the tensor-core kernels' K loops (triton_tc.py; Triton's num_stages)
+    tc_stages: int = 3
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

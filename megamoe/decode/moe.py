@@ -1,6 +1,7 @@
 """The whole decode path on staged inputs: ``moe_decode`` (four Triton launches, or two with
 ``LaunchConfig.fused``: routing, then L1 + L2 + combine in one, ``triton_fused.py``) beside
-``moe_decode_torch`` (the twins of the four stages). Both read a ``DecodeBuffers`` that ``stage`` filled.
+``moe_decode_torch`` (the twins of the four stages). Given ``TCWeights`` (``layout_tc.py``) instead of
+``DecodeWeights``, L1 and L2 are the tensor-core GEMVs of ``tc.py`` (recipe megamoe-decode-tc). Both read a ``DecodeBuffers`` that ``stage`` filled.
 
     route    topk_idx, topk_weights, x_q -> pool order, work items, x32      (routing.py)
     l1       gate/up GEMV, SwiGLU, routing weight, FP8 requant per 32      (gemv.py)
@@ -19,9 +20,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..geometry import Geometry
-from . import gemv, routing
+from . import gemv, routing, tc
 from .gemv import LaunchConfig
 from .layout import DecodeWeights
+from .layout_tc import TCWeights
 
 MAX_TOKENS = 64  # the routing kernel sorts all T * K slots in one program
 
@@ -124,13 +126,17 @@ def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
         raise ValueError(f"the weights hold {dw.num_experts} experts but the buffers route over {buf.num_local}")
 
 
-def moe_decode(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
+def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """The four Triton launches on the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of
     ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf)
-    if cfg.fused:
+    if isinstance(dw, TCWeights):  # the tensor-core GEMVs (recipe megamoe-decode-tc)
+        tc.l1_tc(dw, buf, num_tokens, clamp, cfg)
+        tc.l2_tc(dw, buf, num_tokens, cfg)
+        gemv.combine(buf, num_tokens, buf.num_topk, cfg)
+    elif cfg.fused:
         gemv.fused(dw, buf, num_tokens, clamp, cfg)
     else:
         gemv.l1(dw, buf, num_tokens, clamp, cfg)
@@ -139,12 +145,16 @@ def moe_decode(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int, clamp: fl
     return buf.y[:num_tokens]
 
 
-def moe_decode_torch(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
+def moe_decode_torch(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                      cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """``moe_decode`` through the four stages' torch twins (host syncs; for checking)."""
     _check(dw, buf, num_tokens)
     routing.route_torch(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf)
-    gemv.l1_torch(dw, buf, num_tokens, clamp, cfg)
-    gemv.l2_torch(dw, buf, num_tokens, cfg)
+    if isinstance(dw, TCWeights):
+        tc.l1_tc_torch(dw, buf, num_tokens, clamp, cfg)
+        tc.l2_tc_torch(dw, buf, num_tokens, cfg)
+    else:
+        gemv.l1_torch(dw, buf, num_tokens, clamp, cfg)
+        gemv.l2_torch(dw, buf, num_tokens, cfg)
     gemv.combine_torch(buf, num_tokens, buf.num_topk, cfg)
     return buf.y[:num_tokens]

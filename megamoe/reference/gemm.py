@@ -139,3 +139,43 @@ def _rescaled_gemm(a, a_sf, b, b_sf, promote_k: int, ga: int, mma: str, accumula
 def exact_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Plain a [..., M, K] @ b[..., N, K]^T in ``dtype`` (the ``exact`` recipe)."""
     return a.to(dtype) @ b.to(dtype).transpose(-1, -2)
+
+
+def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_group_sf: torch.Tensor, promote_k: int,
+                      mma: str) -> torch.Tensor:
+    """The tensor-core decode recipe (``megamoe-decode-tc``): a fresh MMA per 32-K weight scale group.
+
+    a [..., M, K] e4m3 values, a_sf fp32 [..., M, K/ga]; b [..., N, K] the e4m3 values the MMA reads
+    (e2m1 * 2**-6), b_group_sf fp32 [..., N, K/32] powers of two (2**(s - 121)) -> fp32 [..., M, N]:
+
+        d_g   = tc(a_g, b_g) with a zero accumulator       (``mma``: the tensor cores' k32 sum)
+        d'_g  = fl32(d_g * sf_g)                           (exact: a power of two, no subnormal, no overflow)
+        blk   = fl32 sum of d'_g over the block's groups, ascending K
+        acc   = fl32(fl64(acc) + fl64(a_sf) * fl64(blk))   (a promotion block of ``promote_k``, ascending K)
+
+    Groups go one at a time through the model (its [..., M, N, 32] float64 products fit in memory)."""
+    from .tensorcore import MODELS, tc_dot
+
+    *lead, m, k = a.shape
+    n = b.shape[-2]
+    if b.shape[-1] != k or b_group_sf.shape[-1] * 32 != k or k % promote_k or promote_k % 32:
+        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, b_group_sf {tuple(b_group_sf.shape)}: want "
+                         f"b [..., N, K], b_group_sf [..., N, K/32], K a multiple of promote_k={promote_k} (32 | it)")
+    ga = k // a_sf.shape[-1]
+    if ga % promote_k:
+        raise ValueError(f"activation scale group {ga} must be a multiple of promote_k={promote_k}")
+    model = MODELS[mma]
+    acc = torch.zeros(*lead, m, n, dtype=torch.float32, device=a.device)
+    if m == 0:
+        return acc
+    per_block = promote_k // 32
+    for kb in range(k // promote_k):
+        blk = None
+        for g in range(kb * per_block, (kb + 1) * per_block):
+            ks = slice(32 * g, 32 * (g + 1))
+            d = tc_dot(a[..., ks].float(), b[..., ks].float(), model)  # [..., M, N] fp32
+            dg = d * b_group_sf[..., g].unsqueeze(-2)  # fp32 product, exact
+            blk = dg if blk is None else blk + dg
+        s = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1).double()  # [..., M, 1]
+        acc = (acc.double() + s * blk.double()).float()
+    return acc

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import WEIGHT_DECODERS, dequantize_mxfp4_lookup, e8m0_to_float, mxfp4_decode_table, unpack_ue8m0_x4
+from ..formats import (E8M0_NAN, WEIGHT_DECODERS, dequantize_mxfp4_lookup, e2m1_decode, e8m0_to_float,
+                       mxfp4_decode_table, unpack_e2m1, unpack_ue8m0_x4)
 from ..geometry import Geometry
 from ..inputs import MoEInputs
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
@@ -26,7 +27,7 @@ from ..recipe import Recipe, get_recipe
 from ..weights import FP8BlockWeights, MXFP4Weights
 from ..validate import as_int, check_output, check_step, check_weights
 from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch
-from .gemm import exact_gemm, promoted_gemm
+from .gemm import exact_gemm, group_scaled_gemm, promoted_gemm
 from .swiglu import requant_fp8, swiglu
 
 
@@ -95,6 +96,8 @@ def decode_experts(weights, experts: list[int], recipe: Recipe):
         raise ValueError(
             f"recipe {recipe.name!r} reads FP8 block weights; convert with megamoe.layouts (to_fp8_block)"
         )
+    if recipe.weight_decode == "e4m3_group":
+        return _group_operands(weights, experts)
     if recipe.weight_decode == "exact":
         w1, w2 = zip(*(weights.dequantize_expert(e) for e in experts))  # global scales folded in exactly
         return torch.stack(w1), None, torch.stack(w2), None, None, None
@@ -114,6 +117,26 @@ def decode_experts(weights, experts: list[int], recipe: Recipe):
     return w1, None, w2, None, gs1, gs2
 
 
+def _group_operands(weights: MXFP4Weights, experts: list[int]):
+    """The ``e4m3_group`` decode (megamoe-decode-tc): (w1 [B, 2I, H] e2m1 * 2**-6, sf1 [B, 2I, H/32] fp32
+    2**(s - 121), w2, sf2, None, None): the operands the tensor cores read and the factor on each group's sum.
+    Byte 0xFF gives a NaN factor (the kernel's prepare refuses it)."""
+    if weights.l1_global_scale is not None or weights.l2_global_scale is not None:
+        raise ValueError("the e4m3_group decode takes no global scales: fold them into the bytes first "
+                         "(megamoe.decode.layout.fold_global_scales)")
+    idx = torch.tensor(experts, device=weights.device)
+
+    def operands(packed, scale_bytes):
+        vals = e2m1_decode(unpack_e2m1(packed[idx])) * 2.0**-6  # exact: e4m3 values
+        b = scale_bytes[idx]
+        sf = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b.to(torch.int32) - 121)
+        return vals, torch.where(b == E8M0_NAN, torch.full_like(sf, float("nan")), sf)
+
+    w1, sf1 = operands(weights.l1, weights.l1_scale)
+    w2, sf2 = operands(weights.l2, weights.l2_scale)
+    return w1, sf1, w2, sf2, None, None
+
+
 def experts_forward(
     xa: torch.Tensor, x_sf: torch.Tensor | None, weight: torch.Tensor, weights, experts: list[int], g: Geometry,
     recipe: Recipe,
@@ -126,8 +149,11 @@ def experts_forward(
     w1, w1_sf, w2, w2_sf, gs1, gs2 = decode_experts(weights, experts, recipe)
     gs1 = None if gs1 is None else gs1.view(-1, 1, 1)
     gs2 = None if gs2 is None else gs2.view(-1, 1, 1)
+    grouped = recipe.weight_decode == "e4m3_group"  # w*_sf: per-32 group factors (group_scaled_gemm)
     if x_sf is None:
         h = exact_gemm(xa, w1, recipe.accum)
+    elif grouped:
+        h = group_scaled_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma)
     else:
         h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma, recipe.accumulate)
     del w1
@@ -141,7 +167,7 @@ def experts_forward(
     else:
         q, l2_sf = requant_fp8(vw, recipe.l2_group, recipe.l2_scale, recipe.l2_amax_floor)
         l2_in = q
-        out = promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma,
+        out = group_scaled_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group), recipe.mma) if grouped else promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma,
                              recipe.accumulate)
     if gs2 is not None:
         out = out * gs2  # FlashInfer: on the L2 accumulators, before the bf16 cast

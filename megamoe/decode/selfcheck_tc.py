@@ -1,0 +1,132 @@
+"""Checks of the tensor-core decode path (``tc.py``), on a GPU or under Triton's interpreter:
+
+    stages   l1_tc and l2_tc against their twins bit for bit, from the same inputs
+    whole    moe_decode (TCWeights) against the eager reference (recipe megamoe-decode-tc): calc_diff and the
+             bitwise agreement of y; rows past the step still poisoned; a second launch bit-identical
+    broken   a scale byte off by one must be caught by the reference comparison
+
+On the GPU the twins and the reference use the recipe's tensor-core model and real inputs. Under the
+interpreter ``tl.dot`` is a float32 matmul, so the inputs are built so that every group sum is exact (x codes
+are small integers and one 448 per 128 block; the L2 stage is fed small-integer codes) and the twins use the
+``exact-block`` model; the whole path then differs from the reference only by the L2 group sums the
+interpreter rounds, and is held to calc_diff < 1e-6 instead of bit equality.
+
+    python3 -m megamoe.decode.selfcheck_tc --device cpu      (needs TRITON_INTERPRET=1 on a CPU) -> JSON rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from ..inputs import make_inputs
+from ..recipe import MEGAMOE_DECODE_TC
+from ..testing import calc_diff, first_mismatch
+from . import routing, tc
+from .gemv import LaunchConfig
+from .layout_tc import prepare_tc_weights
+from .moe import DecodeBuffers, moe_decode
+from .selfcheck import DecodeCase, _copy_staged, _written, case_weights, geometry_of
+
+CPU_CASES = (
+    DecodeCase("tiny", 1, seed=11),
+    DecodeCase("tiny", 5, routing="masked", seed=12),
+    DecodeCase("tiny", 20, routing="skewed", seed=13),  # one expert past 16 tokens: two passes
+    DecodeCase("wide", 3, routing="allmasked", seed=14),
+    DecodeCase("tiny", 3, broken="l2-scale-off-by-one", seed=15),
+)
+
+
+def _exact_friendly(inp, seed: int):
+    """Inputs whose staged x codes are small integers and one 448 per 128 block, times a power of two per
+    token (module docstring): every L1 group sum is then exact in FP32 and in the tensor cores' 13 bits."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h = inp.x.shape
+    x = torch.randint(-4, 5, (t, h), generator=gen).float()
+    x.view(t, h // 128, 128)[:, :, 0] = 448.0
+    x = x * torch.exp2(torch.randint(-6, 6, (t, 1), generator=gen).float())
+    return dataclasses.replace(inp, x=x.to(torch.bfloat16).to(inp.x.device))
+
+
+def run_tc_case(case: DecodeCase, device="cpu") -> dict:
+    from ..reference import moe_forward
+    from ..staging import stage_into
+
+    t0 = time.time()
+    interp = torch.device(device).type == "cpu"
+    g = geometry_of(case.geometry)
+    w = case_weights(case.geometry, str(device))
+    tw = prepare_tc_weights(w)
+    if case.broken:
+        tw = dataclasses.replace(tw, l2_scales=(tw.l2_scales + 1).contiguous())
+    inp = make_inputs(g, case.tokens, seed=2000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to(device)
+    if interp:
+        inp = _exact_friendly(inp, case.seed)
+    t = case.tokens
+    buf = DecodeBuffers.allocate(g, t, device)
+    stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t,
+               num_experts=g.num_experts, backend="torch")
+    recipe = MEGAMOE_DECODE_TC.with_(mma="exact-block") if interp else MEGAMOE_DECODE_TC
+    cfg = LaunchConfig(store_l1=True)
+    row = {"case": case.id, "tc": True, **dataclasses.asdict(case)}
+    ref = moe_forward(inp, w, recipe, g)
+    if case.broken:
+        row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
+        return row
+    twin = DecodeBuffers.allocate(g, t, device)
+    _copy_staged(buf, twin)
+    buf.poison_()
+    twin.poison_()
+    for b in (buf, twin):
+        routing.route_torch(b.topk_idx, b.topk_weights, b.x_q, t, b.expert_lo, b.num_local, b)
+    tc.l1_tc(tw, buf, t, g.clamp, cfg)
+    tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=recipe.mma)
+    row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
+                          if (m := first_mismatch(_written(buf, f, t), _written(twin, f, t))))
+    n = int((buf.slot_row[: t * g.num_topk] >= 0).sum())
+    if interp:  # small-integer L2 codes (every group sum exact), the same in both
+        gen = torch.Generator().manual_seed(case.seed)
+        small = torch.tensor([0x00, 0x38, 0x40, 0x44, 0x48, 0xB8, 0xC0, 0xC4, 0xC8], dtype=torch.uint8)  # 0, +-1..4
+        codes = small[torch.randint(0, len(small), (n, g.intermediate), generator=gen)].to(device)
+        buf.l2_q[:n] = codes
+        twin.l2_q[:n] = codes
+    tc.l2_tc(tw, buf, t, cfg)
+    tc.l2_tc_torch(tw, twin, t, cfg, mma=recipe.mma)
+    row["l2"] = first_mismatch(_written(buf, "slot_out", t), _written(twin, "slot_out", t)) or ""
+    buf.poison_()
+    y = moe_decode(tw, buf, t, g.clamp, cfg).clone()
+    row["poison_kept"] = bool(torch.isnan(buf.y[t:].float()).all() and (buf.l2_q[n:] == 0x7F).all())
+    row["calc_diff"] = calc_diff(y, ref)
+    row["bitwise_frac"] = float((y.view(torch.int16) == ref.view(torch.int16)).float().mean())
+    row["nan"] = int(torch.isnan(y.float()).sum())
+    buf.poison_()
+    row["repeat_identical"] = not first_mismatch(moe_decode(tw, buf, t, g.clamp, cfg), y)
+    row["interpreter"] = interp
+    row["seconds"] = round(time.time() - t0, 2)
+    return row
+
+
+def passed_tc(row: dict) -> bool:
+    """Stages equal to their twins; the whole path bit-identical to the reference on the GPU, within 1e-6
+    under the interpreter; repeatable, poison kept. A broken case passes when the reference catches it."""
+    if row["broken"]:
+        return row["calc_diff"] > 1e-3
+    whole = row["calc_diff"] < 1e-6 if row["interpreter"] else row["bitwise_frac"] == 1.0
+    return not row["l1"] and not row["l2"] and whole and row["repeat_identical"] and row["poison_kept"] and not row["nan"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    rows = [run_tc_case(c, args.device) for c in CPU_CASES]
+    print(json.dumps(rows))
+    return 0 if all(passed_tc(r) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

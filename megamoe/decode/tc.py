@@ -1,0 +1,76 @@
+"""Launchers of the tensor-core decode stages beside their torch twins (same name + ``_torch``, same
+signature, the same outputs bit for bit on the GPU). Kernels: ``triton_tc.py``; weights: ``layout_tc.py``;
+routing and combine are the CUDA-core path's own (``routing.py``, ``gemv.combine``).
+
+    l1_tc / l1_tc_torch   routing metadata + x_q -> l1_out (optional), l2_q, l2_sf
+    l2_tc / l2_tc_torch   l2_q, l2_sf -> slot_out (bf16 per pool row)
+
+A twin computes each touched expert with the reference's own functions (``group_scaled_gemm``, ``swiglu``,
+``requant_fp8``) on the operands the tensor cores read (``layout_tc.expert_operands``). Under Triton's
+interpreter ``tl.dot`` is a float32 matmul, not the tensor cores' k32 sum: the interpreter matches the twin
+bit for bit when the twin uses the ``exact-block`` model and every group sum is exact in FP32 and in the
+tensor cores' 13 fraction bits (the CPU tests' inputs are built so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipe import MEGAMOE_DECODE_TC
+from ..reference.gemm import group_scaled_gemm
+from ..reference.swiglu import requant_fp8, swiglu
+from .gemv import LaunchConfig, _kw, _work_items
+from .layout_tc import TCWeights, expert_operands
+
+
+def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
+    from .triton_tc import l1_tc_kernel
+
+    if num_tokens == 0:
+        return
+    l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32)](
+        tw.l1_codes, tw.l1_scales, buf.x_q.view(torch.uint8), buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
+        buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf, float(clamp),
+        H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
+        **_kw(4, buf.interpret), **({} if buf.interpret else {"num_stages": cfg.tc_stages}),
+    )
+
+
+def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
+    from .triton_tc import l2_tc_kernel
+
+    if num_tokens == 0:
+        return
+    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
+        tw.l2_codes, tw.l2_scales, buf.l2_q, buf.l2_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
+        buf.slot_out, H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
+        **_kw(4, buf.interpret), **({} if buf.interpret else {"num_stages": cfg.tc_stages}),
+    )
+
+
+def l1_tc_torch(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig, mma: str | None = None) -> None:
+    """``mma`` overrides the recipe's tensor-core model (``exact-block`` to match the interpreter)."""
+    if num_tokens == 0:
+        return
+    r = MEGAMOE_DECODE_TC
+    for e, rows in _work_items(buf):
+        w1, sf1, _, _ = expert_operands(tw, e)
+        tok = buf.row_token[rows].long()
+        h = group_scaled_gemm(buf.x_q[tok].float(), buf.x_sf[tok], w1, sf1, 128, mma or r.mma)  # [M, 2I]
+        if cfg.store_l1:
+            buf.l1_out[rows] = h
+        vw = swiglu(h, clamp, False, r.silu_exp) * buf.row_weight[rows].unsqueeze(1)
+        q, sf = requant_fp8(vw, r.l2_group, r.l2_scale, r.l2_amax_floor)
+        buf.l2_q[rows] = q.view(torch.uint8)
+        buf.l2_sf[rows] = sf
+
+
+def l2_tc_torch(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig, mma: str | None = None) -> None:
+    if num_tokens == 0:
+        return
+    r = MEGAMOE_DECODE_TC
+    for e, rows in _work_items(buf):
+        _, _, w2, sf2 = expert_operands(tw, e)
+        q = buf.l2_q[rows].view(torch.float8_e4m3fn).float()
+        out = group_scaled_gemm(q, buf.l2_sf[rows], w2, sf2, r.l2_group, mma or r.mma)
+        buf.slot_out[rows] = out.to(torch.bfloat16).view(torch.int16)

@@ -1,0 +1,156 @@
+"""The decode path's tensor-core GEMVs (Triton, FP8 MMAs with the weights as the 64-row operand and the
+tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch``.
+
+    l1_tc_kernel  grid (W, I / 32):  work item j's expert, gate and up channels [32 t, 32 t + 32) (64 MMA
+                  rows) over all H; then SwiGLU, the routing weight and the FP8 requant of those 32 channels
+    l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
+
+A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows).
+
+Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_gemm``), per 32-K group g:
+    decode  each packed byte -> two e4m3 bytes worth e2m1 * 2**-6 (``_fp4_to_e4m3``; exact)
+    d_g     tl.dot of the group's [64, 32] weights and [32, 16] x codes, a fresh accumulator: the tensor
+            cores' own k32 sum (modelled bit for bit by ``sm90-fp8-tc-operands``)
+    d'_g    d_g * 2**(s - 121) in FP32 (exact for scale bytes 20..235, checked at prepare)
+    blk     L1: the FP32 sum of the 4 groups of a 128-K block in ascending K; L2: the group itself
+    acc     fl32(fl64(acc) + fl64(x_sf) * fl64(blk)), blocks in ascending K
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..staging.triton_stage import _e4m3_rtne_bits
+from .triton_gemv import _bf16_bits
+
+NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
+
+
+@triton.jit
+def _fp4_to_e4m3(p, R: tl.constexpr, ASM: tl.constexpr):
+    """packed e2m1 uint8 [R, 16] (K 2j in the low nibble of byte j) -> float8e4nv [R, 32], e2m1 * 2**-6 each:
+    sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. On the GPU four bytes per 32-bit register at once."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
+            "and.b32 b, b, 0x80808080; or.b32 $0, a, b; shr.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; "
+            "and.b32 b, $2, 0x80808080; or.b32 $1, a, b; }",
+            "=r,=r,r", [p], dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
+    else:
+        lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
+        hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (R, 32))
+
+
+@triton.jit
+def _group(codes_ptr, scales_ptr, xg, R: tl.constexpr, ASM: tl.constexpr):
+    """One 32-K group: codes [R, 16] bytes and R scale bytes at the pointers, x codes [32, NTOK] fp8
+    -> d' fp32 [R, NTOK] = (tensor-core sum) * 2**(s - 121)."""
+    r = tl.arange(0, R)
+    p = tl.load(codes_ptr + r[:, None] * 16 + tl.arange(0, 16)[None, :])
+    d = tl.dot(_fp4_to_e4m3(p, R, ASM), xg, out_dtype=tl.float32)
+    s = tl.load(scales_ptr + r).to(tl.int32)
+    f = ((s + 6) << 23).to(tl.float32, bitcast=True)  # 2**(s - 121)
+    return d * f[:, None]
+
+
+@triton.jit
+def _x_group(x_ptr, rows, valid, k0, LD: tl.constexpr):
+    """x codes of the pass's tokens, K [k0, k0 + 32): [32, NTOK] fp8 (columns past the pass zero)."""
+    k = k0 + tl.arange(0, 32)
+    v = tl.load(x_ptr + rows[None, :] * LD + k[:, None], mask=valid[None, :], other=0)
+    return v.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _promote(acc, blk, sf):
+    """acc fp32 [R, NTOK], blk fp32 [R, NTOK], sf fp32 [NTOK] -> fl32(fl64(acc) + fl64(sf) * fl64(blk))."""
+    return (acc.to(tl.float64) + sf.to(tl.float64)[None, :] * blk.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _pass(start, m0, count):
+    """Pool rows of the pass's NTOK columns (column c -> row start + m0 + c) and which are real."""
+    c = tl.arange(0, NTOK)
+    valid = m0 + c < count
+    return (start + tl.where(valid, m0 + c, 0)).to(tl.int64), valid
+
+
+@triton.jit
+def l1_tc_kernel(
+    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 64, 16], uint8 [E, I/32, H/32, 64] (layout_tc.py)
+    x_ptr, xsf_ptr,  # e4m3 codes uint8 [C, H], fp32 [C, H/128]
+    num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
+    l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
+    clamp,
+    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
+):
+    j = tl.program_id(0)
+    t = tl.program_id(1)
+    if j < tl.load(num_touched_ptr):
+        NG: tl.constexpr = H // 32
+        e = tl.load(touched_ptr + j).to(tl.int64)
+        start = tl.load(seg_start_ptr + j)
+        count = tl.load(seg_count_ptr + j)
+        tile = (e * (I // 32) + t) * NG  # first group of this tile
+        n = t * 32 + tl.arange(0, 32)
+        m0 = 0
+        while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
+            rows, valid = _pass(start, m0, count)
+            tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
+            acc = tl.zeros([64, NTOK], tl.float32)
+            for kb in range(H // 128):
+                blk = tl.zeros([64, NTOK], tl.float32)
+                for q in tl.static_range(4):
+                    g = kb * 4 + q
+                    xg = _x_group(x_ptr, tok, valid, g * 32, H)
+                    blk += _group(w_ptr + (tile + g) * (64 * 16), s_ptr + (tile + g) * 64, xg, 64, ASM)
+                xsf = tl.load(xsf_ptr + tok * (H // 128) + kb, mask=valid, other=0.0)
+                acc = _promote(acc, blk, xsf)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
+            if STORE_L1:
+                tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
+                tl.store(l1_ptr + rows[None, :] * (2 * I) + I + n[:, None], up, mask=valid[None, :])
+            weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
+            g = tl.minimum(gate, clamp)
+            u = tl.minimum(tl.maximum(up, -clamp), clamp)
+            ex = tl.exp((-g).to(tl.float64)).to(tl.float32)
+            one = tl.full([32, NTOK], 1.0, tl.float32)
+            vw = g * tl.math.div_rn(one, one + ex) * u * weight[None, :]
+            floor = tl.full([NTOK], 0x2EDBE6FF, tl.int32).to(tl.float32, bitcast=True)  # fl32(1e-10)
+            inv448 = tl.full([NTOK], 0x3B124925, tl.int32).to(tl.float32, bitcast=True)  # fl32(1/448)
+            sf = tl.maximum(tl.max(tl.abs(vw), axis=0), floor) * inv448  # [NTOK]
+            qv = tl.minimum(tl.maximum(vw * tl.math.div_rn(tl.full([NTOK], 1.0, tl.float32), sf)[None, :], -448.0), 448.0)
+            tl.store(q_ptr + rows[None, :] * I + n[:, None], _e4m3_rtne_bits(qv), mask=valid[None, :])
+            tl.store(sf2_ptr + rows * (I // 32) + t, sf, mask=valid)
+            m0 += NTOK
+
+
+@triton.jit
+def l2_tc_kernel(
+    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 64, 16], uint8 [E, H/64, I/32, 64]
+    q_ptr, sf2_ptr,  # uint8 [S, I] e4m3 codes, fp32 [S, I/32]
+    num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
+    out_ptr,  # int16 (bf16 bits) [S, H]
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
+):
+    j = tl.program_id(0)
+    t = tl.program_id(1)
+    if j < tl.load(num_touched_ptr):
+        NG: tl.constexpr = I // 32
+        e = tl.load(touched_ptr + j).to(tl.int64)
+        start = tl.load(seg_start_ptr + j)
+        count = tl.load(seg_count_ptr + j)
+        tile = (e * (H // 64) + t) * NG
+        n = t * 64 + tl.arange(0, 64)
+        m0 = 0
+        while m0 < count:
+            rows, valid = _pass(start, m0, count)
+            acc = tl.zeros([64, NTOK], tl.float32)
+            for g in range(NG):
+                xg = _x_group(q_ptr, rows, valid, g * 32, I)
+                d = _group(w_ptr + (tile + g) * (64 * 16), s_ptr + (tile + g) * 64, xg, 64, ASM)
+                acc = _promote(acc, d, tl.load(sf2_ptr + rows * NG + g, mask=valid, other=0.0))
+            tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
+            m0 += NTOK
