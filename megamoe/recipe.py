@@ -191,7 +191,8 @@ MEGAMOE_DECODE_TC = MEGAMOE_DECODE.with_(
     #  2. Weights enter the MMA as e2m1 * 2**-6 (e4m3, exact); 2**(s - 121) multiplies each 32-K group's sum
     #     in FP32, exact for scale bytes 20..235 (the e4m3_group decode's window; others refused at prepare).
     #  3. Each group's sum is the tensor cores' own (a fresh k32 MMA, sm90-fp8-tc-operands); a 128-K block is
-    #     the FP32 sum of its 4 scaled groups in ascending K; the promotion is unchanged.
+    #     the FP32 sum of its 4 scaled groups in ascending K; promoted as acc = fl32(acc + fl32(x_sf * block))
+    #     (two FP32 roundings: no float64 on the tensor-core path).
     #  6. L2 the same, one group per promotion block.
     weight_decode="e4m3_group",
     mma="sm90-fp8-tc-operands",

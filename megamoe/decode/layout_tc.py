@@ -1,17 +1,21 @@
-"""The tensor-core decode kernels' weight layout (``triton_tc.py``): checkpoint MXFP4 bytes, regrouped so that
-each (tile, 32-K group) a program reads is one contiguous block. Bytes are the checkpoint's own (two e2m1 per
-byte, K 2j in the low nibble of byte j); nothing is re-encoded, only permuted.
+"""The tensor-core decode kernels' weight layout (``triton_tc.py``): the checkpoint's e2m1 codes and E8M0
+bytes, regrouped so that each (tile, 32-K group) a program reads is one contiguous block and each thread's
+share of it is 8 contiguous bytes, already in the order of the wgmma A-operand register fragment.
 
-    L1 codes   uint8 [E, I/32, H/32, 64, 16]   tile t's 64 MMA rows: gate channels 32t..32t+31, then up's
+    L1 codes   uint8 [E, I/32, H/32, 1024]   tile t's 64 MMA rows: gate channels 32t..32t+31, then up's
     L1 scales  uint8 [E, I/32, H/32, 64]
-    L2 codes   uint8 [E, H/64, I/32, 64, 16]   output rows 64t..64t+63
+    L2 codes   uint8 [E, H/64, I/32, 1024]   output rows 64t..64t+63
     L2 scales  uint8 [E, H/64, I/32, 64]
 
-The kernel reads a byte of codes as two e4m3 values e2m1 * 2**-6 (exact: ``e4m3_from_nibbles``) and applies
-2**(s - 121) to each group's tensor-core sum in FP32. That product stays exact, with no subnormal and no
-overflow, for scale bytes 20..235 (``megamoe.formats``: the ``e4m3_group`` decode's window): a group with
-nonzero codes and a byte outside it is refused. A group whose codes are all zero is worth zero under any
-byte; its byte becomes 127, so that no 0xFF (NaN) or out-of-window byte reaches the FP32 scale.
+A block holds the [64, 32] codes c[r, k] of one group, r = 16 w + 8 h + ri, k = 16 kh + 4 lq + i, as bytes in
+the order (w, ri, lq, kh, i), byte = c[h = 0] | c[h = 1] << 4: warp w's lane 4 ri + lq then holds rows ri and
+ri + 8 of its 16 at K 4 lq + (0..3) and 16 + 4 lq + (0..3), which is what the wgmma fragment asks of it.
+
+The kernel reads a code as the e4m3 byte worth e2m1 * 2**-6 (``e4m3_bytes``: exact) and applies 2**(s - 121)
+to each group's tensor-core sum in FP32. That product stays exact, with no subnormal and no overflow, for
+scale bytes 20..235 (``megamoe.formats``: the ``e4m3_group`` decode's window): a group with nonzero codes
+and a byte outside it is refused. A group whose codes are all zero is worth zero under any byte; its byte
+becomes 127, so that no 0xFF (NaN) or out-of-window byte reaches the FP32 scale.
 """
 
 from __future__ import annotations
@@ -48,12 +52,10 @@ class TCWeights:
         return sum(t[0].numel() for t in (self.l1_codes, self.l1_scales, self.l2_codes, self.l2_scales))
 
 
-def e4m3_from_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """What the kernel's decode computes: packed uint8 [..., K/2] -> e4m3 bytes [..., K] whose values are
-    e2m1 * 2**-6: sign to bit 7, the three magnitude bits (e1 e0 m) to bits 4..2."""
-    lo = ((packed & 7) << 2) | ((packed & 8) << 4)
-    hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
-    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], -1)
+def e4m3_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """What the kernel's decode computes: e2m1 codes uint8 -> e4m3 bytes worth e2m1 * 2**-6: sign to bit 7, the
+    three magnitude bits (e1 e0 m) to bits 4..2."""
+    return ((codes & 7) << 2) | ((codes & 8) << 4)
 
 
 def check_and_canonicalize_scales(packed: torch.Tensor, scale_bytes: torch.Tensor, what: str,
@@ -72,13 +74,29 @@ def check_and_canonicalize_scales(packed: torch.Tensor, scale_bytes: torch.Tenso
     return torch.where(nonzero, scale_bytes, torch.full_like(scale_bytes, 127))
 
 
+BLOCK_SHAPE = (4, 2, 8, 2, 4, 4)  # a block's rows and K as (w, h, ri) x (kh, lq, i)
+BLOCK_ORDER = (0, 2, 4, 3, 5, 1)  # -> (w, ri, lq, kh, i, h): the byte order, h the nibble
+
+
 def _tiles(packed: torch.Tensor, scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """packed [E, N, K/2], scales [E, N, K/32] -> ([E, N/rows, K/32, rows, 16], [E, N/rows, K/32, rows])."""
+    """packed [E, N, K/2], scales [E, N, K/32] -> ([E, N/64, K/32, 1024], [E, N/64, K/32, 64]) (``rows`` = 64)."""
     e, n, kb = packed.shape
     g = kb // GROUP_BYTES
-    c = packed.view(e, n // rows, rows, g, GROUP_BYTES).permute(0, 1, 3, 2, 4)
+    c = unpack_e2m1(packed).view(e, n // rows, rows, g, 32).permute(0, 1, 3, 2, 4)  # [E, NT, G, 64, 32]
+    c = c.reshape(e, n // rows, g, *BLOCK_SHAPE).permute(0, 1, 2, *(3 + d for d in BLOCK_ORDER))
+    blocks = (c[..., 0] | (c[..., 1] << 4)).reshape(e, n // rows, g, rows * 16)
     s = scales.view(e, n // rows, rows, g).permute(0, 1, 3, 2)
-    return c.contiguous(), s.contiguous()
+    return blocks.contiguous(), s.contiguous()
+
+
+def _untile(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``_tiles`` for one expert: ([NT, G, 1024], [NT, G, 64]) -> (codes [NT * 64, G * 32], bytes)."""
+    nt, g, _ = blocks.shape
+    b = blocks.view(nt, g, 4, 8, 4, 2, 4)
+    c = torch.stack((b & 0xF, b >> 4), dim=-1)  # (w, ri, lq, kh, i, h)
+    inv = [BLOCK_ORDER.index(d) for d in range(6)]
+    c = c.permute(0, 1, *(2 + d for d in inv)).reshape(nt, g, 64, 32)
+    return c.permute(0, 2, 1, 3).reshape(nt * 64, g * 32), scales.permute(0, 2, 1).reshape(nt * 64, g)
 
 
 def _l1_rows(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -108,17 +126,27 @@ def prepare_tc_weights(weights: MXFP4Weights, experts_per_chunk: int = 16) -> TC
 def expert_operands(tw: TCWeights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert e as the tensor cores read it, in checkpoint row order: (w1 [2I, H] e4m3 values e2m1 * 2**-6,
     sf1 [2I, H/32] fp32 2**(s - 121), w2 [H, I], sf2 [H, I/32])."""
-    def back(codes, scales):
-        nt, g, rows, gb = codes.shape
-        c = codes.permute(0, 2, 1, 3).reshape(nt * rows, g * gb)
-        s = scales.permute(0, 2, 1).reshape(nt * rows, g)
-        vals = e4m3_from_nibbles(c).view(torch.float8_e4m3fn).float()
+    def operands(blocks, scales):
+        codes, s = _untile(blocks, scales)
+        vals = e4m3_bytes(codes).view(torch.float8_e4m3fn).float()
         return vals, torch.ldexp(torch.ones_like(s, dtype=torch.float32), s.to(torch.int32) - 121)
 
     i = tw.intermediate
-    w1, sf1 = back(tw.l1_codes[e], tw.l1_scales[e])
-    # tile order back to gate rows then up rows (the inverse of _l1_rows)
-    w1 = w1.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1)
-    sf1 = sf1.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1)
-    w2, sf2 = back(tw.l2_codes[e], tw.l2_scales[e])
+    w1, sf1 = operands(tw.l1_codes[e], tw.l1_scales[e])
+    w1, sf1 = (t.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1) for t in (w1, sf1))  # gate, then up
+    w2, sf2 = operands(tw.l2_codes[e], tw.l2_scales[e])
     return w1, sf1, w2, sf2
+
+
+def checkpoint_from_tc(tw: TCWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All experts' codes and bytes back in checkpoint order (the inverse of prepare, after its canonical
+    bytes): (l1 codes [E, 2I, H], l1 bytes [E, 2I, H/32], l2 codes [E, H, I], l2 bytes [E, H, I/32])."""
+    i = tw.intermediate
+    out = [[], [], [], []]
+    for e in range(tw.num_experts):
+        c1, s1 = _untile(tw.l1_codes[e], tw.l1_scales[e])
+        c2, s2 = _untile(tw.l2_codes[e], tw.l2_scales[e])
+        c1, s1 = (t.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1) for t in (c1, s1))
+        for lst, t in zip(out, (c1, s1, c2, s2)):
+            lst.append(t)
+    return tuple(torch.stack(t) for t in out)

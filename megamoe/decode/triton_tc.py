@@ -8,12 +8,12 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
 A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows).
 
 Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_gemm``), per 32-K group g:
-    decode  each packed byte -> two e4m3 bytes worth e2m1 * 2**-6 (``_fp4_to_e4m3``; exact)
+    decode  each byte -> two e4m3 bytes worth e2m1 * 2**-6 (``_decode_block``; exact)
     d_g     tl.dot of the group's [64, 32] weights and [32, 16] x codes, a fresh accumulator: the tensor
             cores' own k32 sum (modelled bit for bit by ``sm90-fp8-tc-operands``)
     d'_g    d_g * 2**(s - 121) in FP32 (exact for scale bytes 20..235, checked at prepare)
     blk     L1: the FP32 sum of the 4 groups of a 128-K block in ascending K; L2: the group itself
-    acc     fl32(fl64(acc) + fl64(x_sf) * fl64(blk)), blocks in ascending K
+    acc     fl32(acc + fl32(x_sf * blk)), blocks in ascending K (two FP32 roundings, no FMA)
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 
 
 @triton.jit
-def _fp4_to_e4m3(p, R: tl.constexpr, ASM: tl.constexpr):
-    """packed e2m1 uint8 [R, 16] (K 2j in the low nibble of byte j) -> float8e4nv [R, 32], e2m1 * 2**-6 each:
-    sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. On the GPU four bytes per 32-bit register at once."""
+def _decode_block(p, ASM: tl.constexpr):
+    """One (tile, group) block of codes, uint8 [4, 8, 4, 2, 4] (w, ri, lq, kh, i; layout_tc.py) -> the MMA's A,
+    float8e4nv [64, 32], A[16 w + 8 h + ri, 16 kh + 4 lq + i] = the nibble h of byte (w, ri, lq, kh, i) as
+    e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. The block's order is the order in
+    which the wgmma register fragment holds A, so that each thread loads its 8 bytes at once and the
+    reshapes below move no data. On the GPU four bytes per 32-bit register at once."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
@@ -40,33 +43,54 @@ def _fp4_to_e4m3(p, R: tl.constexpr, ASM: tl.constexpr):
     else:
         lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
         hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (R, 32))
+    a = tl.permute(tl.join(lo, hi), (0, 5, 1, 3, 2, 4))  # (w, h, ri, kh, lq, i)
+    return tl.reshape(a, (64, 32))
 
 
 @triton.jit
-def _group(codes_ptr, scales_ptr, xg, R: tl.constexpr, ASM: tl.constexpr):
-    """One 32-K group: codes [R, 16] bytes and R scale bytes at the pointers, x codes [32, NTOK] fp8
-    -> d' fp32 [R, NTOK] = (tensor-core sum) * 2**(s - 121)."""
-    r = tl.arange(0, R)
-    p = tl.load(codes_ptr + r[:, None] * 16 + tl.arange(0, 16)[None, :])
-    d = tl.dot(_fp4_to_e4m3(p, R, ASM), xg, out_dtype=tl.float32)
-    s = tl.load(scales_ptr + r).to(tl.int32)
+def _block_offsets():
+    """Byte offsets [4, 8, 4, 2, 4] of a 1,024-byte block, in its own order (w, ri, lq, kh, i)."""
+    w = tl.arange(0, 4)[:, None, None, None, None] * 256
+    ri = tl.arange(0, 8)[None, :, None, None, None] * 32
+    lq = tl.arange(0, 4)[None, None, :, None, None] * 8
+    kh = tl.arange(0, 2)[None, None, None, :, None] * 4
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    return w + ri + lq + kh + i
+
+
+@triton.jit
+def _group(codes_ptr, scales_ptr, xg, ASM: tl.constexpr):
+    """One 32-K group: the 1,024-byte code block and 64 scale bytes at the pointers, x [32, NTOK] e4m3
+    -> d' fp32 [64, NTOK] = (tensor-core sum) * 2**(s - 121)."""
+    p = tl.load(codes_ptr + _block_offsets())
+    d = tl.dot(_decode_block(p, ASM), xg, out_dtype=tl.float32)
+    s = tl.load(scales_ptr + tl.arange(0, 64)).to(tl.int32)
     f = ((s + 6) << 23).to(tl.float32, bitcast=True)  # 2**(s - 121)
     return d * f[:, None]
 
 
 @triton.jit
 def _x_group(x_ptr, rows, valid, k0, LD: tl.constexpr):
-    """x codes of the pass's tokens, K [k0, k0 + 32): [32, NTOK] fp8 (columns past the pass zero)."""
+    """x (e4m3) of the pass's tokens, K [k0, k0 + 32): [32, NTOK] (columns past the pass zero)."""
     k = k0 + tl.arange(0, 32)
-    v = tl.load(x_ptr + rows[None, :] * LD + k[:, None], mask=valid[None, :], other=0)
-    return v.to(tl.float8e4nv, bitcast=True)
+    v = tl.load(x_ptr + rows[:, None] * LD + k[None, :], mask=valid[:, None], other=0.0)
+    return tl.trans(v)
 
 
 @triton.jit
-def _promote(acc, blk, sf):
-    """acc fp32 [R, NTOK], blk fp32 [R, NTOK], sf fp32 [NTOK] -> fl32(fl64(acc) + fl64(sf) * fl64(blk))."""
-    return (acc.to(tl.float64) + sf.to(tl.float64)[None, :] * blk.to(tl.float64)).to(tl.float32)
+def _mul_rn(a, b, ASM: tl.constexpr):
+    """fl32(a * b), never fused into a following add (PTX mul.rn is not contracted)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _promote(acc, blk, sf, ASM: tl.constexpr):
+    """acc fp32 [R, NTOK], blk fp32 [R, NTOK], sf fp32 [NTOK] -> fl32(acc + fl32(sf * blk))."""
+    return acc + _mul_rn(blk, sf[None, :], ASM)
 
 
 @triton.jit
@@ -80,7 +104,7 @@ def _pass(start, m0, count):
 @triton.jit
 def l1_tc_kernel(
     w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 64, 16], uint8 [E, I/32, H/32, 64] (layout_tc.py)
-    x_ptr, xsf_ptr,  # e4m3 codes uint8 [C, H], fp32 [C, H/128]
+    x_ptr, xsf_ptr,  # e4m3 [C, H], fp32 [C, H/128]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     clamp,
@@ -105,9 +129,9 @@ def l1_tc_kernel(
                 for q in tl.static_range(4):
                     g = kb * 4 + q
                     xg = _x_group(x_ptr, tok, valid, g * 32, H)
-                    blk += _group(w_ptr + (tile + g) * (64 * 16), s_ptr + (tile + g) * 64, xg, 64, ASM)
+                    blk += _group(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, xg, ASM)
                 xsf = tl.load(xsf_ptr + tok * (H // 128) + kb, mask=valid, other=0.0)
-                acc = _promote(acc, blk, xsf)
+                acc = _promote(acc, blk, xsf, ASM)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
             if STORE_L1:
                 tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
@@ -130,7 +154,7 @@ def l1_tc_kernel(
 @triton.jit
 def l2_tc_kernel(
     w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 64, 16], uint8 [E, H/64, I/32, 64]
-    q_ptr, sf2_ptr,  # uint8 [S, I] e4m3 codes, fp32 [S, I/32]
+    q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
@@ -150,7 +174,7 @@ def l2_tc_kernel(
             acc = tl.zeros([64, NTOK], tl.float32)
             for g in range(NG):
                 xg = _x_group(q_ptr, rows, valid, g * 32, I)
-                d = _group(w_ptr + (tile + g) * (64 * 16), s_ptr + (tile + g) * 64, xg, 64, ASM)
-                acc = _promote(acc, d, tl.load(sf2_ptr + rows * NG + g, mask=valid, other=0.0))
+                d = _group(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, xg, ASM)
+                acc = _promote(acc, d, tl.load(sf2_ptr + rows * NG + g, mask=valid, other=0.0), ASM)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK

@@ -151,7 +151,7 @@ def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_gr
         d_g   = tc(a_g, b_g) with a zero accumulator       (``mma``: the tensor cores' k32 sum)
         d'_g  = fl32(d_g * sf_g)                           (exact: a power of two, no subnormal, no overflow)
         blk   = fl32 sum of d'_g over the block's groups, ascending K
-        acc   = fl32(fl64(acc) + fl64(a_sf) * fl64(blk))   (a promotion block of ``promote_k``, ascending K)
+        acc   = fl32(acc + fl32(a_sf * blk))               (a promotion block of ``promote_k``, ascending K)
 
     Groups go one at a time through the model (its [..., M, N, 32] float64 products fit in memory)."""
     from .tensorcore import MODELS, tc_dot
@@ -176,6 +176,6 @@ def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_gr
             d = tc_dot(a[..., ks].float(), b[..., ks].float(), model)  # [..., M, N] fp32
             dg = d * b_group_sf[..., g].unsqueeze(-2)  # fp32 product, exact
             blk = dg if blk is None else blk + dg
-        s = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1).double()  # [..., M, 1]
-        acc = (acc.double() + s * blk.double()).float()
+        s = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1)  # [..., M, 1] fp32
+        acc = acc + s * blk  # two FP32 roundings: the kernel's mul.rn is never fused into the add
     return acc

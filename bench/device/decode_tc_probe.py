@@ -1,0 +1,136 @@
+"""Issue 25 on one H200: the tensor-core decode path (megamoe.decode.triton_tc, recipe megamoe-decode-tc)
+beside the CUDA-core default, DeepSeek-V4-Flash geometry, EP = 1.
+
+    PYTHONPATH=$PWD python3 bench/device/decode_tc_probe.py --out $OUT
+
+(a) correctness (megamoe.decode.selfcheck_tc.run_tc_case on the GPU): l1_tc / l2_tc against their twins bit for
+    bit (the recipe's tensor-core model), the whole path against the eager reference: calc_diff and the bitwise
+    agreement of y, poison kept, a second launch bit-identical.
+(b) speed, side by side in one run: the four launches of each path captured in one CUDA graph, replayed with
+    the L2 flushed before each (decode_probe.time_replays), kineto per kernel, and the plain read of the same
+    bytes; --stages times the tensor-core path with other software-pipeline depths.
+Results: $OUT/decode_tc_probe.json and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode_probe import FLASHINFER_US, L2Flusher, plain_read, staged_buffers, time_replays  # noqa: E402
+from megamoe.decode import moe_decode  # noqa: E402
+from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
+from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
+from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
+from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
+from megamoe.geometry import get_geometry  # noqa: E402
+
+KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
+T0 = time.time()
+
+
+def kineto(gs, flush, replays: int = 20) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            flush()
+            gs.replay(0)
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        for k in KERNELS:
+            if evt.key.startswith(k) or evt.key == k:
+                out[k] = out.get(k, 0.0) + t / replays
+    return out
+
+
+def timed(fn, s, flush) -> dict:
+    tm = time_replays(fn, s, flush)
+    tm["kineto_us"] = kineto(tm.pop("graph"), flush)
+    return tm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "decode_tc_out"))
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 32, 2, 4, 16, 64])
+    ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--stages", type=int, nargs="*", default=[])
+    ap.add_argument("--min-s", type=float, default=0.4)
+    ap.add_argument("--deadline", type=float, default=400.0)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    g = get_geometry("dsv4-flash")
+    import triton
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "geometry": g.name, "check": [], "rows": [], "errors": []}
+
+    def save():
+        with open(os.path.join(args.out, "decode_tc_probe.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    w = case_weights("dsv4-flash", "cuda")
+    tw = prepare_tc_weights(w)
+    dw = case_decode_weights("dsv4-flash", "cuda", 64)
+    print(f"[tc] weights ready {time.time() - T0:.0f} s", flush=True)
+    for t in args.check:
+        for routing in ("uniform", "masked") if t == 8 else ("uniform",):
+            try:
+                r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda")
+                r["passed"] = passed_tc(r)
+                res["check"].append(r)
+                print(f"[tc] check T={t} {routing}: l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff {r['calc_diff']:.2e} "
+                      f"bitwise {r['bitwise_frac']:.6f} repeat {r['repeat_identical']} passed {r['passed']} "
+                      f"({time.time() - T0:.0f} s)", flush=True)
+            except Exception:  # noqa: BLE001
+                res["errors"].append(f"check T={t}: {traceback.format_exc()}")
+                print(res["errors"][-1][-2000:], flush=True)
+            save()
+    flush = L2Flusher(dev)
+    sink = torch.empty(1 << 16, dtype=torch.int32, device=dev)
+    read_src = torch.empty(g.num_experts * tw.nbytes_per_expert() // 4, dtype=torch.int32, device=dev)
+    for t in args.tokens:
+        if time.time() - T0 > args.deadline:
+            break
+        row = {"tokens": t}
+        res["rows"].append(row)
+        try:
+            inp, buf, touched, slots = staged_buffers(g, t, dev)
+            cfg = default_launch_config(t)
+            row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
+            row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, cfg), args.min_s, flush)
+            for st in args.stages:
+                c2 = dataclasses.replace(cfg, tc_stages=st)
+                row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)
+            nbytes = touched * tw.nbytes_per_expert()
+            row.update(touched=touched, slots=slots, weight_mb=nbytes / 1e6)
+            if nbytes // 4 <= read_src.numel():
+                row["read"] = timed(plain_read(read_src, nbytes, sink), 0.2, flush)
+            line = " ".join(f"{k} {v['median_us']:.1f}" for k, v in row.items() if isinstance(v, dict))
+            print(f"[tc] T={t} experts {touched}: {line} (FlashInfer {FLASHINFER_US.get(t, '-')}) "
+                  f"({time.time() - T0:.0f} s)", flush=True)
+            print("     kineto tc:", {k: round(v, 1) for k, v in row["tc"]["kineto_us"].items()}, flush=True)
+        except Exception:  # noqa: BLE001
+            res["errors"].append(f"T={t}: {traceback.format_exc()}")
+            print(res["errors"][-1][-2000:], flush=True)
+        save()
+    res["total_s"] = round(time.time() - T0, 1)
+    save()
+    return 0 if all(r["passed"] for r in res["check"]) and not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
