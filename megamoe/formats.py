@@ -233,10 +233,11 @@ def decode_exact(x: torch.Tensor) -> torch.Tensor:
 def decode_e4m3_group(x: torch.Tensor) -> torch.Tensor:
     """The tensor-core decode kernel's rule (megamoe.decode.layout_tc): e2m1 * 2**-6 into the MMA, 2**(s - 121)
     on each group's FP32 sum. The value itself where that is exact, NaN where it is not: a group's sum is a
-    multiple of 2**-25 below 2**11, so its scaled block sums stay normal and finite for bytes 20..235 (the
-    smallest code 0.5 * 2**-107 .. the largest 6 * 2**108)."""
+    multiple of 2**-25 (operand exponents >= -6 each, 13 fraction bits kept) of magnitude <= 32 * 448 * 6/64 =
+    1344, so a block of four scaled sums stays normal and below FP32's largest value for bytes 20..236
+    (2**-25 * 2**(20 - 121) = 2**-126; 4 * 1344 * 2**(236 - 121) < 2**128): codes 0.5 * 2**-107 .. 6 * 2**109."""
     a = x.abs()
-    ok = (x == 0) | ((a >= 2.0**-108) & (a <= 6 * 2.0**108))
+    ok = (x == 0) | ((a >= 2.0**-108) & (a <= 6 * 2.0**109))
     return torch.where(ok, x.float(), torch.full_like(x, float("nan"), dtype=torch.float32))
 
 

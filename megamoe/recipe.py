@@ -189,7 +189,7 @@ MEGAMOE_DECODE_TC = MEGAMOE_DECODE.with_(
     kernel="megamoe.decode tensor-core path (Triton FP8 MMAs, one per 32-K scale group; 1..64 tokens per rank)",
     # Where it differs from megamoe-decode (megamoe/decode/triton_tc.py; reference.gemm.group_scaled_gemm):
     #  2. Weights enter the MMA as e2m1 * 2**-6 (e4m3, exact); 2**(s - 121) multiplies each 32-K group's sum
-    #     in FP32, exact for scale bytes 20..235 (the e4m3_group decode's window; others refused at prepare).
+    #     in FP32, exact for scale bytes 20..236 (the e4m3_group decode's window; others refused at prepare).
     #  3. Each group's sum is the tensor cores' own (a fresh k32 MMA, sm90-fp8-tc-operands); a 128-K block is
     #     the FP32 sum of its 4 scaled groups in ascending K; promoted as acc = fl32(acc + fl32(x_sf * block))
     #     (two FP32 roundings: no float64 on the tensor-core path).

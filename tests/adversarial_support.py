@@ -114,7 +114,20 @@ def exact_f32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
-INDEPENDENT = {"exact": exact_f32, "e4m3_flush_saturate": lambda v: e4m3_rn(v, flush=True), "e4m3_rn": e4m3_rn}
+def tc_group_exact(v: float) -> float:
+    """megamoe-decode-tc: exact iff the scaled sums of its bytes stay normal and finite. A group's tensor-core
+    sum of e4m3 x and e2m1 * 2**-6 weights is a multiple of 2**-25 and at most 32 * 448 * 6 / 64; four of them
+    times 2**(b - 121) must stay within [2**-126, FP32 max]. Stated per value: v = e2m1 * 2**(b - 127)."""
+    if v == 0:
+        return 0.0
+    lowest_byte = next(b for b in range(256) if 2.0**-25 * 2.0 ** (b - 121) >= 2.0**-126)
+    highest_byte = max(b for b in range(256) if 4 * 32 * 448 * 6 / 64 * 2.0 ** (b - 121) < 2.0**128)
+    ok = 0.5 * 2.0 ** (lowest_byte - 127) <= abs(v) <= 6 * 2.0 ** (highest_byte - 127)
+    return exact_f32(v) if ok else math.nan
+
+
+INDEPENDENT = {"exact": exact_f32, "e4m3_flush_saturate": lambda v: e4m3_rn(v, flush=True), "e4m3_rn": e4m3_rn,
+               "e4m3_group": tc_group_exact}
 
 
 def independent_table(decode: str) -> list[list[float]]:

@@ -66,7 +66,8 @@ def test_windows_derived_from_the_decode_rule(decode):
     legal = [b for b in range(256) if all(theirs[b][c] == math_value(b, c) for c in range(16))]
     assert tuple(legal) == exact_scale_bytes(decode)
     assert scale_byte_window(decode) == (legal[0], legal[-1]) and 255 not in legal
-    assert {"exact": (0, 252), "e4m3_flush_saturate": (122, 133), "e4m3_rn": (119, 133)}[decode] == (legal[0], legal[-1])
+    assert {"exact": (0, 252), "e4m3_flush_saturate": (122, 133), "e4m3_rn": (119, 133),
+            "e4m3_group": (20, 236)}[decode] == (legal[0], legal[-1])
 
 
 def math_value(b, c):

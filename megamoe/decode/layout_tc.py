@@ -13,7 +13,7 @@ ri + 8 of its 16 at K 4 lq + (0..3) and 16 + 4 lq + (0..3), which is what the wg
 
 The kernel reads a code as the e4m3 byte worth e2m1 * 2**-6 (``e4m3_bytes``: exact) and applies 2**(s - 121)
 to each group's tensor-core sum in FP32. That product stays exact, with no subnormal and no overflow, for
-scale bytes 20..235 (``megamoe.formats``: the ``e4m3_group`` decode's window): a group with nonzero codes
+scale bytes 20..236 (``megamoe.formats``: the ``e4m3_group`` decode's window): a group with nonzero codes
 and a byte outside it is refused. A group whose codes are all zero is worth zero under any byte; its byte
 becomes 127, so that no 0xFF (NaN) or out-of-window byte reaches the FP32 scale.
 """

@@ -11,7 +11,7 @@ Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_ge
     decode  each byte -> two e4m3 bytes worth e2m1 * 2**-6 (``_decode_block``; exact)
     d_g     tl.dot of the group's [64, 32] weights and [32, 16] x codes, a fresh accumulator: the tensor
             cores' own k32 sum (modelled bit for bit by ``sm90-fp8-tc-operands``)
-    d'_g    d_g * 2**(s - 121) in FP32 (exact for scale bytes 20..235, checked at prepare)
+    d'_g    d_g * 2**(s - 121) in FP32 (exact for scale bytes 20..236, checked at prepare)
     blk     L1: the FP32 sum of the 4 groups of a 128-K block in ascending K; L2: the group itself
     acc     fl32(acc + fl32(x_sf * blk)), blocks in ascending K (two FP32 roundings, no FMA)
 """
@@ -28,12 +28,12 @@ NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 
 
 @triton.jit
-def _decode_blocks(p, ASM: tl.constexpr):
-    """Four consecutive (tile, group) code blocks, uint8 [4, 4, 8, 4, 2, 4] (g, w, ri, lq, kh, i; layout_tc.py)
-    -> the MMA's A, float8e4nv [64, 128], A[16 w + 8 h + ri, 32 g + 16 kh + 4 lq + i] = nibble h of byte
-    (g, w, ri, lq, kh, i) as e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. A block's
-    order is the order in which the wgmma register fragment holds A, so that each thread loads its 8 bytes
-    of a group at once and the reshapes below move no data. On the GPU four bytes per register at once."""
+def _decode_block(p, ASM: tl.constexpr):
+    """One (tile, group) block of codes, uint8 [4, 8, 4, 2, 4] (w, ri, lq, kh, i; layout_tc.py) -> the MMA's A,
+    float8e4nv [64, 32], A[16 w + 8 h + ri, 16 kh + 4 lq + i] = the nibble h of byte (w, ri, lq, kh, i) as
+    e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. The block's order is the order in
+    which the wgmma register fragment holds A, so that each thread loads its 8 bytes at once and the
+    reshapes below move no data. On the GPU four bytes per 32-bit register at once."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
@@ -43,51 +43,38 @@ def _decode_blocks(p, ASM: tl.constexpr):
     else:
         lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
         hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
-    a = tl.permute(tl.join(lo, hi), (1, 6, 2, 0, 4, 3, 5))  # (w, h, ri, g, kh, lq, i)
-    return tl.reshape(a, (64, 128))
+    a = tl.permute(tl.join(lo, hi), (0, 5, 1, 3, 2, 4))  # (w, h, ri, kh, lq, i)
+    return tl.reshape(a, (64, 32))
 
 
 @triton.jit
 def _block_offsets():
-    """Byte offsets [4, 4, 8, 4, 2, 4] of four consecutive 1,024-byte blocks, in their order (g, w, ri, lq, kh, i)."""
-    g = tl.arange(0, 4)[:, None, None, None, None, None] * 1024
-    w = tl.arange(0, 4)[None, :, None, None, None, None] * 256
-    ri = tl.arange(0, 8)[None, None, :, None, None, None] * 32
-    lq = tl.arange(0, 4)[None, None, None, :, None, None] * 8
-    kh = tl.arange(0, 2)[None, None, None, None, :, None] * 4
-    i = tl.arange(0, 4)[None, None, None, None, None, :]
-    return g + w + ri + lq + kh + i
+    """Byte offsets [4, 8, 4, 2, 4] of a 1,024-byte block, in its own order (w, ri, lq, kh, i)."""
+    w = tl.arange(0, 4)[:, None, None, None, None] * 256
+    ri = tl.arange(0, 8)[None, :, None, None, None] * 32
+    lq = tl.arange(0, 4)[None, None, :, None, None] * 8
+    kh = tl.arange(0, 2)[None, None, None, :, None] * 4
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    return w + ri + lq + kh + i
 
 
 @triton.jit
-def _x_diagonal(x_ptr, rows, valid, k0, LD: tl.constexpr):
-    """x (e4m3) of the pass's tokens at K [k0, k0 + 128) as a block-diagonal B, [128, 4 NTOK]: column 16 g + n
-    holds token n's K [32 g, 32 g + 32) and zeros elsewhere (columns past the pass zero)."""
-    k = tl.arange(0, 128)[None, None, :]
-    own = (k // 32 == tl.arange(0, 4)[:, None, None]) & valid[None, :, None]  # [4, NTOK, 128]
-    bt = tl.load(x_ptr + rows[None, :, None] * LD + k0 + k, mask=own, other=0.0)  # K-major, as x is
-    return tl.trans(tl.reshape(bt, (4 * NTOK, 128)))
-
-
-@triton.jit
-def _four_groups(codes_ptr, scales_ptr, x_ptr, rows, valid, k0, LD: tl.constexpr, ASM: tl.constexpr):
-    """Four 32-K groups at once: their code blocks and scale bytes at the pointers, x at K [k0, k0 + 128)
-    -> d'_g fp32 [64, NTOK] for g = 0..3, d'_g = (the tensor cores' sum over group g) * 2**(s_g - 121).
-
-    One m64n64k128 MMA on the block-diagonal B: column block g collects group g's products at k32 step g and
-    zeros at the other three, which leave an FP32 accumulator unchanged (their terms are all zero; the
-    accumulator already has the 13-bit mantissa the alignment keeps), so it is group g's sum from a zero
-    accumulator, the same as a fresh k32 MMA. One wait instead of four."""
+def _group(codes_ptr, scales_ptr, xg, ASM: tl.constexpr):
+    """One 32-K group: the 1,024-byte code block and 64 scale bytes at the pointers, x [32, NTOK] e4m3
+    -> d' fp32 [64, NTOK] = (tensor-core sum) * 2**(s - 121)."""
     p = tl.load(codes_ptr + _block_offsets())
-    d = tl.dot(_decode_blocks(p, ASM), _x_diagonal(x_ptr, rows, valid, k0, LD), out_dtype=tl.float32)  # [64, 64]
-    s = tl.load(scales_ptr + tl.arange(0, 4)[None, :] * 64 + tl.arange(0, 64)[:, None]).to(tl.int32)  # [64, 4]
+    d = tl.dot(_decode_block(p, ASM), xg, out_dtype=tl.float32)
+    s = tl.load(scales_ptr + tl.arange(0, 64)).to(tl.int32)
     f = ((s + 6) << 23).to(tl.float32, bitcast=True)  # 2**(s - 121)
-    d = tl.reshape(d, (64, 4, NTOK)) * f[:, :, None]
-    d = tl.reshape(tl.permute(d, (0, 2, 1)), (64, NTOK, 2, 2))  # (r, n, g // 2, g % 2)
-    even, odd = tl.split(d)
-    d0, d2 = tl.split(even)
-    d1, d3 = tl.split(odd)
-    return d0, d1, d2, d3
+    return d * f[:, None]
+
+
+@triton.jit
+def _x_group(x_ptr, rows, valid, k0, LD: tl.constexpr):
+    """x (e4m3) of the pass's tokens, K [k0, k0 + 32): [32, NTOK] (columns past the pass zero)."""
+    k = k0 + tl.arange(0, 32)
+    v = tl.load(x_ptr + rows[:, None] * LD + k[None, :], mask=valid[:, None], other=0.0)
+    return tl.trans(v)
 
 
 @triton.jit
@@ -116,7 +103,7 @@ def _pass(start, m0, count):
 
 @triton.jit
 def l1_tc_kernel(
-    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 1024], uint8 [E, I/32, H/32, 64] (layout_tc.py)
+    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 64, 16], uint8 [E, I/32, H/32, 64] (layout_tc.py)
     x_ptr, xsf_ptr,  # e4m3 [C, H], fp32 [C, H/128]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
@@ -138,10 +125,11 @@ def l1_tc_kernel(
             tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
             acc = tl.zeros([64, NTOK], tl.float32)
             for kb in range(H // 128):
-                g = kb * 4
-                d0, d1, d2, d3 = _four_groups(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, x_ptr, tok, valid,
-                                              kb * 128, H, ASM)
-                blk = ((d0 + d1) + d2) + d3  # ascending K
+                blk = tl.zeros([64, NTOK], tl.float32)
+                for q in tl.static_range(4):
+                    g = kb * 4 + q
+                    xg = _x_group(x_ptr, tok, valid, g * 32, H)
+                    blk += _group(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, xg, ASM)
                 xsf = tl.load(xsf_ptr + tok * (H // 128) + kb, mask=valid, other=0.0)
                 acc = _promote(acc, blk, xsf, ASM)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
@@ -165,7 +153,7 @@ def l1_tc_kernel(
 
 @triton.jit
 def l2_tc_kernel(
-    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 1024], uint8 [E, H/64, I/32, 64]
+    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 64, 16], uint8 [E, H/64, I/32, 64]
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
@@ -184,14 +172,9 @@ def l2_tc_kernel(
         while m0 < count:
             rows, valid = _pass(start, m0, count)
             acc = tl.zeros([64, NTOK], tl.float32)
-            for kb in range(I // 128):
-                g = kb * 4
-                d0, d1, d2, d3 = _four_groups(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, q_ptr, rows, valid,
-                                              kb * 128, I, ASM)
-                sfp = sf2_ptr + rows * NG + g
-                acc = _promote(acc, d0, tl.load(sfp, mask=valid, other=0.0), ASM)
-                acc = _promote(acc, d1, tl.load(sfp + 1, mask=valid, other=0.0), ASM)
-                acc = _promote(acc, d2, tl.load(sfp + 2, mask=valid, other=0.0), ASM)
-                acc = _promote(acc, d3, tl.load(sfp + 3, mask=valid, other=0.0), ASM)
+            for g in range(NG):
+                xg = _x_group(q_ptr, rows, valid, g * 32, I)
+                d = _group(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, xg, ASM)
+                acc = _promote(acc, d, tl.load(sf2_ptr + rows * NG + g, mask=valid, other=0.0), ASM)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK

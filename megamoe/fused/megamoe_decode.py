@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recipe import MEGAMOE_DECODE
+from ..recipe import MEGAMOE_DECODE, MEGAMOE_DECODE_TC
 from ..inputs import MoEInputs
 from .base import FusedBackend, Plan
 
@@ -131,3 +131,39 @@ class MegaMoEDecode(FusedBackend):
         n = int((b.slot_row[: m * self.g.num_topk] >= 0).sum())
         return {"pool_x": b.x_q[b.row_token[:n].long()].clone(), "l2_in": b.l2_q[:n].view(torch.float8_e4m3fn).clone(),
                 "l2_in_sf_rowmajor": b.l2_sf[:n].clone(), "l2_group": self.recipe.l2_group, "block_m": None}
+
+
+class MegaMoEDecodeTC(MegaMoEDecode):
+    """The same path with tensor-core GEMVs (megamoe/decode/triton_tc.py): an FP8 MMA per 32-K scale group,
+    the weights as the 64-row operand and up to 16 tokens as its columns. Its own numerics (the tensor cores'
+    k32 sums, FP32 promotion): recipe ``megamoe-decode-tc``. Faster than ``megamoe-decode`` from 8 tokens on
+    (one H200, DeepSeek-V4-Flash: bench/results/2026-12-04_nvidia-h200_decode-tc)."""
+
+    name = "megamoe-decode-tc"
+    recipe = MEGAMOE_DECODE_TC
+    kernel = MEGAMOE_DECODE_TC.kernel
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        ok, why = super().availability()
+        if ok and torch.cuda.get_device_capability()[0] != 9:
+            return False, "needs SM90 (wgmma FP8), got compute capability %d.%d" % torch.cuda.get_device_capability()
+        return ok, why
+
+    def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
+        return (16,)  # tokens per MMA pass (the N of the tensor-core tile)
+
+    def launch_config(self, num_tokens: int):
+        from ..decode import LaunchConfig
+
+        return LaunchConfig()
+
+    def plan(self, num_tokens: int) -> Plan:
+        return Plan(16, forced=False, detail={"source": "tokens per MMA pass (N)", "warps": 4})
+
+    def _prepare(self, weights) -> None:
+        from ..decode.layout import fold_global_scales
+        from ..decode.layout_tc import prepare_tc_weights
+
+        self.kernel_weights = fold_global_scales(weights)
+        self.dw = prepare_tc_weights(weights)

@@ -16,11 +16,12 @@ from .base import FusedBackend
 from .deepgemm_fp4 import DeepGEMMFP4
 from .deepgemm_fp8 import DeepGEMMFP8
 from .flashinfer_mxfp4 import FlashInferMXFP4
-from .megamoe_decode import MegaMoEDecode
+from .megamoe_decode import MegaMoEDecode, MegaMoEDecodeTC
 from .staged_deepgemm import StagedDeepGEMM
 
 BACKENDS: dict[str, type[FusedBackend]] = {
-    cls.name: cls for cls in (FlashInferMXFP4, DeepGEMMFP8, DeepGEMMFP4, StagedDeepGEMM, MegaMoEDecode)
+    cls.name: cls for cls in (FlashInferMXFP4, DeepGEMMFP8, DeepGEMMFP4, StagedDeepGEMM, MegaMoEDecode,
+                             MegaMoEDecodeTC)
 }
 
 

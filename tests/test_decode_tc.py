@@ -1,0 +1,127 @@
+"""megamoe.decode's tensor-core path on a CPU: its weight layout bit for bit, what prepare refuses or repairs,
+the reference's group-scaled GEMM against a plain float64 sum where the tensor-core model is exact, and both
+Triton stages under the interpreter (in a subprocess) against their twins and the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install triton; CI installs it)")
+
+from megamoe.decode.layout_tc import checkpoint_from_tc, e4m3_bytes, expert_operands, prepare_tc_weights  # noqa: E402
+from megamoe.decode.selfcheck_tc import CPU_CASES, passed_tc  # noqa: E402
+from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
+from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
+from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
+from megamoe.staging import triton_available  # noqa: E402
+from megamoe.weights import MXFP4Weights  # noqa: E402
+
+
+def test_every_code_decodes_to_e2m1_times_2_pow_minus_6():
+    codes = torch.arange(16, dtype=torch.uint8)
+    got = e4m3_bytes(codes).view(torch.float8_e4m3fn).double()
+    mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[codes.long() & 7]
+    want = torch.where(codes >= 8, -mag, mag) * 2.0**-6
+    assert torch.equal(got, want) and got[8].item() == 0.0 and torch.signbit(got[8])
+
+
+def test_prepare_roundtrips_and_operands_are_the_checkpoint(weights_for):
+    g, w = weights_for("tiny")
+    tw = prepare_tc_weights(w)
+    c1, s1, c2, s2 = checkpoint_from_tc(tw)
+    assert torch.equal(c1, unpack_e2m1(w.l1)) and torch.equal(c2, unpack_e2m1(w.l2))
+    assert torch.equal(s1, w.l1_scale) and torch.equal(s2, w.l2_scale)
+    w1, sf1, w2, sf2 = expert_operands(tw, 3)  # e2m1 * 2**-6 and 2**(s - 121): their product is the weight
+    want1, want2 = w.dequantize_expert(3)
+    per_weight = lambda sf: sf.repeat_interleave(32, dim=-1).double()  # noqa: E731
+    assert torch.equal(w1.double() * per_weight(sf1), want1.double())
+    assert torch.equal(w2.double() * per_weight(sf2), want2.double())
+
+
+def test_prepare_refuses_bytes_outside_the_window_and_repairs_zero_groups(weights_for, gen):
+    g, w = weights_for("tiny")
+    lo, hi = MEGAMOE_DECODE_TC.min_scale_byte, MEGAMOE_DECODE_TC.max_scale_byte
+    assert (lo, hi) == (20, 236)
+    codes = unpack_e2m1(w.l1).clone()
+    codes[2, 5, 32:64] = 3  # a nonzero group
+    for bad in (lo - 1, hi + 1):
+        s = w.l1_scale.clone()
+        s[2, 5, 1] = bad
+        with pytest.raises(ValueError, match=rf"byte {bad} at \[expert, row, group\] = \[2, 5, 1\].*outside 20..236"):
+            prepare_tc_weights(MXFP4Weights(pack_e2m1(codes), s, w.l2, w.l2_scale))
+    s = w.l1_scale.clone()
+    s[2, 5, 1] = 0xFF
+    with pytest.raises(ValueError, match="0xFF"):  # NaN: refused already by the weights' own check
+        prepare_tc_weights(MXFP4Weights(pack_e2m1(codes), s, w.l2, w.l2_scale))
+    s = w.l1_scale.clone()
+    codes[1, 7, 64:96] = 0  # an all-zero group: its byte does not matter and becomes 127
+    s[1, 7, 2] = 5
+    tw = prepare_tc_weights(MXFP4Weights(pack_e2m1(codes), s, w.l2, w.l2_scale))
+    _, s1, _, _ = checkpoint_from_tc(tw)
+    assert s1[1, 7, 2] == 127 and torch.equal(s1[1, 7, :2], s[1, 7, :2])
+
+
+def test_group_scaled_gemm_is_the_exact_sum_where_every_rounding_is_exact(gen):
+    """Small-integer x, e2m1 weights, power-of-two scales: every group sum, block sum and promotion is exact,
+    so the recipe must give the float64 sum of x * w * scales (an independent computation)."""
+    m, n, k = 3, 5, 256
+    x = torch.randint(-4, 5, (m, k), generator=gen).float()
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    w = e4m3_bytes(codes).view(torch.float8_e4m3fn).float()
+    sb = torch.randint(118, 124, (n, k // 32), generator=gen)
+    sf = torch.ldexp(torch.ones(n, k // 32), sb - 121)
+    x_sf = torch.ldexp(torch.ones(m, k // 128), torch.randint(-3, 3, (m, k // 128), generator=gen))
+    want = torch.einsum("mk,nk->mn", x.double() * x_sf.repeat_interleave(128, 1).double(),
+                        w.double() * sf.repeat_interleave(32, 1).double())
+    for mma in ("exact-block", "sm90-fp8-tc-operands"):
+        got = group_scaled_gemm(x, x_sf, w, sf, 128, mma)
+        assert torch.equal(got.double(), want), mma
+
+
+def test_group_scaled_gemm_rounds_where_the_tensor_cores_do(gen):
+    """Wide-range x: the tensor-core model must differ from the exact block sum somewhere (it keeps 13 bits)."""
+    x = (torch.randn(4, 128, generator=gen) * 100).to(torch.float8_e4m3fn).float()
+    codes = torch.randint(0, 16, (64, 128), generator=gen, dtype=torch.uint8)
+    w = e4m3_bytes(codes).view(torch.float8_e4m3fn).float()
+    sf, x_sf = torch.ones(64, 4), torch.ones(4, 1)
+    a = group_scaled_gemm(x, x_sf, w, sf, 128, "exact-block")
+    b = group_scaled_gemm(x, x_sf, w, sf, 128, "sm90-fp8-tc-operands")
+    assert not torch.equal(a, b) and (a - b).abs().max() < 1e-2 * a.abs().max()
+
+
+def test_recipe_and_backend_registered():
+    from megamoe.fused.megamoe_decode import MegaMoEDecodeTC
+    from megamoe.fused.registry import BACKENDS
+
+    r = get_recipe("megamoe-decode-tc")
+    assert r is MEGAMOE_DECODE_TC and r.weight_decode == "e4m3_group" and r.mma == "sm90-fp8-tc-operands"
+    assert BACKENDS["megamoe-decode-tc"] is MegaMoEDecodeTC and MegaMoEDecodeTC.recipe is r
+    with pytest.raises(ValueError, match="at most 64 tokens per rank"):
+        MegaMoEDecodeTC("dsv4-flash", capacity=65)
+
+
+@pytest.fixture(scope="module")
+def interpreter_rows():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "megamoe.decode.selfcheck_tc", "--device", "cpu"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise AssertionError(f"selfcheck_tc printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {r["case"]: r for r in json.loads(lines[-1])}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
+def test_triton_interpreter(interpreter_rows, case):
+    """l1_tc / l2_tc bitwise equal to their twins, the whole path within 1e-6 of the reference, poison kept,
+    repeatable; a scale byte off by one must be caught."""
+    row = interpreter_rows[case.id]
+    assert passed_tc(row), json.dumps(row, indent=1)
