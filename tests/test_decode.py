@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -120,13 +118,9 @@ def test_buffers_refuse_more_than_64_tokens(weights_for):
 
 @pytest.fixture(scope="module")
 def interpreter_rows():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "megamoe.decode.selfcheck", "--device", "cpu"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = proc.stdout.strip().splitlines()
-    if not lines:
-        raise AssertionError(f"selfcheck printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {r["case"]: r for r in json.loads(lines[-1])}
+    from megamoe.testing import interpreter_rows as run
+
+    return run("megamoe.decode.selfcheck")
 
 
 @pytest.mark.slow

@@ -5,9 +5,6 @@ Triton stages under the interpreter (in a subprocess) against their twins and th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -108,13 +105,9 @@ def test_recipe_and_backend_registered():
 
 @pytest.fixture(scope="module")
 def interpreter_rows():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "megamoe.decode.selfcheck_tc", "--device", "cpu"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = proc.stdout.strip().splitlines()
-    if not lines:
-        raise AssertionError(f"selfcheck_tc printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {r["case"]: r for r in json.loads(lines[-1])}
+    from megamoe.testing import interpreter_rows as run
+
+    return run("megamoe.decode.selfcheck_tc")
 
 
 @pytest.mark.slow

@@ -103,8 +103,9 @@ def time_replays(fn, min_s: float, flush: L2Flusher) -> dict:
             "replays": len(s), "graph": gs}
 
 
-def kineto_us(gs: GraphSet, flush: L2Flusher, replays: int = 30) -> dict:
-    """Mean device time per replay of each kernel in the graph (torch.profiler)."""
+def kineto_us(gs: GraphSet, flush: L2Flusher, replays: int = 30, kernels: tuple[str, ...] = (*KERNELS, "read_kernel")) -> dict:
+    """Mean device time per replay of each kernel in the graph (torch.profiler), by kernel name (a name counts
+    every kernel whose name contains it)."""
     from torch.profiler import ProfilerActivity, profile
 
     if gs is None:
@@ -117,7 +118,7 @@ def kineto_us(gs: GraphSet, flush: L2Flusher, replays: int = 30) -> dict:
     out = {}
     for evt in prof.key_averages():
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        for k in (*KERNELS, "read_kernel"):
+        for k in kernels:
             if k in evt.key:
                 out[k] = out.get(k, 0.0) + t / replays
     return out

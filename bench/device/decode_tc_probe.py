@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode_probe import FLASHINFER_US, L2Flusher, plain_read, staged_buffers, time_replays  # noqa: E402
+from decode_probe import FLASHINFER_US, L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
 from megamoe.decode import moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
@@ -39,26 +39,9 @@ KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kern
 T0 = time.time()
 
 
-def kineto(gs, flush, replays: int = 20) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            flush()
-            gs.replay(0)
-        torch.cuda.synchronize()
-    out = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        for k in KERNELS:
-            if evt.key.startswith(k) or evt.key == k:
-                out[k] = out.get(k, 0.0) + t / replays
-    return out
-
-
 def timed(fn, s, flush) -> dict:
     tm = time_replays(fn, s, flush)
-    tm["kineto_us"] = kineto(tm.pop("graph"), flush)
+    tm["kineto_us"] = kineto_us(tm.pop("graph"), flush, 20, KERNELS)
     return tm
 
 

@@ -94,6 +94,12 @@ def _promote(acc, blk, sf, ASM: tl.constexpr):
 
 
 @triton.jit
+def _item(j, touched_ptr, seg_start_ptr, seg_count_ptr):
+    """Work item j -> (its expert, its first pool row, its number of rows)."""
+    return tl.load(touched_ptr + j).to(tl.int64), tl.load(seg_start_ptr + j), tl.load(seg_count_ptr + j)
+
+
+@triton.jit
 def _pass(start, m0, count):
     """Pool rows of the pass's NTOK columns (column c -> row start + m0 + c) and which are real."""
     c = tl.arange(0, NTOK)
@@ -103,7 +109,7 @@ def _pass(start, m0, count):
 
 @triton.jit
 def l1_tc_kernel(
-    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 64, 16], uint8 [E, I/32, H/32, 64] (layout_tc.py)
+    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 1024], uint8 [E, I/32, H/32, 64] (layout_tc.py)
     x_ptr, xsf_ptr,  # e4m3 [C, H], fp32 [C, H/128]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
@@ -114,9 +120,7 @@ def l1_tc_kernel(
     t = tl.program_id(1)
     if j < tl.load(num_touched_ptr):
         NG: tl.constexpr = H // 32
-        e = tl.load(touched_ptr + j).to(tl.int64)
-        start = tl.load(seg_start_ptr + j)
-        count = tl.load(seg_count_ptr + j)
+        e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (I // 32) + t) * NG  # first group of this tile
         n = t * 32 + tl.arange(0, 32)
         m0 = 0
@@ -153,7 +157,7 @@ def l1_tc_kernel(
 
 @triton.jit
 def l2_tc_kernel(
-    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 64, 16], uint8 [E, H/64, I/32, 64]
+    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 1024], uint8 [E, H/64, I/32, 64]
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
@@ -163,9 +167,7 @@ def l2_tc_kernel(
     t = tl.program_id(1)
     if j < tl.load(num_touched_ptr):
         NG: tl.constexpr = I // 32
-        e = tl.load(touched_ptr + j).to(tl.int64)
-        start = tl.load(seg_start_ptr + j)
-        count = tl.load(seg_count_ptr + j)
+        e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (H // 64) + t) * NG
         n = t * 64 + tl.arange(0, 64)
         m0 = 0
