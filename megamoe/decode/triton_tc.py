@@ -59,13 +59,18 @@ def _block_offsets():
 
 
 @triton.jit
-def _group(codes_ptr, scales_ptr, xg, ASM: tl.constexpr):
-    """One 32-K group: the 1,024-byte code block and 64 scale bytes at the pointers, x [32, NTOK] e4m3
-    -> d' fp32 [64, NTOK] = (tensor-core sum) * 2**(s - 121)."""
+def _factors(scales_ptr):
+    """A group's 64 E8M0 bytes at scales_ptr -> fp32 [64] 2**(s - 121) (bytes 20..236: normal floats)."""
+    s = tl.load(scales_ptr + tl.arange(0, 64)).to(tl.int32)
+    return ((s + 6) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group(codes_ptr, f, xg, ASM: tl.constexpr):
+    """One 32-K group: the 1,024-byte code block at codes_ptr, its factors f [64] (``_factors``), x [32, NTOK]
+    e4m3 -> d' fp32 [64, NTOK] = (tensor-core sum) * 2**(s - 121)."""
     p = tl.load(codes_ptr + _block_offsets())
     d = tl.dot(_decode_block(p, ASM), xg, out_dtype=tl.float32)
-    s = tl.load(scales_ptr + tl.arange(0, 64)).to(tl.int32)
-    f = ((s + 6) << 23).to(tl.float32, bitcast=True)  # 2**(s - 121)
     return d * f[:, None]
 
 
@@ -128,14 +133,23 @@ def l1_tc_kernel(
             rows, valid = _pass(start, m0, count)
             tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
             acc = tl.zeros([64, NTOK], tl.float32)
+            # The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by
+            # Triton): each block's are loaded one block ahead, so that no group waits on global memory for them.
+            sp = s_ptr + tile * 64
+            f0, f1, f2, f3 = _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
+            xsf = tl.load(xsf_ptr + tok * (H // 128), mask=valid, other=0.0)
             for kb in range(H // 128):
-                blk = tl.zeros([64, NTOK], tl.float32)
-                for q in tl.static_range(4):
-                    g = kb * 4 + q
-                    xg = _x_group(x_ptr, tok, valid, g * 32, H)
-                    blk += _group(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, xg, ASM)
-                xsf = tl.load(xsf_ptr + tok * (H // 128) + kb, mask=valid, other=0.0)
+                nb = tl.minimum(kb + 1, H // 128 - 1) * 4  # the next block's first group (the last reloads its own)
+                n0, n1, n2, n3 = (_factors(sp + nb * 64), _factors(sp + nb * 64 + 64), _factors(sp + nb * 64 + 128),
+                                  _factors(sp + nb * 64 + 192))
+                nxsf = tl.load(xsf_ptr + tok * (H // 128) + nb // 4, mask=valid, other=0.0)
+                g = kb * 4
+                blk = _group(w_ptr + (tile + g) * 1024, f0, _x_group(x_ptr, tok, valid, g * 32, H), ASM)
+                blk += _group(w_ptr + (tile + g + 1) * 1024, f1, _x_group(x_ptr, tok, valid, g * 32 + 32, H), ASM)
+                blk += _group(w_ptr + (tile + g + 2) * 1024, f2, _x_group(x_ptr, tok, valid, g * 32 + 64, H), ASM)
+                blk += _group(w_ptr + (tile + g + 3) * 1024, f3, _x_group(x_ptr, tok, valid, g * 32 + 96, H), ASM)
                 acc = _promote(acc, blk, xsf, ASM)
+                f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
             if STORE_L1:
                 tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
@@ -174,9 +188,19 @@ def l2_tc_kernel(
         while m0 < count:
             rows, valid = _pass(start, m0, count)
             acc = tl.zeros([64, NTOK], tl.float32)
+            # Scale bytes and requant scales three groups ahead (plain loads; see l1_tc_kernel).
+            sp = s_ptr + tile * 64
+            cp = sf2_ptr + rows * NG
+            f0, f1, f2 = _factors(sp), _factors(sp + tl.minimum(1, NG - 1) * 64), _factors(sp + tl.minimum(2, NG - 1) * 64)
+            c0 = tl.load(cp, mask=valid, other=0.0)
+            c1 = tl.load(cp + tl.minimum(1, NG - 1), mask=valid, other=0.0)
+            c2 = tl.load(cp + tl.minimum(2, NG - 1), mask=valid, other=0.0)
             for g in range(NG):
-                xg = _x_group(q_ptr, rows, valid, g * 32, I)
-                d = _group(w_ptr + (tile + g) * 1024, s_ptr + (tile + g) * 64, xg, ASM)
-                acc = _promote(acc, d, tl.load(sf2_ptr + rows * NG + g, mask=valid, other=0.0), ASM)
+                ng = tl.minimum(g + 3, NG - 1)
+                f3 = _factors(sp + ng * 64)
+                c3 = tl.load(cp + ng, mask=valid, other=0.0)
+                d = _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
+                acc = _promote(acc, d, c0, ASM)
+                f0, f1, f2, c0, c1, c2 = f1, f2, f3, c1, c2, c3
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK
