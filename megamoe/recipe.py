@@ -74,9 +74,6 @@ class Recipe:
     # accumulator), "rescale" / "rescale-ratio" (one running tensor-core accumulator, divided by each
     # block's scale before its MMAs: DeepGEMM SM90 FP8's kReuseAccumAsFinal configurations).
     accumulate: str = "promote"
-    # K split into this many equal parts, each promoted from zero, the parts added in order in FP32 at the end
-    # (megamoe-decode-tc: more programs at few tokens). 1: one pass over K.
-    k_splits: int = 1
     # Legal E8M0 scale bytes for groups with nonzero codes: derived from ``weight_decode`` (the bytes under
     # which all 16 e2m1 codes decode exactly, ``formats.scale_byte_window``), not set by hand; None for
     # FP8 block weights. Checked, never clipped.
@@ -199,9 +196,6 @@ MEGAMOE_DECODE_TC = MEGAMOE_DECODE.with_(
     #  6. L2 the same, one group per promotion block.
     weight_decode="e4m3_group",
     mma="sm90-fp8-tc-operands",
-    #  8. K in 4 splits (L1: 1,024 K each at DeepSeek-V4-Flash, L2: 512), each promoted from zero; the four
-    #     partial sums added in split order in FP32, whichever program finishes last.
-    k_splits=4,
     verified="CPU: Triton interpreter bit-identical on inputs whose group sums are exact (tests/test_decode_tc.py)",
 )
 

@@ -8,8 +8,8 @@ beside the CUDA-core default, DeepSeek-V4-Flash geometry, EP = 1.
     agreement of y, poison kept, a second launch bit-identical.
 (b) speed, side by side in one run: the four launches of each path captured in one CUDA graph, replayed with
     the L2 flushed before each (decode_probe.time_replays), kineto per kernel, and the plain read of the same
-    bytes; --stages times the tensor-core path with other software-pipeline depths, --variants with other K
-    splits (other bits: timing only) or without register caps.
+    bytes; --stages times the tensor-core path with other software-pipeline depths, --variants without register
+    caps.
 Results: $OUT/decode_tc_probe.json and a table.
 """
 
@@ -29,16 +29,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_probe import FLASHINFER_US, L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
-from megamoe.decode import DecodeBuffers, moe_decode  # noqa: E402
+from megamoe.decode import moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
-from megamoe.decode.selfcheck import DecodeCase, _copy_staged, case_decode_weights, case_weights  # noqa: E402
+from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
 from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 
-VARIANTS = {"splits1": dict(tc_splits=1), "splits2": dict(tc_splits=2), "splits8": dict(tc_splits=8),
-            "nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None), "splits1-nocap": dict(tc_splits=1, tc_l1_maxnreg=None,
-                                                                                      tc_l2_maxnreg=None)}
+VARIANTS = {"nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None)}
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
 
@@ -56,7 +54,7 @@ def main() -> int:
     ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                    help="K splits 1, 2, 8 (other bits than the recipe's 4: timing only), no register caps")
+                    help="nocap: no register caps (the compiler's choice)")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()
@@ -104,14 +102,9 @@ def main() -> int:
             for st in args.stages:
                 c2 = dataclasses.replace(cfg, tc_stages=st)
                 row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)
-            if args.variants:  # other K splits (other bits: timing only) and register caps
-                big = DecodeBuffers.allocate(g, t, dev, tc_splits=8)
-                _copy_staged(buf, big)
-                for name in args.variants:
-                    kw = VARIANTS[name]
-                    c3 = dataclasses.replace(cfg, **kw)
-                    row[f"tc_{name}"] = timed(lambda: moe_decode(tw, big, t, g.clamp, c3), 0.2, flush)
-                del big
+            for name in args.variants:  # other register caps (same bits)
+                c3 = dataclasses.replace(cfg, **VARIANTS[name])
+                row[f"tc_{name}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush)
             nbytes = touched * tw.nbytes_per_expert()
             row.update(touched=touched, slots=slots, weight_mb=nbytes / 1e6)
             if nbytes // 4 <= read_src.numel():

@@ -38,13 +38,11 @@ class LaunchConfig:
     l1_prefetch: bool = False
     l2_prefetch: bool = False
     # The tensor-core kernels (triton_tc.py): software-pipeline stages of their K loops (Triton's num_stages);
-    # a register cap per L1 / L2 program (more resident programs; what spills is outside the K loops, checked
-    # with scripts/decode_sass.py --tc), None for the compiler's choice; K splits, None for the recipe's
-    # (MEGAMOE_DECODE_TC.k_splits: another count changes the bits, for timing only)
+    # a register cap per L1 / L2 program (more resident programs; nothing spills inside the K loops), None for
+    # the compiler's choice
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
     tc_l2_maxnreg: int | None = 64
-    tc_splits: int | None = None
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

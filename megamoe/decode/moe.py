@@ -20,7 +20,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..geometry import Geometry
-from ..recipe import MEGAMOE_DECODE_TC
 from . import gemv, routing, tc
 from .gemv import LaunchConfig
 from .layout import DecodeWeights
@@ -41,8 +40,6 @@ class DecodeBuffers:
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
         counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
-        tc_part fp32 [S, max(I/32, H/64), splits, 64], tc_counters int32 [W * max(I/32, H/64) * 4]   the tensor-core
-                                          path's split partial sums and arrival counts (zero between launches)
     """
 
     x_q: torch.Tensor
@@ -64,8 +61,6 @@ class DecodeBuffers:
     slot_out: torch.Tensor
     y: torch.Tensor
     counters: torch.Tensor
-    tc_part: torch.Tensor | None = None
-    tc_counters: torch.Tensor | None = None
     num_local: int = 0
     expert_lo: int = 0
 
@@ -78,7 +73,7 @@ class DecodeBuffers:
 
     @classmethod
     def allocate(cls, g: Geometry, capacity: int, device, *, num_local: int | None = None, expert_lo: int = 0,
-                 l2_group: int = 32, tc_splits: int = MEGAMOE_DECODE_TC.k_splits) -> "DecodeBuffers":
+                 l2_group: int = 32) -> "DecodeBuffers":
         if not 0 < capacity <= MAX_TOKENS:
             raise ValueError(f"capacity must be in [1, {MAX_TOKENS}] tokens per rank, got {capacity}")
         h, i, k = g.hidden, g.intermediate, g.num_topk
@@ -98,8 +93,6 @@ class DecodeBuffers:
             slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
             l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
             counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
-            tc_part=e(s, max(i // 32, h // 64), tc_splits, 64),
-            tc_counters=torch.zeros(w * max(i // 32, h // 64) * 4, dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 
@@ -119,7 +112,7 @@ class DecodeBuffers:
         """Every output region to NaN / 0x7F bytes, so that an element no stage wrote shows."""
         for f in fields(self):
             t = getattr(self, f.name)
-            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters", "tc_counters"):
+            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters"):
                 if t.dtype.is_floating_point:
                     t.fill_(float("nan"))
                 else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import MEGAMOE_DECODE_TC
-from ..reference.gemm import effective_splits, group_scaled_gemm
+from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _work_items
 from .layout_tc import TCWeights, expert_operands
@@ -29,21 +29,15 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool) -> dict
     return {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
 
 
-def splits_of(cfg: LaunchConfig, blocks: int) -> int:
-    """K splits of a GEMM with ``blocks`` promotion blocks: the recipe's (or cfg.tc_splits), never cutting a block."""
-    return effective_splits(cfg.tc_splits or MEGAMOE_DECODE_TC.k_splits, blocks)
-
-
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     from .triton_tc import l1_tc_kernel
 
     if num_tokens == 0:
         return
-    splits = splits_of(cfg, tw.hidden // 128)
-    l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32, splits)](
+    l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32)](
         tw.l1_codes, tw.l1_scales, buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
-        buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf, buf.tc_part, buf.tc_counters,
-        float(clamp), H=tw.hidden, I=tw.intermediate, SPLITS=splits, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
+        buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
+        float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
         **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret),
     )
 
@@ -53,11 +47,9 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    splits = splits_of(cfg, tw.intermediate // MEGAMOE_DECODE_TC.l2_group)
-    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64, splits)](
+    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
         tw.l2_codes, tw.l2_scales, buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched, buf.touched,
-        buf.seg_start, buf.seg_count, buf.slot_out, buf.tc_part, buf.tc_counters, H=tw.hidden, I=tw.intermediate,
-        SPLITS=splits, ASM=not buf.interpret,
+        buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
         **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret),
     )
 
@@ -70,7 +62,7 @@ def l1_tc_torch(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchCo
     for e, rows in _work_items(buf):
         w1, sf1, _, _ = expert_operands(tw, e)
         tok = buf.row_token[rows].long()
-        h = group_scaled_gemm(buf.x_q[tok].float(), buf.x_sf[tok], w1, sf1, 128, mma or r.mma, cfg.tc_splits or r.k_splits)  # [M, 2I]
+        h = group_scaled_gemm(buf.x_q[tok].float(), buf.x_sf[tok], w1, sf1, 128, mma or r.mma)  # [M, 2I]
         if cfg.store_l1:
             buf.l1_out[rows] = h
         vw = swiglu(h, clamp, False, r.silu_exp) * buf.row_weight[rows].unsqueeze(1)
@@ -86,5 +78,5 @@ def l2_tc_torch(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig, mma: str
     for e, rows in _work_items(buf):
         _, _, w2, sf2 = expert_operands(tw, e)
         q = buf.l2_q[rows].view(torch.float8_e4m3fn).float()
-        out = group_scaled_gemm(q, buf.l2_sf[rows], w2, sf2, r.l2_group, mma or r.mma, cfg.tc_splits or r.k_splits)
+        out = group_scaled_gemm(q, buf.l2_sf[rows], w2, sf2, r.l2_group, mma or r.mma)
         buf.slot_out[rows] = out.to(torch.bfloat16).view(torch.int16)

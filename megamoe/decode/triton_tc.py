@@ -113,74 +113,21 @@ def _pass(start, m0, count):
 
 
 @triton.jit
-def _split_done(acc, rows, valid, m0, j, t, part_ptr, cnt_ptr, NT: tl.constexpr, SPLITS: tl.constexpr):
-    """Hand this split's partial sum acc [64, NTOK] over; -> (whether this program is the tile's last split to
-    arrive, and then the full sum: the partials added in split order, whoever arrives last).
-
-    part_ptr: fp32 [S, NT, SPLITS, 64] by pool row; cnt_ptr: int32 [W, NT, 4] arrivals per (item, tile, pass),
-    set back to zero by the last arrival (so never by two launches at once: a launch waits for the last)."""
-    last = True
-    full = acc
-    if SPLITS > 1:
-        r = tl.arange(0, 64)[:, None]
-        part = part_ptr + (rows[None, :] * NT + t) * (SPLITS * 64) + r  # [64, NTOK], split 0
-        s = tl.program_id(2)
-        tl.store(part + s * 64, acc, mask=valid[None, :])
-        tl.debug_barrier()  # every thread's partial before the release
-        cnt = cnt_ptr + (j * NT + t) * 4 + m0 // NTOK
-        last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
-        full = acc
-        if last:
-            full = tl.load(part, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-            for q in tl.static_range(1, SPLITS):
-                full = full + tl.load(part + q * 64, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(cnt, 0)
-    return last, full
-
-
-@triton.jit
-def _l1_epilogue(acc, rows, valid, t, l1_ptr, q_ptr, sf2_ptr, row_weight_ptr, clamp,
-                 I: tl.constexpr, STORE_L1: tl.constexpr):
-    """acc [64, NTOK] (gate rows, then up rows of channels [32 t, 32 t + 32)) -> SwiGLU, routing weight and the
-    FP8 requant of those 32 channels per token: amax -> sf = max(amax, fl32(1e-10)) * fl32(1/448) -> e4m3 RTNE."""
-    n = t * 32 + tl.arange(0, 32)
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
-    if STORE_L1:
-        tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
-        tl.store(l1_ptr + rows[None, :] * (2 * I) + I + n[:, None], up, mask=valid[None, :])
-    weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
-    g = tl.minimum(gate, clamp)
-    u = tl.minimum(tl.maximum(up, -clamp), clamp)
-    ex = tl.exp((-g).to(tl.float64)).to(tl.float32)
-    one = tl.full([32, NTOK], 1.0, tl.float32)
-    vw = g * tl.math.div_rn(one, one + ex) * u * weight[None, :]
-    floor = tl.full([NTOK], 0x2EDBE6FF, tl.int32).to(tl.float32, bitcast=True)  # fl32(1e-10)
-    inv448 = tl.full([NTOK], 0x3B124925, tl.int32).to(tl.float32, bitcast=True)  # fl32(1/448)
-    sf = tl.maximum(tl.max(tl.abs(vw), axis=0), floor) * inv448  # [NTOK]
-    qv = tl.minimum(tl.maximum(vw * tl.math.div_rn(tl.full([NTOK], 1.0, tl.float32), sf)[None, :], -448.0), 448.0)
-    tl.store(q_ptr + rows[None, :] * I + n[:, None], _e4m3_rtne_bits(qv), mask=valid[None, :])
-    tl.store(sf2_ptr + rows * (I // 32) + t, sf, mask=valid)
-
-
-@triton.jit
 def l1_tc_kernel(
     w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 1024], uint8 [E, I/32, H/32, 64] (layout_tc.py)
     x_ptr, xsf_ptr,  # e4m3 [C, H], fp32 [C, H/128]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
-    part_ptr, cnt_ptr,  # split partial sums and arrival counts (``_split_done``)
     clamp,
-    H: tl.constexpr, I: tl.constexpr, SPLITS: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
 ):
-    """grid (W, I/32, SPLITS): split s sums the 128-K blocks [s NB, (s + 1) NB), NB = H / 128 / SPLITS."""
     j = tl.program_id(0)
     t = tl.program_id(1)
     if j < tl.load(num_touched_ptr):
         NG: tl.constexpr = H // 32
-        NB: tl.constexpr = H // 128 // SPLITS
-        kb0 = tl.program_id(2) * NB
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (I // 32) + t) * NG  # first group of this tile
+        n = t * 32 + tl.arange(0, 32)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
             rows, valid = _pass(start, m0, count)
@@ -188,27 +135,37 @@ def l1_tc_kernel(
             acc = tl.zeros([64, NTOK], tl.float32)
             # The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by
             # Triton): each block's are loaded one block ahead, so that no group waits on global memory for them.
-            sp = s_ptr + (tile + kb0 * 4) * 64  # this split's first group: everything below is relative to it
-            wp = w_ptr + (tile + kb0 * 4) * 1024
-            xp = x_ptr + kb0 * 128
-            xsp = xsf_ptr + tok * (H // 128) + kb0
+            sp = s_ptr + tile * 64
             f0, f1, f2, f3 = _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
-            xsf = tl.load(xsp, mask=valid, other=0.0)
-            for i in range(NB):
-                nb = tl.minimum(i + 1, NB - 1)  # the next block (the last reloads its own)
-                n0, n1, n2, n3 = (_factors(sp + nb * 256), _factors(sp + nb * 256 + 64), _factors(sp + nb * 256 + 128),
-                                  _factors(sp + nb * 256 + 192))
-                nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                g = i * 4
-                blk = _group(wp + g * 1024, f0, _x_group(xp, tok, valid, g * 32, H), ASM)
-                blk += _group(wp + (g + 1) * 1024, f1, _x_group(xp, tok, valid, g * 32 + 32, H), ASM)
-                blk += _group(wp + (g + 2) * 1024, f2, _x_group(xp, tok, valid, g * 32 + 64, H), ASM)
-                blk += _group(wp + (g + 3) * 1024, f3, _x_group(xp, tok, valid, g * 32 + 96, H), ASM)
+            xsf = tl.load(xsf_ptr + tok * (H // 128), mask=valid, other=0.0)
+            for kb in range(H // 128):
+                nb = tl.minimum(kb + 1, H // 128 - 1) * 4  # the next block's first group (the last reloads its own)
+                n0, n1, n2, n3 = (_factors(sp + nb * 64), _factors(sp + nb * 64 + 64), _factors(sp + nb * 64 + 128),
+                                  _factors(sp + nb * 64 + 192))
+                nxsf = tl.load(xsf_ptr + tok * (H // 128) + nb // 4, mask=valid, other=0.0)
+                g = kb * 4
+                blk = _group(w_ptr + (tile + g) * 1024, f0, _x_group(x_ptr, tok, valid, g * 32, H), ASM)
+                blk += _group(w_ptr + (tile + g + 1) * 1024, f1, _x_group(x_ptr, tok, valid, g * 32 + 32, H), ASM)
+                blk += _group(w_ptr + (tile + g + 2) * 1024, f2, _x_group(x_ptr, tok, valid, g * 32 + 64, H), ASM)
+                blk += _group(w_ptr + (tile + g + 3) * 1024, f3, _x_group(x_ptr, tok, valid, g * 32 + 96, H), ASM)
                 acc = _promote(acc, blk, xsf, ASM)
                 f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
-            last, full = _split_done(acc, rows, valid, m0, j, t, part_ptr, cnt_ptr, I // 32, SPLITS)
-            if last:
-                _l1_epilogue(full, rows, valid, t, l1_ptr, q_ptr, sf2_ptr, row_weight_ptr, clamp, I, STORE_L1)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
+            if STORE_L1:
+                tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
+                tl.store(l1_ptr + rows[None, :] * (2 * I) + I + n[:, None], up, mask=valid[None, :])
+            weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
+            g = tl.minimum(gate, clamp)
+            u = tl.minimum(tl.maximum(up, -clamp), clamp)
+            ex = tl.exp((-g).to(tl.float64)).to(tl.float32)
+            one = tl.full([32, NTOK], 1.0, tl.float32)
+            vw = g * tl.math.div_rn(one, one + ex) * u * weight[None, :]
+            floor = tl.full([NTOK], 0x2EDBE6FF, tl.int32).to(tl.float32, bitcast=True)  # fl32(1e-10)
+            inv448 = tl.full([NTOK], 0x3B124925, tl.int32).to(tl.float32, bitcast=True)  # fl32(1/448)
+            sf = tl.maximum(tl.max(tl.abs(vw), axis=0), floor) * inv448  # [NTOK]
+            qv = tl.minimum(tl.maximum(vw * tl.math.div_rn(tl.full([NTOK], 1.0, tl.float32), sf)[None, :], -448.0), 448.0)
+            tl.store(q_ptr + rows[None, :] * I + n[:, None], _e4m3_rtne_bits(qv), mask=valid[None, :])
+            tl.store(sf2_ptr + rows * (I // 32) + t, sf, mask=valid)
             m0 += NTOK
 
 
@@ -218,16 +175,12 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    part_ptr, cnt_ptr,  # split partial sums and arrival counts (``_split_done``)
-    H: tl.constexpr, I: tl.constexpr, SPLITS: tl.constexpr, ASM: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
 ):
-    """grid (W, H/64, SPLITS): split s sums the groups [s NS, (s + 1) NS), NS = I / 32 / SPLITS."""
     j = tl.program_id(0)
     t = tl.program_id(1)
     if j < tl.load(num_touched_ptr):
         NG: tl.constexpr = I // 32
-        NS: tl.constexpr = NG // SPLITS
-        g0 = tl.program_id(2) * NS
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (H // 64) + t) * NG
         n = t * 64 + tl.arange(0, 64)
@@ -236,22 +189,18 @@ def l2_tc_kernel(
             rows, valid = _pass(start, m0, count)
             acc = tl.zeros([64, NTOK], tl.float32)
             # Scale bytes and requant scales three groups ahead (plain loads; see l1_tc_kernel).
-            sp = s_ptr + (tile + g0) * 64  # this split's first group: everything below is relative to it
-            wp = w_ptr + (tile + g0) * 1024
-            qp = q_ptr + g0 * 32
-            cp = sf2_ptr + rows * NG + g0
-            f0, f1, f2 = (_factors(sp), _factors(sp + tl.minimum(1, NS - 1) * 64), _factors(sp + tl.minimum(2, NS - 1) * 64))
+            sp = s_ptr + tile * 64
+            cp = sf2_ptr + rows * NG
+            f0, f1, f2 = _factors(sp), _factors(sp + tl.minimum(1, NG - 1) * 64), _factors(sp + tl.minimum(2, NG - 1) * 64)
             c0 = tl.load(cp, mask=valid, other=0.0)
-            c1 = tl.load(cp + tl.minimum(1, NS - 1), mask=valid, other=0.0)
-            c2 = tl.load(cp + tl.minimum(2, NS - 1), mask=valid, other=0.0)
-            for g in range(NS):
-                ng = tl.minimum(g + 3, NS - 1)
+            c1 = tl.load(cp + tl.minimum(1, NG - 1), mask=valid, other=0.0)
+            c2 = tl.load(cp + tl.minimum(2, NG - 1), mask=valid, other=0.0)
+            for g in range(NG):
+                ng = tl.minimum(g + 3, NG - 1)
                 f3 = _factors(sp + ng * 64)
                 c3 = tl.load(cp + ng, mask=valid, other=0.0)
-                d = _group(wp + g * 1024, f0, _x_group(qp, rows, valid, g * 32, I), ASM)
+                d = _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
                 acc = _promote(acc, d, c0, ASM)
                 f0, f1, f2, c0, c1, c2 = f1, f2, f3, c1, c2, c3
-            last, full = _split_done(acc, rows, valid, m0, j, t, part_ptr, cnt_ptr, H // 64, SPLITS)
-            if last:
-                tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(full), mask=valid[None, :])
+            tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK

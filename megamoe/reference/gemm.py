@@ -141,15 +141,8 @@ def exact_gemm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.floa
     return a.to(dtype) @ b.to(dtype).transpose(-1, -2)
 
 
-def effective_splits(splits: int, blocks: int) -> int:
-    """A K split never cuts a promotion block: gcd(splits, number of blocks) parts."""
-    import math
-
-    return math.gcd(splits, blocks)
-
-
 def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_group_sf: torch.Tensor, promote_k: int,
-                      mma: str, splits: int = 1) -> torch.Tensor:
+                      mma: str) -> torch.Tensor:
     """The tensor-core decode recipe (``megamoe-decode-tc``): a fresh MMA per 32-K weight scale group.
 
     a [..., M, K] e4m3 values, a_sf fp32 [..., M, K/ga]; b [..., N, K] the e4m3 values the MMA reads
@@ -159,8 +152,6 @@ def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_gr
         d'_g  = fl32(d_g * sf_g)                           (exact: a power of two, no subnormal, no overflow)
         blk   = fl32 sum of d'_g over the block's groups, ascending K
         acc   = fl32(acc + fl32(a_sf * blk))               (a promotion block of ``promote_k``, ascending K)
-        out   = ((acc_0 + acc_1) + ...) + acc_{S-1}           (K in S = gcd(splits, K / promote_k) equal parts,
-                                                             each acc from zero)
 
     Groups go one at a time through the model (its [..., M, N, 32] float64 products fit in memory)."""
     from .tensorcore import MODELS, tc_dot
@@ -174,16 +165,11 @@ def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_gr
     if ga % promote_k:
         raise ValueError(f"activation scale group {ga} must be a multiple of promote_k={promote_k}")
     model = MODELS[mma]
-    nkb = k // promote_k
-    splits = effective_splits(splits, nkb)
-    out = acc = torch.zeros(*lead, m, n, dtype=torch.float32, device=a.device)
+    acc = torch.zeros(*lead, m, n, dtype=torch.float32, device=a.device)
     if m == 0:
         return acc
     per_block = promote_k // 32
-    for kb in range(nkb):
-        if kb % (nkb // splits) == 0 and kb:  # a new split: its own accumulator from zero
-            out = acc if kb == nkb // splits else out + acc
-            acc = torch.zeros_like(acc)
+    for kb in range(k // promote_k):
         blk = None
         for g in range(kb * per_block, (kb + 1) * per_block):
             ks = slice(32 * g, 32 * (g + 1))
@@ -192,4 +178,4 @@ def group_scaled_gemm(a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_gr
             blk = dg if blk is None else blk + dg
         s = a_sf[..., (kb * promote_k) // ga].unsqueeze(-1)  # [..., M, 1] fp32
         acc = acc + s * blk  # two FP32 roundings: the kernel's mul.rn is never fused into the add
-    return acc if splits == 1 else out + acc
+    return acc

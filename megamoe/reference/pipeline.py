@@ -153,7 +153,7 @@ def experts_forward(
     if x_sf is None:
         h = exact_gemm(xa, w1, recipe.accum)
     elif grouped:
-        h = group_scaled_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma, recipe.k_splits)
+        h = group_scaled_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma)
     else:
         h = promoted_gemm(xa, x_sf, w1, w1_sf, min(recipe.promote_k, recipe.x_gran), recipe.mma, recipe.accumulate)
     del w1
@@ -167,8 +167,7 @@ def experts_forward(
     else:
         q, l2_sf = requant_fp8(vw, recipe.l2_group, recipe.l2_scale, recipe.l2_amax_floor)
         l2_in = q
-        out = group_scaled_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group), recipe.mma,
-                                recipe.k_splits) if grouped else promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma,
+        out = group_scaled_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group), recipe.mma) if grouped else promoted_gemm(q.float(), l2_sf, w2, w2_sf, min(128, recipe.l2_group, recipe.promote_k), recipe.mma,
                              recipe.accumulate)
     if gs2 is not None:
         out = out * gs2  # FlashInfer: on the L2 accumulators, before the bf16 cast
