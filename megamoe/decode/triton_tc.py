@@ -175,7 +175,7 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, UNROLL4: tl.constexpr = True,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -188,19 +188,40 @@ def l2_tc_kernel(
         while m0 < count:
             rows, valid = _pass(start, m0, count)
             acc = tl.zeros([64, NTOK], tl.float32)
-            # Scale bytes and requant scales three groups ahead (plain loads; see l1_tc_kernel).
             sp = s_ptr + tile * 64
             cp = sf2_ptr + rows * NG
-            f0, f1, f2 = _factors(sp), _factors(sp + tl.minimum(1, NG - 1) * 64), _factors(sp + tl.minimum(2, NG - 1) * 64)
-            c0 = tl.load(cp, mask=valid, other=0.0)
-            c1 = tl.load(cp + tl.minimum(1, NG - 1), mask=valid, other=0.0)
-            c2 = tl.load(cp + tl.minimum(2, NG - 1), mask=valid, other=0.0)
-            for g in range(NG):
-                ng = tl.minimum(g + 3, NG - 1)
-                f3 = _factors(sp + ng * 64)
-                c3 = tl.load(cp + ng, mask=valid, other=0.0)
-                d = _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
-                acc = _promote(acc, d, c0, ASM)
-                f0, f1, f2, c0, c1, c2 = f1, f2, f3, c1, c2, c3
+            if UNROLL4:  # four groups per iteration (as L1's blocks): each one's scales loaded one iteration ahead
+                f0, f1, f2, f3 = _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
+                c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
+                                  tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
+                for it in range(NG // 4):
+                    g = it * 4
+                    nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
+                    n0, n1, n2, n3 = (_factors(sp + nx * 64), _factors(sp + nx * 64 + 64), _factors(sp + nx * 64 + 128),
+                                      _factors(sp + nx * 64 + 192))
+                    o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
+                                      tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
+                    acc = _promote(acc, _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM),
+                                   c0, ASM)
+                    acc = _promote(acc, _group(w_ptr + (tile + g + 1) * 1024, f1,
+                                               _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
+                    acc = _promote(acc, _group(w_ptr + (tile + g + 2) * 1024, f2,
+                                               _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
+                    acc = _promote(acc, _group(w_ptr + (tile + g + 3) * 1024, f3,
+                                               _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
+                    f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
+            else:  # one group per iteration, its scales loaded three groups ahead
+                f0, f1, f2 = (_factors(sp), _factors(sp + tl.minimum(1, NG - 1) * 64),
+                              _factors(sp + tl.minimum(2, NG - 1) * 64))
+                c0 = tl.load(cp, mask=valid, other=0.0)
+                c1 = tl.load(cp + tl.minimum(1, NG - 1), mask=valid, other=0.0)
+                c2 = tl.load(cp + tl.minimum(2, NG - 1), mask=valid, other=0.0)
+                for g in range(NG):
+                    ng = tl.minimum(g + 3, NG - 1)
+                    f3 = _factors(sp + ng * 64)
+                    c3 = tl.load(cp + ng, mask=valid, other=0.0)
+                    d = _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
+                    acc = _promote(acc, d, c0, ASM)
+                    f0, f1, f2, c0, c1, c2 = f1, f2, f3, c1, c2, c3
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK
