@@ -9,7 +9,7 @@ beside the CUDA-core default, DeepSeek-V4-Flash geometry, EP = 1.
 (b) speed, side by side in one run: the four launches of each path captured in one CUDA graph, replayed with
     the L2 flushed before each (decode_probe.time_replays), kineto per kernel, and the plain read of the same
     bytes; --stages times the tensor-core path with other software-pipeline depths, --variants without register
-    caps or with one L2 group per loop iteration (same bits).
+    caps or with two L1 blocks per loop iteration (same bits: checked against the default's y).
 Results: $OUT/decode_tc_probe.json and a table.
 """
 
@@ -35,9 +35,11 @@ from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weigh
 from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
+from megamoe.testing import first_mismatch  # noqa: E402
 
-VARIANTS = {"nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None), "l2-one-group": dict(tc_l2_unroll4=False, tc_l2_maxnreg=64),
-            "l2-nocap": dict(tc_l2_maxnreg=None)}
+VARIANTS = {"nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None),
+            "l1-blocks2-cap112": dict(tc_l1_blocks2=True, tc_l1_maxnreg=112),
+            "l1-blocks2-nocap": dict(tc_l1_blocks2=True, tc_l1_maxnreg=None)}
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
 
@@ -55,7 +57,7 @@ def main() -> int:
     ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                    help="nocap: no register caps (the compiler's choice); l2-one-group: L2 one group per iteration")
+                    help="nocap: no register caps (the compiler's choice); l1-blocks2*: L1 two blocks per iteration")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()
@@ -103,14 +105,18 @@ def main() -> int:
             for st in args.stages:
                 c2 = dataclasses.replace(cfg, tc_stages=st)
                 row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)
-            for name in args.variants:  # other register caps (same bits)
+            y0 = moe_decode(tw, buf, t, g.clamp, cfg).clone()
+            for name in args.variants:  # same bits, other schedules
                 c3 = dataclasses.replace(cfg, **VARIANTS[name])
-                row[f"tc_{name}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush)
+                buf.y.fill_(float("nan"))
+                same = not first_mismatch(moe_decode(tw, buf, t, g.clamp, c3), y0)
+                row[f"tc_{name}"] = {**timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush), "same_bits": same}
             nbytes = touched * tw.nbytes_per_expert()
             row.update(touched=touched, slots=slots, weight_mb=nbytes / 1e6)
             if nbytes // 4 <= read_src.numel():
                 row["read"] = timed(plain_read(read_src, nbytes, sink), 0.2, flush)
-            line = " ".join(f"{k} {v['median_us']:.1f}" for k, v in row.items() if isinstance(v, dict))
+            line = " ".join(f"{k} {v['median_us']:.1f}{'' if v.get('same_bits', True) else ' (OTHER BITS)'}"
+                            for k, v in row.items() if isinstance(v, dict))
             print(f"[tc] T={t} experts {touched}: {line} (FlashInfer {FLASHINFER_US.get(t, '-')}) "
                   f"({time.time() - T0:.0f} s)", flush=True)
             print("     kineto tc:", {k: round(v, 1) for k, v in row["tc"]["kineto_us"].items()}, flush=True)

@@ -75,6 +75,23 @@ def _group(codes_ptr, f, xg, ASM: tl.constexpr):
 
 
 @triton.jit
+def _factors4(sp):
+    """The factors of four consecutive groups (``_factors``), scale bytes from sp."""
+    return _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
+
+
+@triton.jit
+def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr):
+    """L1: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
+    FP32 in ascending K [64, NTOK]."""
+    blk = _group(wp, f0, _x_group(xp, tok, valid, k0, LD), ASM)
+    blk += _group(wp + 1024, f1, _x_group(xp, tok, valid, k0 + 32, LD), ASM)
+    blk += _group(wp + 2048, f2, _x_group(xp, tok, valid, k0 + 64, LD), ASM)
+    blk += _group(wp + 3072, f3, _x_group(xp, tok, valid, k0 + 96, LD), ASM)
+    return blk
+
+
+@triton.jit
 def _x_group(x_ptr, rows, valid, k0, LD: tl.constexpr):
     """x (e4m3) of the pass's tokens, K [k0, k0 + 32): [32, NTOK] (columns past the pass zero)."""
     k = k0 + tl.arange(0, 32)
@@ -119,7 +136,7 @@ def l1_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     clamp,
-    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, BLOCKS2: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -136,20 +153,36 @@ def l1_tc_kernel(
             # The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by
             # Triton): each block's are loaded one block ahead, so that no group waits on global memory for them.
             sp = s_ptr + tile * 64
-            f0, f1, f2, f3 = _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
-            xsf = tl.load(xsf_ptr + tok * (H // 128), mask=valid, other=0.0)
-            for kb in range(H // 128):
-                nb = tl.minimum(kb + 1, H // 128 - 1) * 4  # the next block's first group (the last reloads its own)
-                n0, n1, n2, n3 = (_factors(sp + nb * 64), _factors(sp + nb * 64 + 64), _factors(sp + nb * 64 + 128),
-                                  _factors(sp + nb * 64 + 192))
-                nxsf = tl.load(xsf_ptr + tok * (H // 128) + nb // 4, mask=valid, other=0.0)
-                g = kb * 4
-                blk = _group(w_ptr + (tile + g) * 1024, f0, _x_group(x_ptr, tok, valid, g * 32, H), ASM)
-                blk += _group(w_ptr + (tile + g + 1) * 1024, f1, _x_group(x_ptr, tok, valid, g * 32 + 32, H), ASM)
-                blk += _group(w_ptr + (tile + g + 2) * 1024, f2, _x_group(x_ptr, tok, valid, g * 32 + 64, H), ASM)
-                blk += _group(w_ptr + (tile + g + 3) * 1024, f3, _x_group(x_ptr, tok, valid, g * 32 + 96, H), ASM)
-                acc = _promote(acc, blk, xsf, ASM)
-                f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+            wp = w_ptr + tile * 1024
+            xsp = xsf_ptr + tok * (H // 128)
+            NB: tl.constexpr = H // 128
+            if BLOCKS2:  # two blocks per iteration, the next iteration's scales loaded ahead
+                f0, f1, f2, f3 = _factors4(sp)
+                f4, f5, f6, f7 = _factors4(sp + 256)
+                xa = tl.load(xsp, mask=valid, other=0.0)
+                xb = tl.load(xsp + 1, mask=valid, other=0.0)
+                for it in range(NB // 2):
+                    kb = it * 2
+                    nb = tl.minimum(kb + 2, NB - 2)  # the next iteration's first block (the last: its own)
+                    n0, n1, n2, n3 = _factors4(sp + nb * 256)
+                    n4, n5, n6, n7 = _factors4(sp + nb * 256 + 256)
+                    nxa = tl.load(xsp + nb, mask=valid, other=0.0)
+                    nxb = tl.load(xsp + nb + 1, mask=valid, other=0.0)
+                    acc = _promote(acc, _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM),
+                                   xa, ASM)
+                    acc = _promote(acc, _block_sum(wp + kb * 4096 + 4096, f4, f5, f6, f7, x_ptr, tok, valid,
+                                                   kb * 128 + 128, H, ASM), xb, ASM)
+                    f0, f1, f2, f3, f4, f5, f6, f7, xa, xb = n0, n1, n2, n3, n4, n5, n6, n7, nxa, nxb
+            else:  # one block per iteration, the next block's scales loaded ahead
+                f0, f1, f2, f3 = _factors4(sp)
+                xsf = tl.load(xsp, mask=valid, other=0.0)
+                for kb in range(NB):
+                    nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
+                    n0, n1, n2, n3 = _factors4(sp + nb * 256)
+                    nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
+                    acc = _promote(acc, _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM),
+                                   xsf, ASM)
+                    f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
             if STORE_L1:
                 tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
@@ -175,7 +208,7 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, UNROLL4: tl.constexpr = True,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -190,38 +223,24 @@ def l2_tc_kernel(
             acc = tl.zeros([64, NTOK], tl.float32)
             sp = s_ptr + tile * 64
             cp = sf2_ptr + rows * NG
-            if UNROLL4:  # four groups per iteration (as L1's blocks): each one's scales loaded one iteration ahead
-                f0, f1, f2, f3 = _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
-                c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
-                                  tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
-                for it in range(NG // 4):
-                    g = it * 4
-                    nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
-                    n0, n1, n2, n3 = (_factors(sp + nx * 64), _factors(sp + nx * 64 + 64), _factors(sp + nx * 64 + 128),
-                                      _factors(sp + nx * 64 + 192))
-                    o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
-                                      tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
-                    acc = _promote(acc, _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM),
-                                   c0, ASM)
-                    acc = _promote(acc, _group(w_ptr + (tile + g + 1) * 1024, f1,
-                                               _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
-                    acc = _promote(acc, _group(w_ptr + (tile + g + 2) * 1024, f2,
-                                               _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
-                    acc = _promote(acc, _group(w_ptr + (tile + g + 3) * 1024, f3,
-                                               _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
-                    f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
-            else:  # one group per iteration, its scales loaded three groups ahead
-                f0, f1, f2 = (_factors(sp), _factors(sp + tl.minimum(1, NG - 1) * 64),
-                              _factors(sp + tl.minimum(2, NG - 1) * 64))
-                c0 = tl.load(cp, mask=valid, other=0.0)
-                c1 = tl.load(cp + tl.minimum(1, NG - 1), mask=valid, other=0.0)
-                c2 = tl.load(cp + tl.minimum(2, NG - 1), mask=valid, other=0.0)
-                for g in range(NG):
-                    ng = tl.minimum(g + 3, NG - 1)
-                    f3 = _factors(sp + ng * 64)
-                    c3 = tl.load(cp + ng, mask=valid, other=0.0)
-                    d = _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
-                    acc = _promote(acc, d, c0, ASM)
-                    f0, f1, f2, c0, c1, c2 = f1, f2, f3, c1, c2, c3
+            # four groups per iteration (as L1's blocks), each one's scales loaded one iteration ahead
+            f0, f1, f2, f3 = _factors4(sp)
+            c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
+                              tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
+            for it in range(NG // 4):
+                g = it * 4
+                nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
+                n0, n1, n2, n3 = _factors4(sp + nx * 64)
+                o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
+                                  tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
+                acc = _promote(acc, _group(w_ptr + (tile + g) * 1024, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM),
+                               c0, ASM)
+                acc = _promote(acc, _group(w_ptr + (tile + g + 1) * 1024, f1,
+                                           _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
+                acc = _promote(acc, _group(w_ptr + (tile + g + 2) * 1024, f2,
+                                           _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
+                acc = _promote(acc, _group(w_ptr + (tile + g + 3) * 1024, f3,
+                                           _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
+                f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK
