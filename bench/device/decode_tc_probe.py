@@ -9,7 +9,7 @@ beside the CUDA-core default, DeepSeek-V4-Flash geometry, EP = 1.
 (b) speed, side by side in one run: the four launches of each path captured in one CUDA graph, replayed with
     the L2 flushed before each (decode_probe.time_replays), kineto per kernel, and the plain read of the same
     bytes; --stages times the tensor-core path with other software-pipeline depths, --variants without register
-    caps or with two L1 blocks per loop iteration (same bits: checked against the default's y).
+    caps (same bits: checked against the default's y).
 Results: $OUT/decode_tc_probe.json and a table.
 """
 
@@ -37,9 +37,7 @@ from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
 
-VARIANTS = {"nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None),
-            "l1-blocks2-cap112": dict(tc_l1_blocks2=True, tc_l1_maxnreg=112),
-            "l1-blocks2-nocap": dict(tc_l1_blocks2=True, tc_l1_maxnreg=None)}
+VARIANTS = {"nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None)}
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
 
@@ -57,7 +55,7 @@ def main() -> int:
     ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                    help="nocap: no register caps (the compiler's choice); l1-blocks2*: L1 two blocks per iteration")
+                    help="nocap: no register caps (the compiler's choice)")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()

@@ -38,7 +38,6 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
         tw.l1_codes, tw.l1_scales, buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
         float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
-        BLOCKS2=cfg.tc_l1_blocks2,
         **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret),
     )
 

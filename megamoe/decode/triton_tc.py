@@ -136,7 +136,7 @@ def l1_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     clamp,
-    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, BLOCKS2: tl.constexpr = False,
+    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -156,33 +156,16 @@ def l1_tc_kernel(
             wp = w_ptr + tile * 1024
             xsp = xsf_ptr + tok * (H // 128)
             NB: tl.constexpr = H // 128
-            if BLOCKS2:  # two blocks per iteration, the next iteration's scales loaded ahead
-                f0, f1, f2, f3 = _factors4(sp)
-                f4, f5, f6, f7 = _factors4(sp + 256)
-                xa = tl.load(xsp, mask=valid, other=0.0)
-                xb = tl.load(xsp + 1, mask=valid, other=0.0)
-                for it in range(NB // 2):
-                    kb = it * 2
-                    nb = tl.minimum(kb + 2, NB - 2)  # the next iteration's first block (the last: its own)
-                    n0, n1, n2, n3 = _factors4(sp + nb * 256)
-                    n4, n5, n6, n7 = _factors4(sp + nb * 256 + 256)
-                    nxa = tl.load(xsp + nb, mask=valid, other=0.0)
-                    nxb = tl.load(xsp + nb + 1, mask=valid, other=0.0)
-                    acc = _promote(acc, _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM),
-                                   xa, ASM)
-                    acc = _promote(acc, _block_sum(wp + kb * 4096 + 4096, f4, f5, f6, f7, x_ptr, tok, valid,
-                                                   kb * 128 + 128, H, ASM), xb, ASM)
-                    f0, f1, f2, f3, f4, f5, f6, f7, xa, xb = n0, n1, n2, n3, n4, n5, n6, n7, nxa, nxb
-            else:  # one block per iteration, the next block's scales loaded ahead
-                f0, f1, f2, f3 = _factors4(sp)
-                xsf = tl.load(xsp, mask=valid, other=0.0)
-                for kb in range(NB):
-                    nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
-                    n0, n1, n2, n3 = _factors4(sp + nb * 256)
-                    nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                    acc = _promote(acc, _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM),
-                                   xsf, ASM)
-                    f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+            # one block per iteration, the next block's scales loaded ahead
+            f0, f1, f2, f3 = _factors4(sp)
+            xsf = tl.load(xsp, mask=valid, other=0.0)
+            for kb in range(NB):
+                nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
+                n0, n1, n2, n3 = _factors4(sp + nb * 256)
+                nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
+                acc = _promote(acc, _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM),
+                               xsf, ASM)
+                f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
             if STORE_L1:
                 tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
