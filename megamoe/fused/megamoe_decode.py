@@ -136,8 +136,8 @@ class MegaMoEDecode(FusedBackend):
 class MegaMoEDecodeTC(MegaMoEDecode):
     """The same path with tensor-core GEMVs (megamoe/decode/triton_tc.py): an FP8 MMA per 32-K scale group,
     the weights as the 64-row operand and up to 16 tokens as its columns. Its own numerics (the tensor cores'
-    k32 sums, FP32 promotion): recipe ``megamoe-decode-tc``. Faster than ``megamoe-decode`` from 8 tokens on
-    (one H200, DeepSeek-V4-Flash: bench/results/2026-12-04_nvidia-h200_decode-tc)."""
+    k32 sums, FP32 promotion): recipe ``megamoe-decode-tc``. Faster than ``megamoe-decode`` at every count from
+    1 to 64 tokens (one H200, DeepSeek-V4-Flash: bench/results/2026-12-04_nvidia-h200_decode-tc)."""
 
     name = "megamoe-decode-tc"
     recipe = MEGAMOE_DECODE_TC
