@@ -1,10 +1,16 @@
-"""megamoe's own small-batch FP8 x MXFP4 MoE path (1..64 tokens per rank): exact FP64 block sums on CUDA
-cores, weights streamed once per step in a layout prepared once. Each Triton stage sits beside its torch
-twin (same name + ``_torch``, same signature). Design and napkin math: docs/decode-kernel.md."""
+"""megamoe's own small-batch FP8 x MXFP4 MoE path (1..64 tokens per rank), weights streamed once per step in a
+layout prepared once, in two variants that round differently:
+
+    DecodeWeights (layout.py, triton_gemv.py)   exact float64 block sums on CUDA cores   recipe megamoe-decode
+    TCWeights (layout_tc.py, triton_tc.py)      an FP8 MMA per 32-K scale group          recipe megamoe-decode-tc
+
+``moe_decode`` runs whichever weights it is given. Each Triton stage sits beside its torch twin (same name +
+``_torch``, same signature). Design, napkin math and the H200 runs: docs/decode-kernel.md."""
 
 from .gemv import LaunchConfig
 from .layout import DecodeWeights, TileShape, checkpoint_from_decode, prepare_decode_weights
+from .layout_tc import TCWeights, prepare_tc_weights
 from .moe import MAX_TOKENS, DecodeBuffers, moe_decode, moe_decode_torch
 
 __all__ = ["LaunchConfig", "DecodeWeights", "TileShape", "checkpoint_from_decode", "prepare_decode_weights",
-           "MAX_TOKENS", "DecodeBuffers", "moe_decode", "moe_decode_torch"]
+           "TCWeights", "prepare_tc_weights", "MAX_TOKENS", "DecodeBuffers", "moe_decode", "moe_decode_torch"]
