@@ -1,7 +1,8 @@
 """Compile the decode kernels for sm_90 on any machine (no GPU: Triton's bundled ptxas) and report registers,
-spills and the instruction mix of the L1 K-loop, the numbers docs/decode-kernel.md quotes.
+spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md quotes.
 
-    python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]
+    python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]      the CUDA-core kernels
+    python3 scripts/decode_sass.py --tc                                          the tensor-core kernels
 """
 
 from __future__ import annotations
@@ -30,21 +31,25 @@ L2_SIG = dict(w_ptr="*i32", s_ptr="*u8", x2_ptr="*fp32", sf2_ptr="*fp32", num_to
               seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
-def compile_sass(fn, sig: dict, const: dict, warps: int) -> tuple[str, str]:
-    """(SASS text, resource usage line) of fn compiled for sm_90."""
-    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(const, "constexpr")}, constexprs=const)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+def compile_sass(fn, sig: dict, const: dict, warps: int, options: dict | None = None, with_ttgir: bool = False):
+    """(SASS text, resource usage line[, TTGIR]) of fn compiled for sm_90."""
+    # Pointers divisible by 16, as the launcher's specialization makes them (torch allocations are): without it
+    # the compiler cannot prove wide loads aligned and emits byte loads the real kernel does not have.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(const, "constexpr")}, constexprs=const, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **(options or {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
         f.flush()
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-    return sass, " ".join(re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+", res))
+    usage = " ".join(re.findall(r"REG:\d+ STACK:\d+ SHARED:\d+", res))
+    return (sass, usage, c.asm["ttgir"]) if with_ttgir else (sass, usage)
 
 
-def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Instructions of the K loop, the shortest backward branch whose body holds (nearly) every fp16 decode
-    conversion: (count, mix by opcode)."""
+def loop_mix(sass: str, marker: str = "HADD2.F32") -> tuple[int, collections.Counter]:
+    """Instructions of the K loop, the shortest backward branch whose body holds (nearly) every instruction
+    named ``marker`` (the fp16 decode conversion; the MMA for the tensor-core kernels): (count, mix by opcode)."""
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", sass)
     addr = [(int(a, 16), op, rest) for a, op, rest in lines]
     loops = []
@@ -52,10 +57,42 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
         m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if m and int(m.group(1), 16) < pc:
             body = [o for p, o, _ in addr if int(m.group(1), 16) <= p <= pc]
-            loops.append((body.count("HADD2.F32"), len(body), body))
+            loops.append((sum(o.startswith(marker) or marker in o for o in body), len(body), body))
     most = max(h for h, _, _ in loops)
     _, n, body = min((x for x in loops if x[0] >= 0.9 * most), key=lambda x: x[1])
     return n, collections.Counter(body)
+
+
+TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*u8", x_ptr="*fp8e4nv", xsf_ptr="*fp32", num_touched_ptr="*i32",
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32",
+                 row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", clamp="fp32")
+TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*u8", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
+
+
+def tc_report() -> int:
+    """The tensor-core kernels with the backend's launch options: registers, spills inside / outside the K loop,
+    the loop's instructions per weight, and the layout conversions left in the TTGIR (none between the decode
+    and the MMA: the only ones are the epilogue's)."""
+    from megamoe.decode import LaunchConfig
+    from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
+
+    cfg = LaunchConfig()
+    geo = dict(H=4096, I=2048, ASM=True)
+    for name, fn, sig, const, cap, groups in (
+        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
+        ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
+    ):
+        opts = {"num_stages": cfg.tc_stages, **({"maxnreg": cap} if cap else {})}
+        sass, res, ttgir = compile_sass(fn, sig, const, 4, opts, with_ttgir=True)
+        n, mix = loop_mix(sass, "GMMA")
+        spills_in_loop = sum(c for op, c in mix.items() if op.startswith(("LDL", "STL")))
+        weights = groups * 64 * 32 // 128  # per thread per iteration
+        print(f"{name} (cap {cap}, {cfg.tc_stages} stages): {res}; K loop {n} instructions for {weights} weights per "
+              f"thread = {n / weights:.2f} per weight; spills in the loop {spills_in_loop}; layout conversions in the "
+              f"TTGIR {ttgir.count('ttg.convert_layout')}")
+        print("   " + ", ".join(f"{op} {c}" for op, c in mix.most_common(12)))
+    return 0
 
 
 def main() -> int:
@@ -64,7 +101,10 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--bn2", type=int, default=32, help="L2 rows per program")
     ap.add_argument("--prefetch", action="store_true", help="the next K-iteration's tile loaded first")
+    ap.add_argument("--tc", action="store_true", help="the tensor-core kernels (megamoe-decode-tc) instead")
     args = ap.parse_args()
+    if args.tc:
+        return tc_report()
     geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),
