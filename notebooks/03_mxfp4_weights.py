@@ -20,7 +20,8 @@
 #
 # Ladder: (3.1) the e2m1 grid, (3.2) E8M0 scales of real-like weights and the quantization error,
 # (3.3) the decoders' legal range, and DeepGEMM's decode table as the H200 runs it, (3.4) what an
-# out-of-range scale does to the layer, and the repair.
+# out-of-range scale does to the layer, and the repair, (3.5) megamoe's own tensor-core decode: the scale
+# kept out of the e4m3 value, and the byte order that feeds the MMA straight from a load.
 
 # %%
 import json
@@ -262,3 +263,59 @@ figs.save(fig, "layer_error_by_range")
 # **Takeaway.** MXFP4 itself costs ~10% relative error per weight (the e2m1 grid is that coarse);
 # the decoder's range costs nothing *if* the scales are inside it, and a lot if not, silently. Detect
 # with `analyze_ranges`, repair with `repair_ranges`, before any kernel reads the weights.
+
+# %% [markdown]
+# ## 3.5 A decode that keeps the scale out: `megamoe-decode-tc`
+#
+# The decoders above fold the scale into the e4m3 value, which is why they have a narrow legal range.
+# megamoe's tensor-core decode kernel (`megamoe/decode/triton_tc.py`) does not: it places the e2m1 code's four
+# bits into an e4m3 byte (`s e1 e0 m` -> `s 00 e1 e0 m 00`), which is worth e2m1 x 2^-6 for all 16 codes (the
+# e2m1 subnormal 0.5 lands on the e4m3 subnormal 2^-7), runs a fresh FP8 MMA per 32-K group, and multiplies the
+# group's FP32 sum by 2^(s - 121). That product is exact for every byte that keeps four scaled group sums normal
+# and finite: 20..236, 217 bytes against DeepGEMM's 15.
+
+# %%
+from megamoe.decode.layout_tc import _tiles, e4m3_bytes
+from megamoe.formats import pack_e2m1, scale_byte_window
+
+codes = torch.arange(16, dtype=torch.uint8)
+as_e4m3 = e4m3_bytes(codes)
+vals = as_e4m3.view(torch.float8_e4m3fn).double() * 2.0**6
+print("code  e4m3 byte  value * 2^6  e2m1")
+for c, b, v, want in zip(codes.tolist(), as_e4m3.tolist(), vals.tolist(), e2m1_decode(codes).tolist()):
+    print(f"{c:4d}  0x{b:02x}       {v:+6.2f}       {want:+5.1f}")
+assert torch.equal(vals, e2m1_decode(codes).double())
+print("legal scale bytes of the tensor-core decode:", scale_byte_window("e4m3_group"))
+
+# %% [markdown]
+# Where each weight of one (tile, group) block lives: the kernel loads 8 bytes per thread and hands them to the
+# MMA without moving them, because the block's bytes are stored in the order of the wgmma A fragment
+# (`megamoe/decode/layout_tc.py`). Here the layout is found, not drawn: 2,048 one-hot blocks go through the
+# real tiling, and each weight's byte tells which thread loads it.
+
+# %%
+one_hot = torch.zeros(64 * 32, 64, 32, dtype=torch.uint8)  # [position, row, K]: one nonzero code each
+one_hot.view(64 * 32, -1)[torch.arange(64 * 32), torch.arange(64 * 32)] = 1
+blocks, _ = _tiles(pack_e2m1(one_hot), torch.full((64 * 32, 64, 1), 127, dtype=torch.uint8), 64)
+byte = blocks.view(64 * 32, 1024).nonzero()[:, 1].view(64, 32)  # the byte holding weight (row, K)
+thread = byte // 8
+print("threads:", int(thread.max()) + 1, "| weights per thread:", int(torch.bincount(thread.flatten()).max()),
+      "| rows of thread 0:", sorted(set((thread == 0).nonzero()[:, 0].tolist())),
+      "| K of thread 0:", sorted(set((thread == 0).nonzero()[:, 1].tolist())))
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1, 2]})
+axes[0].imshow((thread // 32).numpy(), cmap="Set2", aspect="auto", interpolation="nearest", vmin=0, vmax=7)
+for w in range(4):
+    axes[0].text(15.5, 16 * w + 7.5, f"warp {w}", ha="center", va="center", fontsize=10)
+axes[0].set(xlabel="K within the group", ylabel="row of the 64-row tile", title="the warp that loads each weight")
+lane = (thread % 32)[:16].numpy()
+axes[1].imshow(lane, cmap="twilight", aspect="auto", interpolation="nearest", vmin=0, vmax=32)
+for r in range(16):
+    for q in range(8):
+        axes[1].text(4 * q + 1.5, r, str(lane[r, 4 * q]), ha="center", va="center", fontsize=7)
+axes[1].set(xlabel="K within the group", ylabel="row", title="warp 0: the lane that loads each weight (4 K per label)")
+figs.save(fig, "tc_fragment_layout")
+
+# %% [markdown]
+# Thread 0 holds rows 0 and 8 at K 0..3 and 16..19: the first lane's share of an m64 x k32 wgmma A fragment.
+# On the H200 this path is bit-identical to its recipe (the tensor cores' own k32 sums,
+# `docs/decode-kernel.md`), and faster than the CUDA-core decode at every token count.

@@ -35,7 +35,8 @@ CELL_TIMEOUT_S = 240
 EXPECTED_FIGURES = {
     "01_routing_dispatch": ["expert_histogram", "bias_balancing", "pool_layout", "padding_waste"],
     "02_fp8_staging": ["scales", "error_per_element", "error_vs_granularity", "multiply_vs_divide"],
-    "03_mxfp4_weights": ["e2m1_grid", "scale_bytes", "decoder_range", "decode_table_measured", "layer_error_by_range"],
+    "03_mxfp4_weights": ["e2m1_grid", "scale_bytes", "decoder_range", "decode_table_measured", "layer_error_by_range",
+                         "tc_fragment_layout"],
     "04_gemms_swiglu_requant": ["l1_promotion", "swiglu_clamp", "l2_requant", "error_budget", "tc_accumulation"],
     "05_combine_and_expert_parallelism": ["slot_outputs", "combine_order", "ep_traffic", "ragged_agreement"],
     "06_kernel_walkthrough": ["plan_vs_tokens", "tiles_per_wave", "bytes_flops_per_stage", "roofline", "warp_roles",
