@@ -1,7 +1,8 @@
 """The whole decode path on staged inputs: ``moe_decode`` (four Triton launches, or two with
 ``LaunchConfig.fused``: routing, then L1 + L2 + combine in one, ``triton_fused.py``) beside
 ``moe_decode_torch`` (the twins of the four stages). Given ``TCWeights`` (``layout_tc.py``) instead of
-``DecodeWeights``, L1 and L2 are the tensor-core GEMVs of ``tc.py`` (recipe megamoe-decode-tc). Both read a ``DecodeBuffers`` that ``stage`` filled.
+``DecodeWeights``, L1 and L2 are the tensor-core GEMVs of ``tc.py`` (recipe megamoe-decode-tc). Both read a
+``DecodeBuffers`` that ``stage`` filled.
 
     route    topk_idx, topk_weights, x_q -> pool order, work items, x32      (routing.py)
     l1       gate/up GEMV, SwiGLU, routing weight, FP8 requant per 32      (gemv.py)
