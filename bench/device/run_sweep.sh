@@ -9,7 +9,7 @@
 # Two deep_gemm builds cannot live in one process (sgl-deep-gemm serves deepgemm-sm90-fp8 and the unfused peer;
 # deepgemm-sm90-fp4 needs the source build first on PYTHONPATH), so it runs two processes on the same card:
 #   process 1: flashinfer-mxfp4, deepgemm-sm90-fp8, deepgemm-staged-fp8 and the eager reference (BACKENDS1; add
-#              megamoe-decode), the ceilings, then the studies (overhead, staging, block_m, ragged)
+#              megamoe-decode and megamoe-decode-tc), the ceilings, then the studies (overhead, staging, block_m, ragged)
 #   process 2: deepgemm-sm90-fp4, and flashinfer-mxfp4 again as the anchor between the two processes; its rows
 #              join process 1's folder (megamoe bench --append), studies only for what process 1 did not study
 # Measured on H200s (bench/results/*/NOTE.md): process 1 with the five backends, 14 counts, 2 passes: setup 46-83 s,
