@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import MXFP4_BLOCK, scale_byte_window, unpack_e2m1
+from ..formats import MXFP4_BLOCK, e8m0_to_float, scale_byte_window, unpack_e2m1
 from ..weights import MXFP4Weights
 from .layout import fold_global_scales
 
@@ -123,30 +123,25 @@ def prepare_tc_weights(weights: MXFP4Weights, experts_per_chunk: int = 16) -> TC
     return TCWeights(l1c, l1s, l2c, l2s, h, i)
 
 
+def _expert_codes(tw: TCWeights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert e's codes and bytes in checkpoint order: (l1 codes [2I, H], bytes [2I, H/32], l2 codes [H, I],
+    bytes [H, I/32]); the inverse of prepare's tiling (``_untile``) and row order (``_l1_rows``)."""
+    i = tw.intermediate
+    c1, s1 = _untile(tw.l1_codes[e], tw.l1_scales[e])
+    c1, s1 = (t.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1) for t in (c1, s1))  # gate, then up
+    return (c1, s1, *_untile(tw.l2_codes[e], tw.l2_scales[e]))
+
+
 def expert_operands(tw: TCWeights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert e as the tensor cores read it, in checkpoint row order: (w1 [2I, H] e4m3 values e2m1 * 2**-6,
     sf1 [2I, H/32] fp32 2**(s - 121), w2 [H, I], sf2 [H, I/32])."""
-    def operands(blocks, scales):
-        codes, s = _untile(blocks, scales)
-        vals = e4m3_bytes(codes).view(torch.float8_e4m3fn).float()
-        return vals, torch.ldexp(torch.ones_like(s, dtype=torch.float32), s.to(torch.int32) - 121)
-
-    i = tw.intermediate
-    w1, sf1 = operands(tw.l1_codes[e], tw.l1_scales[e])
-    w1, sf1 = (t.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1) for t in (w1, sf1))  # gate, then up
-    w2, sf2 = operands(tw.l2_codes[e], tw.l2_scales[e])
-    return w1, sf1, w2, sf2
+    c1, s1, c2, s2 = _expert_codes(tw, e)
+    vals = lambda codes: e4m3_bytes(codes).view(torch.float8_e4m3fn).float()  # noqa: E731
+    return vals(c1), e8m0_to_float(s1) * 2.0**6, vals(c2), e8m0_to_float(s2) * 2.0**6
 
 
 def checkpoint_from_tc(tw: TCWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All experts' codes and bytes back in checkpoint order (the inverse of prepare, after its canonical
     bytes): (l1 codes [E, 2I, H], l1 bytes [E, 2I, H/32], l2 codes [E, H, I], l2 bytes [E, H, I/32])."""
-    i = tw.intermediate
-    out = [[], [], [], []]
-    for e in range(tw.num_experts):
-        c1, s1 = _untile(tw.l1_codes[e], tw.l1_scales[e])
-        c2, s2 = _untile(tw.l2_codes[e], tw.l2_scales[e])
-        c1, s1 = (t.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1) for t in (c1, s1))
-        for lst, t in zip(out, (c1, s1, c2, s2)):
-            lst.append(t)
-    return tuple(torch.stack(t) for t in out)
+    per_expert = [_expert_codes(tw, e) for e in range(tw.num_experts)]
+    return tuple(torch.stack(t) for t in zip(*per_expert))

@@ -19,14 +19,15 @@ import torch
 from ..recipe import MEGAMOE_DECODE_TC
 from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
-from .gemv import LaunchConfig, _work_items
+from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool) -> dict:
+    """``gemv._kw`` (launch options, none under the interpreter) plus pipeline stages and a register cap."""
     if interpret:
-        return {}
-    return {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+        return _kw(warps, interpret)
+    return {**_kw(warps, interpret), "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
 
 
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import (E8M0_NAN, WEIGHT_DECODERS, dequantize_mxfp4_lookup, e2m1_decode, e8m0_to_float,
+from ..formats import (WEIGHT_DECODERS, dequantize_mxfp4_lookup, e2m1_decode, e8m0_to_float,
                        mxfp4_decode_table, unpack_e2m1, unpack_ue8m0_x4)
 from ..geometry import Geometry
 from ..inputs import MoEInputs
@@ -128,9 +128,7 @@ def _group_operands(weights: MXFP4Weights, experts: list[int]):
 
     def operands(packed, scale_bytes):
         vals = e2m1_decode(unpack_e2m1(packed[idx])) * 2.0**-6  # exact: e4m3 values
-        b = scale_bytes[idx]
-        sf = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b.to(torch.int32) - 121)
-        return vals, torch.where(b == E8M0_NAN, torch.full_like(sf, float("nan")), sf)
+        return vals, e8m0_to_float(scale_bytes[idx]) * 2.0**6  # 2**(s - 121): exact, NaN for 0xFF
 
     w1, sf1 = operands(weights.l1, weights.l1_scale)
     w2, sf2 = operands(weights.l2, weights.l2_scale)
