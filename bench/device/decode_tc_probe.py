@@ -41,6 +41,8 @@ VARIANTS = {
     "nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None),
     # L2-cache prefetch hints (LaunchConfig.tc_pf_*): the tiles' scale bytes, code blocks N ahead, L1 fetching
     # the L2 stage's weights when they fit in 40 MB
+    "cap64": dict(tc_l1_maxnreg=64, tc_l2_maxnreg=80),
+    "cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=88),
     "pfs": dict(tc_pf_scales=True),
     "a4": dict(tc_pf_ahead=4),
     "pfs-a2": dict(tc_pf_scales=True, tc_pf_ahead=2),
@@ -50,6 +52,16 @@ VARIANTS = {
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
+
+
+def commit() -> str:
+    """MEGAMOE_COMMIT if set (a copy of the tree without its git metadata), else git's HEAD."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        head = ""
+    return os.environ.get("MEGAMOE_COMMIT") or head or "unknown"
 
 
 def timed(fn, s, flush) -> dict:
@@ -65,7 +77,8 @@ def main() -> int:
     ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                    help="nocap: no register caps (the compiler's choice); the others: L2-cache prefetch hints")
+                    help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
+                         "programs); the others: L2-cache prefetch hints")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()
@@ -74,6 +87,7 @@ def main() -> int:
     g = get_geometry("dsv4-flash")
     import triton
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": commit(),
            "geometry": g.name, "check": [], "rows": [], "errors": []}
 
     def save():
