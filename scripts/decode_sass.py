@@ -65,8 +65,7 @@ def loop_mix(sass: str, marker: str = "HADD2.F32") -> tuple[int, collections.Cou
 
 TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*u8", x_ptr="*fp8e4nv", xsf_ptr="*fp32", num_touched_ptr="*i32",
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32",
-                 row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", w2_ptr="*u8", s2_ptr="*u8",
-                 clamp="fp32")
+                 row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", clamp="fp32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*u8", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
@@ -79,9 +78,9 @@ def tc_report() -> int:
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, PF_SCALES=cfg.tc_pf_scales, PF_AHEAD=cfg.tc_pf_ahead)
+    geo = dict(H=4096, I=2048, ASM=True)
     for name, fn, sig, const, cap, groups in (
-        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, PF_DOWN=False, **geo), cfg.tc_l1_maxnreg, 4),
+        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
     ):
         opts = {"num_stages": cfg.tc_stages, **({"maxnreg": cap} if cap else {})}

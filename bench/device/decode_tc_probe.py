@@ -39,16 +39,9 @@ from megamoe.testing import first_mismatch  # noqa: E402
 
 VARIANTS = {
     "nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None),
-    # L2-cache prefetch hints (LaunchConfig.tc_pf_*): the tiles' scale bytes, code blocks N ahead, L1 fetching
-    # the L2 stage's weights when they fit in 40 MB
+    # tighter register caps: more resident programs (no gain on the H200, run 12)
     "cap64": dict(tc_l1_maxnreg=64, tc_l2_maxnreg=80),
     "cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=88),
-    "pfs": dict(tc_pf_scales=True),
-    "a4": dict(tc_pf_ahead=4),
-    "pfs-a2": dict(tc_pf_scales=True, tc_pf_ahead=2),
-    "pfs-a4": dict(tc_pf_scales=True, tc_pf_ahead=4),
-    "pfs-a8": dict(tc_pf_scales=True, tc_pf_ahead=8),
-    "pfs-a4-down": dict(tc_pf_scales=True, tc_pf_ahead=4, tc_pf_down_mb=40.0),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
@@ -78,7 +71,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
-                         "programs); the others: L2-cache prefetch hints")
+                         "programs)")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()

@@ -43,12 +43,6 @@ class LaunchConfig:
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
     tc_l2_maxnreg: int | None = 96
-    # L2-cache prefetch hints of the tensor-core kernels: each tile's scale bytes at the start, code blocks
-    # tc_pf_ahead 4-KB blocks ahead of the loop (0: none), and L1 prefetching the L2 stage's weights of its
-    # expert when the touched experts' L2 weights fit in tc_pf_down_mb MB (0: never)
-    tc_pf_scales: bool = False
-    tc_pf_ahead: int = 0
-    tc_pf_down_mb: float = 0.0
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

@@ -30,13 +30,6 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool) -> dict
     return {**_kw(warps, interpret), "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
 
 
-def _down_fits(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> bool:
-    """Whether L1 prefetches the L2 stage's weights: the most experts the step can touch, times their L2 bytes,
-    within ``cfg.tc_pf_down_mb`` (beyond what the L2 cache holds the prefetched lines would be gone before use)."""
-    per_expert = tw.l2_codes[0].numel() + tw.l2_scales[0].numel()
-    return buf.max_work(num_tokens) * per_expert <= cfg.tc_pf_down_mb * 1e6
-
-
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     from .triton_tc import l1_tc_kernel
 
@@ -44,9 +37,8 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
         return
     l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32)](
         tw.l1_codes, tw.l1_scales, buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
-        buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf, tw.l2_codes, tw.l2_scales,
+        buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
         float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
-        PF_SCALES=cfg.tc_pf_scales, PF_AHEAD=cfg.tc_pf_ahead, PF_DOWN=_down_fits(tw, buf, num_tokens, cfg),
         **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret),
     )
 
@@ -59,7 +51,6 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
     l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
         tw.l2_codes, tw.l2_scales, buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched, buf.touched,
         buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
-        PF_SCALES=cfg.tc_pf_scales, PF_AHEAD=cfg.tc_pf_ahead,
         **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret),
     )
 

@@ -111,19 +111,6 @@ def _promote(acc, blk, sf, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(p, NBYTES: tl.constexpr, ASM: tl.constexpr):
-    """Ask the L2 cache to fetch the NBYTES contiguous bytes at p (16-byte aligned; NBYTES a multiple of 64):
-    one bulk prefetch of a quarter per warp (``cp.async.bulk.prefetch.L2``, an instruction of the uniform
-    datapath: the lanes of a warp give it the same address, so it issues once), no register written, no wait.
-    A hint that changes no bit; nothing under the interpreter."""
-    if ASM:
-        Q: tl.constexpr = NBYTES // 4
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [p + (tl.arange(0, 128) // 32) * Q, tl.full([128], Q, tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _item(j, touched_ptr, seg_start_ptr, seg_count_ptr):
     """Work item j -> (its expert, its first pool row, its number of rows)."""
     return tl.load(touched_ptr + j).to(tl.int64), tl.load(seg_start_ptr + j), tl.load(seg_count_ptr + j)
@@ -143,10 +130,8 @@ def l1_tc_kernel(
     x_ptr, xsf_ptr,  # e4m3 [C, H], fp32 [C, H/128]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
-    w2_ptr, s2_ptr,  # L2's codes and scales (l2_tc_kernel), only read by the prefetch of PF_DOWN
     clamp,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
-    PF_SCALES: tl.constexpr, PF_AHEAD: tl.constexpr, PF_DOWN: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -155,17 +140,6 @@ def l1_tc_kernel(
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (I // 32) + t) * NG  # first group of this tile
         n = t * 32 + tl.arange(0, 32)
-        NB: tl.constexpr = H // 128
-        # L2-cache prefetches (hints; no bit changes): the tile's scale bytes, its first PF_AHEAD code blocks
-        # (the loop asks for block kb + PF_AHEAD), and this program's 1 / (I / 32) share of the expert's L2 weights
-        if PF_SCALES:
-            _prefetch_l2(s_ptr + tile * 64, NG * 64, ASM)
-        if PF_AHEAD > 0:
-            _prefetch_l2(w_ptr + tile * 1024, PF_AHEAD * 4096, ASM)
-        if PF_DOWN:
-            DOWN: tl.constexpr = H * I // 2 // (I // 32)  # code bytes of the share
-            _prefetch_l2(w2_ptr + e * (H * I // 2) + t * DOWN, DOWN, ASM)
-            _prefetch_l2(s2_ptr + e * (H * I // 32) + t * (DOWN // 16), DOWN // 16, ASM)
         m0 = 0
         while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
             rows, valid = _pass(start, m0, count)
@@ -176,13 +150,12 @@ def l1_tc_kernel(
             sp = s_ptr + tile * 64
             wp = w_ptr + tile * 1024
             xsp = xsf_ptr + tok * (H // 128)
+            NB: tl.constexpr = H // 128
             # one block per iteration, the next block's scales loaded ahead
             f0, f1, f2, f3 = _factors4(sp)
             xsf = tl.load(xsp, mask=valid, other=0.0)
             for kb in range(NB):
                 nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
-                if PF_AHEAD > 0:
-                    _prefetch_l2(wp + tl.minimum(kb + PF_AHEAD, NB - 1) * 4096, 4096, ASM)
                 n0, n1, n2, n3 = _factors4(sp + nb * 256)
                 nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
                 acc = _promote(acc, _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM),
@@ -213,7 +186,7 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PF_SCALES: tl.constexpr, PF_AHEAD: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -222,10 +195,6 @@ def l2_tc_kernel(
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (H // 64) + t) * NG
         n = t * 64 + tl.arange(0, 64)
-        if PF_SCALES:  # as L1's
-            _prefetch_l2(s_ptr + tile * 64, NG * 64, ASM)
-        if PF_AHEAD > 0:
-            _prefetch_l2(w_ptr + tile * 1024, PF_AHEAD * 4096, ASM)
         m0 = 0
         while m0 < count:
             rows, valid = _pass(start, m0, count)
@@ -239,8 +208,6 @@ def l2_tc_kernel(
             for it in range(NG // 4):
                 g = it * 4
                 nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
-                if PF_AHEAD > 0:
-                    _prefetch_l2(w_ptr + (tile + tl.minimum(it + PF_AHEAD, NG // 4 - 1) * 4) * 1024, 4096, ASM)
                 n0, n1, n2, n3 = _factors4(sp + nx * 64)
                 o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
                                   tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
