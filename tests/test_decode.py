@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 
 from megamoe.decode import DecodeBuffers, TileShape, checkpoint_from_decode, moe_decode_torch, prepare_decode_weights
 from megamoe.decode.layout import MAX_SCALE_SPREAD, decode_pair_torch, pack_words, unpack_words
-from megamoe.decode.selfcheck import CPU_CASES, passed
+from megamoe.decode.selfcheck import CPU_CASES, DecodeCase, passed, run_case
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1
 from megamoe.recipe import MEGAMOE_DECODE, get_recipe
 from megamoe.decode.layout import MAX_SCALE_BYTE
@@ -131,6 +131,15 @@ def test_triton_interpreter(interpreter_rows, case):
     past the step still poisoned; a broken layout must be caught (calc_diff > 1e-3)."""
     row = interpreter_rows[case.id]
     assert passed(row), json.dumps(row, indent=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CPU_CASES + (DecodeCase("dsv4-flash", 8, 1, "masked", seed=21),), ids=lambda c: c.id)
+def test_on_the_gpu(case):
+    """The interpreter's cases on the GPU with the same bar (each stage equal to its twin, bit-identical to the
+    reference, repeatable, poison kept; broken layouts caught), plus a production-size step."""
+    row = run_case(case, "cuda")
+    assert passed(row), json.dumps(row, indent=1, default=str)
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")

@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install triton; CI installs it)")
 
 from megamoe.decode.layout_tc import checkpoint_from_tc, e4m3_bytes, expert_operands, prepare_tc_weights  # noqa: E402
-from megamoe.decode.selfcheck_tc import CPU_CASES, passed_tc  # noqa: E402
+from megamoe.decode.selfcheck import DecodeCase  # noqa: E402
+from megamoe.decode.selfcheck_tc import CPU_CASES, passed_tc, run_tc_case  # noqa: E402
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
 from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
@@ -118,3 +119,17 @@ def test_triton_interpreter(interpreter_rows, case):
     repeatable; a scale byte off by one must be caught."""
     row = interpreter_rows[case.id]
     assert passed_tc(row), json.dumps(row, indent=1)
+
+
+# On the GPU: the interpreter's cases with real inputs (bit equality, the recipe's tensor-core model), plus
+# production-size steps: one token, and eight with masked slots.
+GPU_CASES = CPU_CASES + (DecodeCase("dsv4-flash", 1, seed=21), DecodeCase("dsv4-flash", 8, routing="masked", seed=22))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+def test_on_the_gpu(case):
+    """l1_tc / l2_tc bitwise equal to their twins, the whole path bit-identical to the reference, poison kept,
+    a relaunch identical; a scale byte off by one must be caught."""
+    row = run_tc_case(case, "cuda")
+    assert not row["interpreter"] and passed_tc(row), json.dumps(row, indent=1, default=str)

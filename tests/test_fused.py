@@ -151,7 +151,8 @@ def test_tensorcore_exact_model_equals_fp64_sum_and_truncation_differs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4"])
+@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4", "megamoe-decode",
+                                  "megamoe-decode-tc"])
 def test_fused_backend_matches_its_reference_small(name):
     from megamoe.check.matrix import run_matrix
 
