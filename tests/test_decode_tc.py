@@ -132,4 +132,4 @@ def test_on_the_gpu(case):
     """l1_tc / l2_tc bitwise equal to their twins, the whole path bit-identical to the reference, poison kept,
     a relaunch identical; a scale byte off by one must be caught."""
     row = run_tc_case(case, "cuda")
-    assert not row["interpreter"] and passed_tc(row), json.dumps(row, indent=1, default=str)
+    assert passed_tc(row) and (case.broken or not row["interpreter"]), json.dumps(row, indent=1, default=str)
