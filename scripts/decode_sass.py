@@ -78,7 +78,7 @@ def tc_report() -> int:
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, ONE_LOAD=cfg.tc_one_load)
+    geo = dict(H=4096, I=2048, ASM=True)
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),

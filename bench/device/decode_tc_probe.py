@@ -39,8 +39,6 @@ from megamoe.testing import first_mismatch  # noqa: E402
 
 VARIANTS = {
     "nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None),
-    # the four code blocks of an iteration as one load (LaunchConfig.tc_one_load)
-    "one-load": dict(tc_one_load=True),
     # tighter register caps: more resident programs (no gain on the H200, run 12)
     "cap64": dict(tc_l1_maxnreg=64, tc_l2_maxnreg=80),
     "cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=88),
@@ -73,7 +71,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
-                         "programs); one-load: an iteration's four code blocks in one load")
+                         "programs)")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()

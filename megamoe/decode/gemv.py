@@ -43,8 +43,6 @@ class LaunchConfig:
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
     tc_l2_maxnreg: int | None = 96
-    # the four code blocks of a loop iteration as one load (16-byte copies) instead of four (8-byte)
-    tc_one_load: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

@@ -57,19 +57,15 @@ def _factors(scales_ptr):
 
 
 @triton.jit
-def _block(p):
-    """The 1,024-byte code block at p as [4, 8, 4, 2, 4] (``_decode_block``'s input). Loaded as one contiguous
-    run (thread i's share is bytes [8 i, 8 i + 8)) and reshaped in registers. A 5-D offset tensor in the
-    block's own order would hide the contiguity from the compiler, whose copies into shared memory then walked
-    the block 256 bytes apart per lane: ~28 sectors per warp request, 5.7 bank-conflicted wavefronts per copy
-    (Nsight Compute on the H200), which made the L1 the bottleneck."""
-    return tl.reshape(tl.load(p + tl.arange(0, 1024)), (4, 8, 4, 2, 4))
-
-
-@triton.jit
 def _blocks4(wp):
-    """The four consecutive code blocks at wp as one [4, 1024] load (16-byte copies: thread i holds bytes
-    [8 i, 8 i + 8) of each), split in registers into four ``_block`` values."""
+    """The four consecutive 1,024-byte code blocks at wp, each as [4, 8, 4, 2, 4] (``_decode_block``'s input).
+
+    One [4, 1024] load: along the 1,024 bytes the offsets are contiguous, so the compiler copies 16 bytes per
+    thread into shared memory, and each thread's registers then hold bytes [8 i, 8 i + 8) of each block (its
+    fragment share); the group split is in registers. Offsets written as a 5-D tensor in the block's own
+    order hid that contiguity: the copies walked a block 256 bytes apart per lane (~28 sectors per warp
+    request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 the
+    bottleneck."""
     p = tl.load(wp + tl.arange(0, 4)[:, None] * 1024 + tl.arange(0, 1024)[None, :])
     p = tl.permute(tl.reshape(p, (2, 2, 4, 8, 4, 2, 4)), (2, 3, 4, 5, 6, 0, 1))  # [..., g // 2, g % 2]
     even, odd = tl.split(p)
@@ -80,16 +76,10 @@ def _blocks4(wp):
 
 @triton.jit
 def _mma(p, f, xg, ASM: tl.constexpr):
-    """One 32-K group: its code block p [4, 8, 4, 2, 4] (``_block``), its factors f [64] (``_factors``), x [32,
+    """One 32-K group: its code block p [4, 8, 4, 2, 4] (``_blocks4``), its factors f [64] (``_factors``), x [32,
     NTOK] e4m3 -> d' fp32 [64, NTOK] = (tensor-core sum) * 2**(s - 121)."""
     d = tl.dot(_decode_block(p, ASM), xg, out_dtype=tl.float32)
     return d * f[:, None]
-
-
-@triton.jit
-def _group(codes_ptr, f, xg, ASM: tl.constexpr):
-    """``_mma`` of the code block at codes_ptr."""
-    return _mma(_block(codes_ptr), f, xg, ASM)
 
 
 @triton.jit
@@ -99,20 +89,14 @@ def _factors4(sp):
 
 
 @triton.jit
-def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr, ONE_LOAD: tl.constexpr):
+def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr):
     """L1: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
-    FP32 in ascending K [64, NTOK]. ONE_LOAD: the four blocks in one load (``_blocks4``), else one each."""
-    if ONE_LOAD:
-        p0, p1, p2, p3 = _blocks4(wp)
-        blk = _mma(p0, f0, _x_group(xp, tok, valid, k0, LD), ASM)
-        blk += _mma(p1, f1, _x_group(xp, tok, valid, k0 + 32, LD), ASM)
-        blk += _mma(p2, f2, _x_group(xp, tok, valid, k0 + 64, LD), ASM)
-        blk += _mma(p3, f3, _x_group(xp, tok, valid, k0 + 96, LD), ASM)
-    else:
-        blk = _group(wp, f0, _x_group(xp, tok, valid, k0, LD), ASM)
-        blk += _group(wp + 1024, f1, _x_group(xp, tok, valid, k0 + 32, LD), ASM)
-        blk += _group(wp + 2048, f2, _x_group(xp, tok, valid, k0 + 64, LD), ASM)
-        blk += _group(wp + 3072, f3, _x_group(xp, tok, valid, k0 + 96, LD), ASM)
+    FP32 in ascending K [64, NTOK]."""
+    p0, p1, p2, p3 = _blocks4(wp)
+    blk = _mma(p0, f0, _x_group(xp, tok, valid, k0, LD), ASM)
+    blk += _mma(p1, f1, _x_group(xp, tok, valid, k0 + 32, LD), ASM)
+    blk += _mma(p2, f2, _x_group(xp, tok, valid, k0 + 64, LD), ASM)
+    blk += _mma(p3, f3, _x_group(xp, tok, valid, k0 + 96, LD), ASM)
     return blk
 
 
@@ -161,7 +145,7 @@ def l1_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     clamp,
-    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, ONE_LOAD: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -188,7 +172,7 @@ def l1_tc_kernel(
                 nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
                 n0, n1, n2, n3 = _factors4(sp + nb * 256)
                 nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM, ONE_LOAD)
+                blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
                 acc = _promote(acc, blk, xsf, ASM)
                 f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
@@ -216,7 +200,7 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, ONE_LOAD: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -241,21 +225,11 @@ def l2_tc_kernel(
                 n0, n1, n2, n3 = _factors4(sp + nx * 64)
                 o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
                                   tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
-                wp = w_ptr + (tile + g) * 1024
-                if ONE_LOAD:
-                    p0, p1, p2, p3 = _blocks4(wp)
-                    acc = _promote(acc, _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM), c0, ASM)
-                    acc = _promote(acc, _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
-                    acc = _promote(acc, _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
-                    acc = _promote(acc, _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
-                else:
-                    acc = _promote(acc, _group(wp, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM), c0, ASM)
-                    acc = _promote(acc, _group(wp + 1024, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM),
-                                   c1, ASM)
-                    acc = _promote(acc, _group(wp + 2048, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM),
-                                   c2, ASM)
-                    acc = _promote(acc, _group(wp + 3072, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM),
-                                   c3, ASM)
+                p0, p1, p2, p3 = _blocks4(w_ptr + (tile + g) * 1024)
+                acc = _promote(acc, _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM), c0, ASM)
+                acc = _promote(acc, _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
+                acc = _promote(acc, _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
+                acc = _promote(acc, _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
                 f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK
