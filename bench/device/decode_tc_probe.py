@@ -34,6 +34,7 @@ from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
 from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
+from megamoe.bench.meta import tree_commit  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
 
@@ -45,16 +46,6 @@ VARIANTS = {
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
-
-
-def commit() -> str:
-    """MEGAMOE_COMMIT if set (a copy of the tree without its git metadata), else git's HEAD."""
-    import subprocess
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        head = ""
-    return os.environ.get("MEGAMOE_COMMIT") or head or "unknown"
 
 
 def timed(fn, s, flush) -> dict:
@@ -80,7 +71,7 @@ def main() -> int:
     g = get_geometry("dsv4-flash")
     import triton
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "commit": commit(),
+           "commit": tree_commit(),
            "geometry": g.name, "check": [], "rows": [], "errors": []}
 
     def save():

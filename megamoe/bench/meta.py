@@ -1,6 +1,7 @@
 """What a results file says about the run that made it: when, which commit, which card, which code.
 
-    run_metadata(device)     date, card, commit (MEGAMOE_COMMIT or git), the megamoe version, python / torch /
+    tree_commit()            the commit: MEGAMOE_COMMIT, else git's HEAD
+    run_metadata(device)     date, card, commit (tree_commit), the megamoe version, python / torch /
                              CUDA versions, every kernel module as actually imported (megamoe.provenance), and
                              the card's identity (UUID, serial, PCI bus, power limit, VBIOS)
     new_results_dir(parent, meta, suffix="")   a fresh folder <date>_<card>_<commit><suffix>[-2, -3, ...]
@@ -43,13 +44,18 @@ def versions() -> dict:
     return v
 
 
+def tree_commit() -> str:
+    """MEGAMOE_COMMIT if set (a copy of the tree without its git metadata), else git's HEAD, else 'unknown'."""
+    return os.environ.get("MEGAMOE_COMMIT") or _git("rev-parse", "--short=10", "HEAD") or "unknown"
+
+
 def run_metadata(device=None) -> dict:
     from ..provenance import imported_kernel_modules
 
     dev = resolve_device(device)
     env_commit = os.environ.get("MEGAMOE_COMMIT")
     meta = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "card": device_name(dev),
-            "commit": env_commit or _git("rev-parse", "--short=10", "HEAD") or "unknown",
+            "commit": tree_commit(),
             "dirty": None if env_commit else bool(_git("status", "--porcelain", "--untracked-files=no")),
             "versions": versions(), "kernel_modules": imported_kernel_modules()}
     if dev.type == "cuda":
