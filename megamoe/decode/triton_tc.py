@@ -6,8 +6,9 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
     l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
 
 A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows). Each
-loop iteration takes four groups (L1: one 128-K block; L2: four promotion blocks): Triton software-pipelines
-their code and x tiles, and their scale bytes and activation scales are loaded one iteration ahead by hand.
+loop iteration takes four groups (L1: one 128-K block; L2: four promotion blocks), their four code blocks in
+one load (``_blocks4``): Triton software-pipelines the code and x tiles, and the scale bytes and activation
+scales are loaded one iteration ahead by hand.
 
 Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_gemm``), per 32-K group g:
     decode  each byte -> two e4m3 bytes worth e2m1 * 2**-6 (``_decode_block``; exact)
