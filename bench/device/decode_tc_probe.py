@@ -43,6 +43,12 @@ VARIANTS = {
     # tighter register caps: more resident programs (no gain on the H200, run 12)
     "cap64": dict(tc_l1_maxnreg=64, tc_l2_maxnreg=80),
     "cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=88),
+    # programmatic dependent launch (megamoe/decode/triton_pdl.py); L2 warming its rows in the L2 cache while L1
+    # runs; L1 streaming with the evict-first policy
+    "pdl": dict(pdl=True),
+    "pdl-warm": dict(pdl=True, tc_l2_warm=True),
+    "pdl-warm-ef": dict(pdl=True, tc_l2_warm=True, tc_l1_evict_first=True),
+    "nopdl": dict(pdl=False, tc_l2_warm=False, tc_l1_evict_first=False),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
@@ -62,7 +68,8 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
-                         "programs)")
+                         "programs); pdl, pdl-warm, pdl-warm-ef, nopdl: launch overlap and cache hints (VARIANTS)")
+    ap.add_argument("--no-cuda-core", action="store_true", help="time the tensor-core path only")
     ap.add_argument("--min-s", type=float, default=0.4)
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()
@@ -106,7 +113,8 @@ def main() -> int:
         try:
             inp, buf, touched, slots = staged_buffers(g, t, dev)
             cfg = default_launch_config(t)
-            row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
+            if not args.no_cuda_core:
+                row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
             row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, cfg), args.min_s, flush)
             for st in args.stages:
                 c2 = dataclasses.replace(cfg, tc_stages=st)

@@ -43,6 +43,16 @@ class LaunchConfig:
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
     tc_l2_maxnreg: int | None = 96
+    # Programmatic dependent launch (Hopper): route, the tensor-core L1 / L2 and the combine each let the next
+    # launch start as soon as their own programs have started, and wait (griddepcontrol.wait) before reading
+    # what the previous launch wrote. Launch gaps overlap; no bit changes.
+    pdl: bool = False
+    # With pdl: each tensor-core L2 program, while L1 still runs, asks the L2 cache for its own weight rows
+    # (cp.async.bulk.prefetch.L2, a hint).
+    tc_l2_warm: bool = False
+    # The tensor-core L1 streams its code blocks with the evict-first cache policy (so that they do not push
+    # L2's warmed rows out of the L2 cache); a hint.
+    tc_l1_evict_first: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16
@@ -52,8 +62,11 @@ class LaunchConfig:
             raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
 
 
-def _kw(warps: int, interpret: bool) -> dict:
-    return {} if interpret else {"num_warps": warps}
+def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:
+    """Launch options: none under the interpreter; warps, and programmatic dependent launch when asked."""
+    if interpret:
+        return {}
+    return {"num_warps": warps, **({"launch_pdl": True} if pdl else {})}
 
 
 def l1(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
@@ -93,7 +106,8 @@ def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
     h = buf.y.shape[1]
     bh = min(cfg.combine_block, h)
     combine_kernel[(num_tokens, -(-h // bh))](buf.slot_out, buf.slot_row, buf.y.view(torch.int16), num_tokens,
-                                              H=h, K=num_topk, BH=bh, **_kw(4, buf.interpret))
+                                              H=h, K=num_topk, BH=bh, PDL=cfg.pdl and not buf.interpret,
+                                              **_kw(4, buf.interpret, cfg.pdl))
 
 
 def fused(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import pdl_enter
+
 
 @triton.jit
 def e4m3_to_f32(code):
@@ -43,7 +45,9 @@ def route_kernel(
     y_ptr,  # int16 (bf16 bits) [C, H]: rows of tokens with no local slot are zeroed (the fused launch skips them)
     T, expert_lo, num_local,
     K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, H: tl.constexpr, X_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid > 0:  # programs 1.. convert x_q to float32 values, X_BLOCK elements each
         offs = (pid - 1).to(tl.int64) * X_BLOCK + tl.arange(0, X_BLOCK)
@@ -95,8 +99,9 @@ def _pow2(n: int) -> int:
 X_BLOCK = 4096
 
 
-def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out) -> None:
-    """Launch ``route_kernel`` for the first ``num_tokens`` staged tokens into ``out`` (a DecodeBuffers)."""
+def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out, pdl: bool = False) -> None:
+    """Launch ``route_kernel`` for the first ``num_tokens`` staged tokens into ``out`` (a DecodeBuffers); ``pdl``:
+    programmatic dependent launch (``triton_pdl.py``)."""
     c, k = topk_idx.shape
     h = x_q.shape[1]
     if num_tokens == 0:
@@ -107,7 +112,8 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel(), out.y.view(torch.int16),
         num_tokens,
         expert_lo, num_local,
-        K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK,
+        K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret,
+        **({"launch_pdl": True} if pdl and not out.interpret else {}),
     )
 
 

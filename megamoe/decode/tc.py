@@ -23,11 +23,13 @@ from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
 
 
-def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool) -> dict:
-    """``gemv._kw`` (launch options, none under the interpreter) plus pipeline stages and a register cap."""
+def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
+    """``gemv._kw`` (launch options, none under the interpreter) plus pipeline stages, a register cap and
+    programmatic dependent launch (the kernels' ``PDL``)."""
     if interpret:
         return _kw(warps, interpret)
-    return {**_kw(warps, interpret), "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return {**_kw(warps, interpret, pdl), "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+            "PDL": pdl}
 
 
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
@@ -39,7 +41,8 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
         tw.l1_codes, tw.l1_scales, buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
         float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
-        **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret),
+        **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
+        **({} if buf.interpret or not cfg.tc_l1_evict_first else {"EVICT": "evict_first"}),
     )
 
 
@@ -50,8 +53,9 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
         return
     l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
         tw.l2_codes, tw.l2_scales, buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched, buf.touched,
-        buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
-        **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret),
+        buf.seg_start, buf.seg_count, buf.slot_out, tw.num_experts, H=tw.hidden, I=tw.intermediate,
+        ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
+        **({} if buf.interpret else {"WARM": cfg.tc_l2_warm}),
     )
 
 

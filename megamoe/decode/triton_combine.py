@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .triton_gemv import _bf16_bits
+from .triton_pdl import pdl_enter
 
 
 @triton.jit
@@ -26,7 +27,9 @@ def combine_tile(tok, cols, slot_out_ptr, slot_row_ptr, y_ptr, H: tl.constexpr, 
 
 
 @triton.jit
-def combine_kernel(slot_out_ptr, slot_row_ptr, y_ptr, T, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
+def combine_kernel(slot_out_ptr, slot_row_ptr, y_ptr, T, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """grid (T, H / BH): ``combine_tile`` of token program_id 0, columns tile program_id 1."""
+    pdl_enter(PDL)
     combine_tile(tl.program_id(0), tl.program_id(1) * BH + tl.arange(0, BH), slot_out_ptr, slot_row_ptr, y_ptr, H, K,
                  "")
