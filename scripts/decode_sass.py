@@ -67,7 +67,7 @@ TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*u8", x_ptr="*fp8e4nv", xsf_ptr="*fp32", nu
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32",
                  row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", clamp="fp32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*u8", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
-                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", num_experts="i32")
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
 def tc_report(pdl: bool = False) -> int:
@@ -81,7 +81,7 @@ def tc_report(pdl: bool = False) -> int:
     geo = dict(H=4096, I=2048, ASM=True, PDL=pdl)
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
-        ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, dict(WARM=pdl, **geo), cfg.tc_l2_maxnreg, 4),
+        ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
     ):
         opts = {"num_stages": cfg.tc_stages, "launch_pdl": pdl, **({"maxnreg": cap} if cap else {})}
         sass, res, ttgir = compile_sass(fn, sig, const, 4, opts, with_ttgir=True)
@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--bn2", type=int, default=32, help="L2 rows per program")
     ap.add_argument("--prefetch", action="store_true", help="the next K-iteration's tile loaded first")
     ap.add_argument("--tc", action="store_true", help="the tensor-core kernels (megamoe-decode-tc) instead")
-    ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch, L2 warming")
+    ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch")
     args = ap.parse_args()
     if args.tc:
         return tc_report(args.pdl)

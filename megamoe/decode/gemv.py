@@ -43,16 +43,12 @@ class LaunchConfig:
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
     tc_l2_maxnreg: int | None = 96
-    # Programmatic dependent launch (Hopper): route, the tensor-core L1 / L2 and the combine each let the next
-    # launch start as soon as their own programs have started, and wait (griddepcontrol.wait) before reading
-    # what the previous launch wrote. Launch gaps overlap; no bit changes.
+    # Programmatic dependent launch (Hopper, ``triton_pdl.py``): each launch after route waits
+    # (griddepcontrol.wait) before it reads what the previous one wrote, so it may be started early. Route and
+    # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done
+    # (``pdl_early_release``: at once too). No bit changes.
     pdl: bool = False
-    # With pdl: each tensor-core L2 program, while L1 still runs, asks the L2 cache for its own weight rows
-    # (cp.async.bulk.prefetch.L2, a hint).
-    tc_l2_warm: bool = False
-    # The tensor-core L1 streams its code blocks with the evict-first cache policy (so that they do not push
-    # L2's warmed rows out of the L2 cache); a hint.
-    tc_l1_evict_first: bool = False
+    pdl_early_release: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

@@ -1,13 +1,15 @@
 """Programmatic dependent launch (Hopper) for the decode launches: ``LaunchConfig.pdl``.
 
 A kernel launched with ``launch_pdl=True`` may start while the launch before it is still running, once every
-program of that launch has either signalled ``griddepcontrol.launch_dependents`` or exited.
-``griddepcontrol.wait`` then blocks until the previous launch has finished and its writes are visible. So each
-kernel calls ``pdl_enter`` before it reads anything an earlier launch wrote: it waits, then lets the next
-launch start. Programs of the next launch are therefore only ever started once every program of this one has
-passed its own wait, and they spend their head start on their own wait (or on hints that change no bit, such
-as the tensor-core L2's cache prefetch). Both instructions are no-ops in a kernel launched without the
-attribute; under the interpreter nothing is emitted (``PDL`` False).
+program of that launch has either called ``griddepcontrol.launch_dependents`` (``pdl_release``) or exited.
+``griddepcontrol.wait`` (``pdl_wait``) then blocks until the previous launch has finished and its writes are
+visible. So each kernel calls ``pdl_wait`` before it reads anything an earlier launch wrote, and ``pdl_release``
+where the next launch's early start costs it nothing: route and the combine at once (``pdl_enter``), the
+tensor-core L1 and L2 after their K loops (a program of the next launch that waits occupies a slot and, on
+the H200, slowed L1 when it sat there for all of L1: ``LaunchConfig.pdl_early_release``). A program of the
+next launch therefore never reads before every program of this one has passed its own wait. Both
+instructions are no-ops in a kernel launched without the attribute; under the interpreter nothing is emitted
+(``PDL`` False).
 """
 
 from __future__ import annotations
@@ -18,8 +20,21 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous launch to finish (its writes visible), then let the next launch start."""
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous launch to finish (its writes visible)."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next launch start (once every program of this one has called this or exited)."""
+    if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """``pdl_wait`` then ``pdl_release``: for the short launches (route, combine)."""
+    pdl_wait(PDL)
+    pdl_release(PDL)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..staging.triton_stage import _e4m3_rtne_bits
 from .triton_gemv import _bf16_bits
-from .triton_pdl import pdl_enter
+from .triton_pdl import pdl_release, pdl_wait
 
 NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 
@@ -59,7 +59,7 @@ def _factors(scales_ptr):
 
 
 @triton.jit
-def _blocks4(wp, EVICT: tl.constexpr):
+def _blocks4(wp):
     """The four consecutive 1,024-byte code blocks at wp, each as [4, 8, 4, 2, 4] (``_decode_block``'s input).
 
     One [4, 1024] load: along the 1,024 bytes the offsets are contiguous, so the compiler copies 16 bytes per
@@ -68,7 +68,7 @@ def _blocks4(wp, EVICT: tl.constexpr):
     order hid that contiguity: the copies walked a block 256 bytes apart per lane (~28 sectors per warp
     request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 the
     bottleneck."""
-    p = tl.load(wp + tl.arange(0, 4)[:, None] * 1024 + tl.arange(0, 1024)[None, :], eviction_policy=EVICT)
+    p = tl.load(wp + tl.arange(0, 4)[:, None] * 1024 + tl.arange(0, 1024)[None, :])
     p = tl.permute(tl.reshape(p, (2, 2, 4, 8, 4, 2, 4)), (2, 3, 4, 5, 6, 0, 1))  # [..., g // 2, g % 2]
     even, odd = tl.split(p)
     b0, b2 = tl.split(even)
@@ -91,10 +91,10 @@ def _factors4(sp):
 
 
 @triton.jit
-def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr, EVICT: tl.constexpr):
+def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr):
     """L1: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
     FP32 in ascending K [64, NTOK]."""
-    p0, p1, p2, p3 = _blocks4(wp, EVICT)
+    p0, p1, p2, p3 = _blocks4(wp)
     blk = _mma(p0, f0, _x_group(xp, tok, valid, k0, LD), ASM)
     blk += _mma(p1, f1, _x_group(xp, tok, valid, k0 + 32, LD), ASM)
     blk += _mma(p2, f2, _x_group(xp, tok, valid, k0 + 64, LD), ASM)
@@ -127,17 +127,6 @@ def _promote(acc, blk, sf, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(p, NBYTES: tl.constexpr):
-    """Ask the L2 cache for the NBYTES contiguous bytes at p (16-byte aligned, NBYTES a multiple of 64): one
-    ``cp.async.bulk.prefetch.L2`` of a quarter per warp (the lanes give it one address), no register written,
-    no wait. A hint; GPU only."""
-    Q: tl.constexpr = NBYTES // 4
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [p + (tl.arange(0, 128) // 32) * Q, tl.full([128], Q, tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _item(j, touched_ptr, seg_start_ptr, seg_count_ptr):
     """Work item j -> (its expert, its first pool row, its number of rows)."""
     return tl.load(touched_ptr + j).to(tl.int64), tl.load(seg_start_ptr + j), tl.load(seg_count_ptr + j)
@@ -159,9 +148,11 @@ def l1_tc_kernel(
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     clamp,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr = False, EVICT: tl.constexpr = "",
+    PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
-    pdl_enter(PDL)
+    pdl_wait(PDL)
+    if EARLY:
+        pdl_release(PDL)
     j = tl.program_id(0)
     t = tl.program_id(1)
     if j < tl.load(num_touched_ptr):
@@ -187,9 +178,10 @@ def l1_tc_kernel(
                 nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
                 n0, n1, n2, n3 = _factors4(sp + nb * 256)
                 nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM, EVICT)
+                blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
                 acc = _promote(acc, blk, xsf, ASM)
                 f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+            pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
             if STORE_L1:
                 tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
@@ -215,22 +207,13 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    num_experts,
-    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, WARM: tl.constexpr = False,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
-    if WARM:
-        # Launched early (PDL), while L1 runs: ask the L2 cache for this program's weight rows. The work item is
-        # read before the wait, which is sound because L1's programs let this launch start only after their own
-        # wait (routing finished); and it is only an address for a hint: clamped into the weights, and read
-        # again after the wait.
-        if j < tl.load(num_touched_ptr):
-            ew = tl.minimum(tl.maximum(tl.load(touched_ptr + j), 0), num_experts - 1).to(tl.int64)
-            tw = (ew * (H // 64) + t) * (I // 32)
-            _prefetch_l2(w_ptr + tw * 1024, (I // 32) * 1024)
-            _prefetch_l2(s_ptr + tw * 64, (I // 32) * 64)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
+    if EARLY:
+        pdl_release(PDL)
     if j < tl.load(num_touched_ptr):
         NG: tl.constexpr = I // 32
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
@@ -252,11 +235,12 @@ def l2_tc_kernel(
                 n0, n1, n2, n3 = _factors4(sp + nx * 64)
                 o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
                                   tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
-                p0, p1, p2, p3 = _blocks4(w_ptr + (tile + g) * 1024, "")
+                p0, p1, p2, p3 = _blocks4(w_ptr + (tile + g) * 1024)
                 acc = _promote(acc, _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM), c0, ASM)
                 acc = _promote(acc, _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
                 acc = _promote(acc, _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
                 acc = _promote(acc, _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
                 f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
+            pdl_release(PDL)  # the combine may start (as in L1)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
             m0 += NTOK
