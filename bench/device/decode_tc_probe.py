@@ -33,6 +33,7 @@ from megamoe.decode import moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
 from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
+from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.bench.meta import tree_commit  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
@@ -115,13 +116,14 @@ def main() -> int:
             cfg = default_launch_config(t)
             if not args.no_cuda_core:
                 row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
-            row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, cfg), args.min_s, flush)
+            ctc = tc_launch_config(t)  # the backend's own launch
+            row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, ctc), args.min_s, flush)
             for st in args.stages:
-                c2 = dataclasses.replace(cfg, tc_stages=st)
+                c2 = dataclasses.replace(ctc, tc_stages=st)
                 row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)
-            y0 = moe_decode(tw, buf, t, g.clamp, cfg).clone()
+            y0 = moe_decode(tw, buf, t, g.clamp, ctc).clone()
             for name in args.variants:  # same bits, other schedules
-                c3 = dataclasses.replace(cfg, **VARIANTS[name])
+                c3 = dataclasses.replace(ctc, **VARIANTS[name])
                 differ = 0
                 for _ in range(args.repeat):  # every intermediate poisoned first: a read before its write shows
                     buf.poison_()

@@ -27,7 +27,6 @@ from ..inputs import make_inputs
 from ..recipe import MEGAMOE_DECODE_TC
 from ..testing import calc_diff, first_mismatch
 from . import routing, tc
-from .gemv import LaunchConfig
 from .layout_tc import prepare_tc_weights
 from .moe import DecodeBuffers, moe_decode
 from .selfcheck import DecodeCase, _copy_staged, _written, case_weights, geometry_of
@@ -71,7 +70,7 @@ def run_tc_case(case: DecodeCase, device="cpu") -> dict:
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t,
                num_experts=g.num_experts, backend="torch")
     recipe = MEGAMOE_DECODE_TC.with_(mma="exact-block") if interp else MEGAMOE_DECODE_TC
-    cfg = LaunchConfig(store_l1=True)
+    cfg = dataclasses.replace(tc.tc_launch_config(t), store_l1=True)  # the backend's launch
     row = {"case": case.id, "tc": True, **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:

@@ -23,6 +23,14 @@ from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
 
 
+def tc_launch_config(num_tokens: int) -> LaunchConfig:
+    """The launch the ``megamoe-decode-tc`` backend runs: programmatic dependent launch from 2 tokens on. Measured
+    side by side on one H200 (DeepSeek-V4-Flash; bench/results/2026-12-04_nvidia-h200_decode-tc, run 16): 2.0 to
+    2.9 us less per step at 2..64 tokens (87.5 -> 85.2 us at 2, 254.0 -> 252.0 at 8); at 1 token 55.4 -> 55.8,
+    inside the replays' spread, so off there."""
+    return LaunchConfig(pdl=num_tokens >= 2)
+
+
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
     """``gemv._kw`` (launch options, none under the interpreter) plus pipeline stages, a register cap and
     programmatic dependent launch (the kernels' ``PDL``)."""

@@ -154,9 +154,9 @@ class MegaMoEDecodeTC(MegaMoEDecode):
         return (16,)  # tokens per MMA pass (the N of the tensor-core tile)
 
     def launch_config(self, num_tokens: int):
-        from ..decode import LaunchConfig
+        from ..decode.tc import tc_launch_config
 
-        return LaunchConfig()
+        return tc_launch_config(num_tokens)
 
     def plan(self, num_tokens: int) -> Plan:
         return Plan(16, forced=False, detail={"source": "tokens per MMA pass (N)", "warps": 4})
