@@ -104,6 +104,20 @@ def test_recipe_and_backend_registered():
         MegaMoEDecodeTC("dsv4-flash", capacity=65)
 
 
+def test_pdl_launch_attribute_comes_with_the_kernels_wait():
+    """A kernel launched with programmatic dependent launch may start before the previous launch has finished:
+    the launch attribute must never be asked for without the kernels' own wait (PDL), and never under the
+    interpreter (no GPU instruction there). The backend asks for it from 2 tokens on."""
+    from megamoe.decode.tc import _opts, tc_launch_config
+
+    on = _opts(4, 3, 80, interpret=False, pdl=True)
+    off = _opts(4, 3, 80, interpret=False, pdl=False)
+    assert on["launch_pdl"] is True and on["PDL"] is True
+    assert "launch_pdl" not in off and off["PDL"] is False
+    assert _opts(4, 3, 80, interpret=True, pdl=True) == {}
+    assert [tc_launch_config(t).pdl for t in (1, 2, 8, 64)] == [False, True, True, True]
+
+
 @pytest.fixture(scope="module")
 def interpreter_rows():
     from megamoe.testing import interpreter_rows as run
