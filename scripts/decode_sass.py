@@ -70,7 +70,7 @@ TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*u8", q_ptr="*fp8e4nv", sf2_ptr="*fp32", nu
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
-def tc_report(pdl: bool = False) -> int:
+def tc_report(pdl: bool = False, pack: bool = False) -> int:
     """The tensor-core kernels with the backend's launch options: registers, spills inside / outside the K loop,
     the loop's instructions per weight, and the layout conversions left in the TTGIR (none between the decode
     and the MMA: the only ones are the epilogue's)."""
@@ -78,7 +78,7 @@ def tc_report(pdl: bool = False) -> int:
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl)
+    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack)
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
@@ -103,9 +103,10 @@ def main() -> int:
     ap.add_argument("--prefetch", action="store_true", help="the next K-iteration's tile loaded first")
     ap.add_argument("--tc", action="store_true", help="the tensor-core kernels (megamoe-decode-tc) instead")
     ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch")
+    ap.add_argument("--pack", action="store_true", help="with --tc: the packed passes (four groups per MMA)")
     args = ap.parse_args()
     if args.tc:
-        return tc_report(args.pdl)
+        return tc_report(args.pdl, args.pack)
     geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),

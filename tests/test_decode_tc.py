@@ -127,11 +127,13 @@ def interpreter_rows():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("pack", (0, 1), ids=("pack0", "pack1"))
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
-def test_triton_interpreter(interpreter_rows, case):
+def test_triton_interpreter(interpreter_rows, case, pack):
     """l1_tc / l2_tc bitwise equal to their twins, the whole path within 1e-6 of the reference, poison kept,
-    repeatable; a scale byte off by one must be caught."""
-    row = interpreter_rows[case.id]
+    repeatable; a scale byte off by one must be caught. With and without the packed passes (pack1: experts
+    with at most 4 rows take four groups per MMA)."""
+    row = interpreter_rows[f"{case.id}-pack{pack}"]
     assert passed_tc(row), json.dumps(row, indent=1)
 
 
@@ -141,9 +143,10 @@ GPU_CASES = CPU_CASES + (DecodeCase("dsv4-flash", 1, seed=21), DecodeCase("dsv4-
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pack", (False, True), ids=("pack0", "pack1"))
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_on_the_gpu(case):
+def test_on_the_gpu(case, pack):
     """l1_tc / l2_tc bitwise equal to their twins, the whole path bit-identical to the reference, poison kept,
-    a relaunch identical; a scale byte off by one must be caught."""
-    row = run_tc_case(case, "cuda")
+    a relaunch identical; a scale byte off by one must be caught. With and without the packed passes."""
+    row = run_tc_case(case, "cuda", pack)
     assert passed_tc(row) and (case.broken or not row["interpreter"]), json.dumps(row, indent=1, default=str)

@@ -49,6 +49,8 @@ VARIANTS = {
     "pdl": dict(pdl=True, pdl_early_release=False),
     "pdl-early": dict(pdl=True, pdl_early_release=True),
     "nopdl": dict(pdl=False),
+    # experts with at most 4 rows: a 128-K block's four groups in one MMA (triton_tc._packed_mma)
+    "pack4": dict(tc_pack4=True),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
@@ -68,7 +70,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
-                         "programs); pdl, pdl-early, nopdl: launch overlap (VARIANTS)")
+                         "programs); pdl, pdl-early, nopdl: launch overlap; pack4: four groups per MMA (VARIANTS)")
     ap.add_argument("--repeat", type=int, default=20, help="poisoned launches of each variant checked against the default")
     ap.add_argument("--no-cuda-core", action="store_true", help="time the tensor-core path only")
     ap.add_argument("--min-s", type=float, default=0.4)

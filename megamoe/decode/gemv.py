@@ -49,6 +49,9 @@ class LaunchConfig:
     # (``pdl_early_release``: at once too). No bit changes.
     pdl: bool = False
     pdl_early_release: bool = False
+    # The tensor-core L1 / L2: an expert with at most 4 rows takes one packed pass, a 128-K block's four groups
+    # of up to 4 tokens in one MMA (triton_tc._packed_mma). Same bits.
+    tc_pack4: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

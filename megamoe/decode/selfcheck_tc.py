@@ -51,7 +51,8 @@ def _exact_friendly(inp, seed: int):
     return dataclasses.replace(inp, x=x.to(torch.bfloat16).to(inp.x.device))
 
 
-def run_tc_case(case: DecodeCase, device="cpu") -> dict:
+def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None) -> dict:
+    """``pack`` overrides the launch's packed passes (``LaunchConfig.tc_pack4``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -71,7 +72,10 @@ def run_tc_case(case: DecodeCase, device="cpu") -> dict:
                num_experts=g.num_experts, backend="torch")
     recipe = MEGAMOE_DECODE_TC.with_(mma="exact-block") if interp else MEGAMOE_DECODE_TC
     cfg = dataclasses.replace(tc.tc_launch_config(t), store_l1=True)  # the backend's launch
-    row = {"case": case.id, "tc": True, **dataclasses.asdict(case)}
+    if pack is not None:
+        cfg = dataclasses.replace(cfg, tc_pack4=pack)
+    row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}"), "tc": True, "pack": cfg.tc_pack4,
+           **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    rows = [run_tc_case(c, args.device) for c in CPU_CASES]
+    rows = [run_tc_case(c, args.device, pack) for c in CPU_CASES for pack in (False, True)]
     print(json.dumps(rows))
     return 0 if all(passed_tc(r) for r in rows) else 1
 

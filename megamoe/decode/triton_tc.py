@@ -59,6 +59,12 @@ def _factors(scales_ptr):
 
 
 @triton.jit
+def _load4(wp):
+    """The four consecutive 1,024-byte code blocks at wp as one [4, 1024] load (see ``_blocks4``)."""
+    return tl.load(wp + tl.arange(0, 4)[:, None] * 1024 + tl.arange(0, 1024)[None, :])
+
+
+@triton.jit
 def _blocks4(wp):
     """The four consecutive 1,024-byte code blocks at wp, each as [4, 8, 4, 2, 4] (``_decode_block``'s input).
 
@@ -68,8 +74,8 @@ def _blocks4(wp):
     order hid that contiguity: the copies walked a block 256 bytes apart per lane (~28 sectors per warp
     request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 the
     bottleneck."""
-    p = tl.load(wp + tl.arange(0, 4)[:, None] * 1024 + tl.arange(0, 1024)[None, :])
-    p = tl.permute(tl.reshape(p, (2, 2, 4, 8, 4, 2, 4)), (2, 3, 4, 5, 6, 0, 1))  # [..., g // 2, g % 2]
+    p = tl.reshape(_load4(wp), (2, 2, 4, 8, 4, 2, 4))
+    p = tl.permute(p, (2, 3, 4, 5, 6, 0, 1))  # [..., g // 2, g % 2]
     even, odd = tl.split(p)
     b0, b2 = tl.split(even)
     b1, b3 = tl.split(odd)
@@ -127,15 +133,68 @@ def _promote(acc, blk, sf, ASM: tl.constexpr):
 
 
 @triton.jit
+def _decode4(wp, ASM: tl.constexpr):
+    """Four consecutive code blocks at wp -> one A operand, float8e4nv [64, 128]: group g at K [32 g, 32 g + 32)
+    (``_decode_block`` for each, side by side)."""
+    p = tl.reshape(_load4(wp), (4, 4, 8, 4, 2, 4))  # (g, w, ri, lq, kh, i)
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
+            "and.b32 b, b, 0x80808080; or.b32 $0, a, b; shr.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; "
+            "and.b32 b, $2, 0x80808080; or.b32 $1, a, b; }",
+            "=r,=r,r", [p], dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
+    else:
+        lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
+        hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
+    a = tl.permute(tl.join(lo, hi), (1, 6, 2, 0, 4, 3, 5))  # (w, h, ri, g, kh, lq, i)
+    return tl.reshape(a, (64, 128))
+
+
+@triton.jit
+def _x_packed(x_ptr, row_token_ptr, start, count, k0, LD: tl.constexpr, GATHER: tl.constexpr):
+    """B of a packed pass (up to 4 tokens, all four groups of a 128-K block in one MMA), e4m3 [128, 16]: column
+    c = 8 gh + 2 n + gl holds token n's x at group g = 2 gh + gl's 32 K and zeros at the other 96 (and zeros
+    for n past the pass). With this order the accumulator columns each thread holds (2q, 2q + 1, 8 + 2q,
+    9 + 2q) are the four groups of one token. x's row: the pool row's token (GATHER, L1) or the pool row (L2)."""
+    c = tl.arange(0, 16)
+    n = (c % 8) // 2
+    g = 2 * (c // 8) + c % 2
+    valid = n < count
+    if GATHER:
+        tok = tl.load(row_token_ptr + start + tl.where(valid, n, 0), mask=valid, other=0).to(tl.int64)
+    else:
+        tok = (start + tl.where(valid, n, 0)).to(tl.int64)
+    k = tl.arange(0, 128)
+    own = valid[:, None] & (k[None, :] // 32 == g[:, None])
+    return tl.trans(tl.load(x_ptr + tok[:, None] * LD + k0 + k[None, :], mask=own, other=0.0))
+
+
+@triton.jit
+def _packed_mma(wp, f0, f1, f2, f3, x_ptr, row_token_ptr, start, count, k0, LD: tl.constexpr, ASM: tl.constexpr,
+                GATHER: tl.constexpr):
+    """Four 32-K groups of up to 4 tokens in one m64n16k128 MMA -> d'_g fp32 [64, 4] for g = 0..3: group g's
+    column collects its products at k32 step g and zeros at the other three, which leave an FP32 accumulator
+    unchanged (all their terms are zero; checked bit for bit on the H200 with four groups per MMA in run 3), so
+    it is group g's sum from a zero accumulator, as a fresh k32 MMA: the same bits as ``_mma``, one wait."""
+    d = tl.dot(_decode4(wp, ASM), _x_packed(x_ptr, row_token_ptr, start, count, k0, LD, GATHER), out_dtype=tl.float32)
+    f = tl.permute(tl.join(tl.join(f0, f1), tl.join(f2, f3)), (0, 2, 1))  # [64, gh, gl]
+    d = tl.permute(tl.reshape(d, (64, 2, 4, 2)) * f[:, :, None, :], (0, 2, 1, 3))  # (r, n, gh, gl)
+    even, odd = tl.split(d)  # gl = 0, 1
+    d0, d2 = tl.split(even)
+    d1, d3 = tl.split(odd)
+    return d0, d1, d2, d3
+
+
+@triton.jit
 def _item(j, touched_ptr, seg_start_ptr, seg_count_ptr):
     """Work item j -> (its expert, its first pool row, its number of rows)."""
     return tl.load(touched_ptr + j).to(tl.int64), tl.load(seg_start_ptr + j), tl.load(seg_count_ptr + j)
 
 
 @triton.jit
-def _pass(start, m0, count):
-    """Pool rows of the pass's NTOK columns (column c -> row start + m0 + c) and which are real."""
-    c = tl.arange(0, NTOK)
+def _pass(start, m0, count, W: tl.constexpr = NTOK):
+    """Pool rows of the pass's W tokens (token c -> row start + m0 + c) and which are real."""
+    c = tl.arange(0, W)
     valid = m0 + c < count
     return (start + tl.where(valid, m0 + c, 0)).to(tl.int64), valid
 
@@ -148,7 +207,7 @@ def l1_tc_kernel(
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     clamp,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     if EARLY:
@@ -159,46 +218,71 @@ def l1_tc_kernel(
         NG: tl.constexpr = H // 32
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (I // 32) + t) * NG  # first group of this tile
-        n = t * 32 + tl.arange(0, 32)
-        m0 = 0
-        while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
-            rows, valid = _pass(start, m0, count)
+        sp = s_ptr + tile * 64
+        wp = w_ptr + tile * 1024
+        NB: tl.constexpr = H // 128
+        # The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by Triton):
+        # each block's are loaded one block ahead, so that no group waits on global memory for them.
+        if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
+            rows, valid = _pass(start, 0, count, 4)
             tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
-            acc = tl.zeros([64, NTOK], tl.float32)
-            # The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by
-            # Triton): each block's are loaded one block ahead, so that no group waits on global memory for them.
-            sp = s_ptr + tile * 64
-            wp = w_ptr + tile * 1024
             xsp = xsf_ptr + tok * (H // 128)
-            NB: tl.constexpr = H // 128
-            # one block per iteration, the next block's scales loaded ahead
+            acc = tl.zeros([64, 4], tl.float32)
             f0, f1, f2, f3 = _factors4(sp)
             xsf = tl.load(xsp, mask=valid, other=0.0)
             for kb in range(NB):
-                nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
+                nb = tl.minimum(kb + 1, NB - 1)
                 n0, n1, n2, n3 = _factors4(sp + nb * 256)
                 nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
-                acc = _promote(acc, blk, xsf, ASM)
+                d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, row_token_ptr, start, count,
+                                             kb * 128, H, ASM, True)
+                acc = _promote(acc, ((d0 + d1) + d2) + d3, xsf, ASM)
                 f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
-            pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, NTOK)), (1, 2, 0)))  # [32, NTOK] each
-            if STORE_L1:
-                tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
-                tl.store(l1_ptr + rows[None, :] * (2 * I) + I + n[:, None], up, mask=valid[None, :])
-            weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
-            g = tl.minimum(gate, clamp)
-            u = tl.minimum(tl.maximum(up, -clamp), clamp)
-            ex = tl.exp((-g).to(tl.float64)).to(tl.float32)
-            one = tl.full([32, NTOK], 1.0, tl.float32)
-            vw = g * tl.math.div_rn(one, one + ex) * u * weight[None, :]
-            floor = tl.full([NTOK], 0x2EDBE6FF, tl.int32).to(tl.float32, bitcast=True)  # fl32(1e-10)
-            inv448 = tl.full([NTOK], 0x3B124925, tl.int32).to(tl.float32, bitcast=True)  # fl32(1/448)
-            sf = tl.maximum(tl.max(tl.abs(vw), axis=0), floor) * inv448  # [NTOK]
-            qv = tl.minimum(tl.maximum(vw * tl.math.div_rn(tl.full([NTOK], 1.0, tl.float32), sf)[None, :], -448.0), 448.0)
-            tl.store(q_ptr + rows[None, :] * I + n[:, None], _e4m3_rtne_bits(qv), mask=valid[None, :])
-            tl.store(sf2_ptr + rows * (I // 32) + t, sf, mask=valid)
-            m0 += NTOK
+            pdl_release(PDL)
+            _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
+        else:
+            m0 = 0
+            while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
+                rows, valid = _pass(start, m0, count)
+                tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
+                xsp = xsf_ptr + tok * (H // 128)
+                acc = tl.zeros([64, NTOK], tl.float32)
+                f0, f1, f2, f3 = _factors4(sp)
+                xsf = tl.load(xsp, mask=valid, other=0.0)
+                for kb in range(NB):  # one block per iteration, the next block's scales loaded ahead
+                    nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
+                    n0, n1, n2, n3 = _factors4(sp + nb * 256)
+                    nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
+                    blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
+                    acc = _promote(acc, blk, xsf, ASM)
+                    f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+                pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
+                _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
+                m0 += NTOK
+
+
+@triton.jit
+def _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I: tl.constexpr,
+                 STORE_L1: tl.constexpr, W: tl.constexpr):
+    """acc fp32 [64, W] (gate rows 0..31, up rows 32..63 of channel tile t) -> SwiGLU, the routing weight and the
+    FP8 requant of the tile's 32 channels, stored for the pass's W pool rows."""
+    n = t * 32 + tl.arange(0, 32)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, W)), (1, 2, 0)))  # [32, W] each
+    if STORE_L1:
+        tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
+        tl.store(l1_ptr + rows[None, :] * (2 * I) + I + n[:, None], up, mask=valid[None, :])
+    weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
+    g = tl.minimum(gate, clamp)
+    u = tl.minimum(tl.maximum(up, -clamp), clamp)
+    ex = tl.exp((-g).to(tl.float64)).to(tl.float32)
+    one = tl.full([32, W], 1.0, tl.float32)
+    vw = g * tl.math.div_rn(one, one + ex) * u * weight[None, :]
+    floor = tl.full([W], 0x2EDBE6FF, tl.int32).to(tl.float32, bitcast=True)  # fl32(1e-10)
+    inv448 = tl.full([W], 0x3B124925, tl.int32).to(tl.float32, bitcast=True)  # fl32(1/448)
+    sf = tl.maximum(tl.max(tl.abs(vw), axis=0), floor) * inv448  # [W]
+    qv = tl.minimum(tl.maximum(vw * tl.math.div_rn(tl.full([W], 1.0, tl.float32), sf)[None, :], -448.0), 448.0)
+    tl.store(q_ptr + rows[None, :] * I + n[:, None], _e4m3_rtne_bits(qv), mask=valid[None, :])
+    tl.store(sf2_ptr + rows * (I // 32) + t, sf, mask=valid)
 
 
 @triton.jit
@@ -208,6 +292,7 @@ def l2_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    PACK: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -215,32 +300,55 @@ def l2_tc_kernel(
     if EARLY:
         pdl_release(PDL)
     if j < tl.load(num_touched_ptr):
-        NG: tl.constexpr = I // 32
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
-        tile = (e * (H // 64) + t) * NG
+        tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
-        m0 = 0
-        while m0 < count:
-            rows, valid = _pass(start, m0, count)
-            acc = tl.zeros([64, NTOK], tl.float32)
-            sp = s_ptr + tile * 64
-            cp = sf2_ptr + rows * NG
-            # four groups per iteration (as L1's blocks), each one's scales loaded one iteration ahead
-            f0, f1, f2, f3 = _factors4(sp)
-            c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
-                              tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
-            for it in range(NG // 4):
-                g = it * 4
-                nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
-                n0, n1, n2, n3 = _factors4(sp + nx * 64)
-                o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
-                                  tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
-                p0, p1, p2, p3 = _blocks4(w_ptr + (tile + g) * 1024)
-                acc = _promote(acc, _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM), c0, ASM)
-                acc = _promote(acc, _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM), c1, ASM)
-                acc = _promote(acc, _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM), c2, ASM)
-                acc = _promote(acc, _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM), c3, ASM)
-                f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
-            pdl_release(PDL)  # the combine may start (as in L1)
+        if PACK and count <= 4:  # one packed pass (as L1's)
+            rows, valid = _pass(start, 0, count, 4)
+            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, start, count, w_ptr, s_ptr, sf2_ptr, q_ptr,
+                             tile, I, ASM, True)
+            pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
-            m0 += NTOK
+        else:
+            m0 = 0
+            while m0 < count:
+                rows, valid = _pass(start, m0, count)
+                acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, start + m0, count - m0, w_ptr, s_ptr,
+                                 sf2_ptr, q_ptr, tile, I, ASM, False)
+                pdl_release(PDL)  # the combine may start (as in L1)
+                tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
+                m0 += NTOK
+
+
+@triton.jit
+def _l2_groups(acc, rows, valid, start, count, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
+               ASM: tl.constexpr, PACKED: tl.constexpr):
+    """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
+    iteration (one packed MMA, or four), each group's scales loaded one iteration ahead."""
+    NG: tl.constexpr = I // 32
+    sp = s_ptr + tile * 64
+    cp = sf2_ptr + rows * NG
+    f0, f1, f2, f3 = _factors4(sp)
+    c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
+                      tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
+    for it in range(NG // 4):
+        g = it * 4
+        nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
+        n0, n1, n2, n3 = _factors4(sp + nx * 64)
+        o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
+                          tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
+        wp = w_ptr + (tile + g) * 1024
+        if PACKED:
+            d0, d1, d2, d3 = _packed_mma(wp, f0, f1, f2, f3, q_ptr, q_ptr, start, count, g * 32, I, ASM, False)
+        else:
+            p0, p1, p2, p3 = _blocks4(wp)
+            d0 = _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
+            d1 = _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM)
+            d2 = _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM)
+            d3 = _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM)
+        acc = _promote(acc, d0, c0, ASM)
+        acc = _promote(acc, d1, c1, ASM)
+        acc = _promote(acc, d2, c2, ASM)
+        acc = _promote(acc, d3, c3, ASM)
+        f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
+    return acc
