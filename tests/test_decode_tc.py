@@ -116,6 +116,7 @@ def test_pdl_launch_attribute_comes_with_the_kernels_wait():
     assert "launch_pdl" not in off and off["PDL"] is False
     assert _opts(4, 3, 80, interpret=True, pdl=True) == {}
     assert [tc_launch_config(t).pdl for t in (1, 2, 8, 64)] == [False, True, True, True]
+    assert all(tc_launch_config(t).tc_pack4 for t in (1, 8, 64))
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,12 @@ from .layout_tc import TCWeights, expert_operands
 
 
 def tc_launch_config(num_tokens: int) -> LaunchConfig:
-    """The launch the ``megamoe-decode-tc`` backend runs: programmatic dependent launch from 2 tokens on. Measured
-    side by side on one H200 (DeepSeek-V4-Flash; bench/results/2026-12-04_nvidia-h200_decode-tc, run 16): 2.0 to
-    2.9 us less per step at 2..64 tokens (87.5 -> 85.2 us at 2, 254.0 -> 252.0 at 8); at 1 token 55.4 -> 55.8,
-    inside the replays' spread, so off there."""
-    return LaunchConfig(pdl=num_tokens >= 2)
+    """The launch the ``megamoe-decode-tc`` backend runs: packed passes always (experts with at most 4 rows:
+    four groups per MMA), programmatic dependent launch from 2 tokens on. Both measured side by side on one
+    H200 (DeepSeek-V4-Flash; bench/results/2026-12-04_nvidia-h200_decode-tc): PDL 2.0 to 2.9 us less per step
+    at 2..64 tokens, 55.4 -> 55.8 at 1 token, inside the replays' spread (run 16); packing 55.8 -> 50.3 us at 1
+    token, 252.1 -> 188.9 at 8, 988.0 -> 738.1 at 64 (run 17). Same bits."""
+    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
