@@ -5,10 +5,11 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
                   rows) over all H; then SwiGLU, the routing weight and the FP8 requant of those 32 channels
     l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
 
-A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows). Each
-loop iteration takes four groups (L1: one 128-K block; L2: four promotion blocks), their four code blocks in
-one load (``_blocks4``): Triton software-pipelines the code and x tiles, and the scale bytes and activation
-scales are loaded one iteration ahead by hand.
+A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows), or,
+with PACK and at most 4 rows, in one packed pass: a 128-K block's four groups of up to 4 tokens in the 16
+columns of one MMA (``_packed_mma``; the same bits). Each loop iteration takes four groups (L1: one 128-K
+block; L2: four promotion blocks), their four code blocks in one load (``_load4``): Triton software-pipelines
+the code and x tiles, and the scale bytes and activation scales are loaded one iteration ahead by hand.
 
 Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_gemm``), per 32-K group g:
     decode  each byte -> two e4m3 bytes worth e2m1 * 2**-6 (``_decode_block``; exact)
@@ -32,12 +33,9 @@ NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 
 
 @triton.jit
-def _decode_block(p, ASM: tl.constexpr):
-    """One (tile, group) block of codes, uint8 [4, 8, 4, 2, 4] (w, ri, lq, kh, i; layout_tc.py) -> the MMA's A,
-    float8e4nv [64, 32], A[16 w + 8 h + ri, 16 kh + 4 lq + i] = the nibble h of byte (w, ri, lq, kh, i) as
-    e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. The block's order is the order in
-    which the wgmma register fragment holds A, so that each thread loads its 8 bytes at once and the
-    reshapes below move no data. On the GPU four bytes per 32-bit register at once."""
+def _nibbles_to_e4m3(p, ASM: tl.constexpr):
+    """uint8 codes -> (low nibble, high nibble) each as the e4m3 byte worth e2m1 * 2**-6: sign to bit 7,
+    magnitude bits (e1 e0 m) to bits 4..2. On the GPU four bytes per 32-bit register at once."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
@@ -47,6 +45,17 @@ def _decode_block(p, ASM: tl.constexpr):
     else:
         lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
         hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _decode_block(p, ASM: tl.constexpr):
+    """One (tile, group) block of codes, uint8 [4, 8, 4, 2, 4] (w, ri, lq, kh, i; layout_tc.py) -> the MMA's A,
+    float8e4nv [64, 32], A[16 w + 8 h + ri, 16 kh + 4 lq + i] = the nibble h of byte (w, ri, lq, kh, i) as
+    e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. The block's order is the order in
+    which the wgmma register fragment holds A, so that each thread loads its 8 bytes at once and the
+    reshapes below move no data. On the GPU four bytes per 32-bit register at once."""
+    lo, hi = _nibbles_to_e4m3(p, ASM)
     a = tl.permute(tl.join(lo, hi), (0, 5, 1, 3, 2, 4))  # (w, h, ri, kh, lq, i)
     return tl.reshape(a, (64, 32))
 
@@ -137,15 +146,7 @@ def _decode4(wp, ASM: tl.constexpr):
     """Four consecutive code blocks at wp -> one A operand, float8e4nv [64, 128]: group g at K [32 g, 32 g + 32)
     (``_decode_block`` for each, side by side)."""
     p = tl.reshape(_load4(wp), (4, 4, 8, 4, 2, 4))  # (g, w, ri, lq, kh, i)
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
-            "and.b32 b, b, 0x80808080; or.b32 $0, a, b; shr.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; "
-            "and.b32 b, $2, 0x80808080; or.b32 $1, a, b; }",
-            "=r,=r,r", [p], dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
-    else:
-        lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
-        hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
+    lo, hi = _nibbles_to_e4m3(p, ASM)
     a = tl.permute(tl.join(lo, hi), (1, 6, 2, 0, 4, 3, 5))  # (w, h, ri, g, kh, lq, i)
     return tl.reshape(a, (64, 128))
 
