@@ -152,32 +152,39 @@ def _decode4(wp, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_packed(x_ptr, row_token_ptr, start, count, k0, LD: tl.constexpr, GATHER: tl.constexpr):
-    """B of a packed pass (up to 4 tokens, all four groups of a 128-K block in one MMA), e4m3 [128, 16]: column
-    c = 8 gh + 2 n + gl holds token n's x at group g = 2 gh + gl's 32 K and zeros at the other 96 (and zeros
-    for n past the pass). With this order the accumulator columns each thread holds (2q, 2q + 1, 8 + 2q,
-    9 + 2q) are the four groups of one token. x's row: the pool row's token (GATHER, L1) or the pool row (L2)."""
+def _packed_columns(row_token_ptr, start, count, GATHER: tl.constexpr):
+    """The 16 MMA columns of a packed pass (up to 4 tokens, all four groups of a 128-K block in one MMA): column
+    c = 8 gh + 2 n + gl is token n at group g = 2 gh + gl. -> (x's row of each column [16]: the pool row's token
+    (GATHER, L1) or the pool row (L2); its group [16]; whether n is in the pass [16]). With this order the
+    accumulator columns each thread holds (2q, 2q + 1, 8 + 2q, 9 + 2q) are the four groups of one token.
+    Computed once per pass, outside the K loop."""
     c = tl.arange(0, 16)
     n = (c % 8) // 2
-    g = 2 * (c // 8) + c % 2
     valid = n < count
     if GATHER:
-        tok = tl.load(row_token_ptr + start + tl.where(valid, n, 0), mask=valid, other=0).to(tl.int64)
+        xrow = tl.load(row_token_ptr + start + tl.where(valid, n, 0), mask=valid, other=0).to(tl.int64)
     else:
-        tok = (start + tl.where(valid, n, 0)).to(tl.int64)
-    k = tl.arange(0, 128)
-    own = valid[:, None] & (k[None, :] // 32 == g[:, None])
-    return tl.trans(tl.load(x_ptr + tok[:, None] * LD + k0 + k[None, :], mask=own, other=0.0))
+        xrow = (start + tl.where(valid, n, 0)).to(tl.int64)
+    return xrow, 2 * (c // 8) + c % 2, valid
 
 
 @triton.jit
-def _packed_mma(wp, f0, f1, f2, f3, x_ptr, row_token_ptr, start, count, k0, LD: tl.constexpr, ASM: tl.constexpr,
-                GATHER: tl.constexpr):
-    """Four 32-K groups of up to 4 tokens in one m64n16k128 MMA -> d'_g fp32 [64, 4] for g = 0..3: group g's
+def _x_packed(x_ptr, xrow, grp, valid, k0, LD: tl.constexpr):
+    """B of a packed pass, e4m3 [128, 16]: column c holds its token's x at its group's 32 K and zeros at the
+    other 96 (and zeros for columns past the pass); (xrow, grp, valid) from ``_packed_columns``."""
+    k = tl.arange(0, 128)
+    own = valid[:, None] & (k[None, :] // 32 == grp[:, None])
+    return tl.trans(tl.load(x_ptr + xrow[:, None] * LD + k0 + k[None, :], mask=own, other=0.0))
+
+
+@triton.jit
+def _packed_mma(wp, f0, f1, f2, f3, x_ptr, cols, k0, LD: tl.constexpr, ASM: tl.constexpr):
+    """Four 32-K groups of up to 4 tokens (columns ``cols``) in one m64n16k128 MMA -> d'_g fp32 [64, 4] for g = 0..3: group g's
     column collects its products at k32 step g and zeros at the other three, which leave an FP32 accumulator
     unchanged (all their terms are zero; checked bit for bit on the H200 with four groups per MMA in run 3), so
     it is group g's sum from a zero accumulator, as a fresh k32 MMA: the same bits as ``_mma``, one wait."""
-    d = tl.dot(_decode4(wp, ASM), _x_packed(x_ptr, row_token_ptr, start, count, k0, LD, GATHER), out_dtype=tl.float32)
+    xrow, grp, valid = cols  # _packed_columns
+    d = tl.dot(_decode4(wp, ASM), _x_packed(x_ptr, xrow, grp, valid, k0, LD), out_dtype=tl.float32)
     f = tl.permute(tl.join(tl.join(f0, f1), tl.join(f2, f3)), (0, 2, 1))  # [64, gh, gl]
     d = tl.permute(tl.reshape(d, (64, 2, 4, 2)) * f[:, :, None, :], (0, 2, 1, 3))  # (r, n, gh, gl)
     even, odd = tl.split(d)  # gl = 0, 1
@@ -221,45 +228,47 @@ def l1_tc_kernel(
         tile = (e * (I // 32) + t) * NG  # first group of this tile
         sp = s_ptr + tile * 64
         wp = w_ptr + tile * 1024
-        NB: tl.constexpr = H // 128
-        # The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by Triton):
-        # each block's are loaded one block ahead, so that no group waits on global memory for them.
         if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
             rows, valid = _pass(start, 0, count, 4)
-            tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
-            xsp = xsf_ptr + tok * (H // 128)
-            acc = tl.zeros([64, 4], tl.float32)
-            f0, f1, f2, f3 = _factors4(sp)
-            xsf = tl.load(xsp, mask=valid, other=0.0)
-            for kb in range(NB):
-                nb = tl.minimum(kb + 1, NB - 1)
-                n0, n1, n2, n3 = _factors4(sp + nb * 256)
-                nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, row_token_ptr, start, count,
-                                             kb * 128, H, ASM, True)
-                acc = _promote(acc, ((d0 + d1) + d2) + d3, xsf, ASM)
-                f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+            acc = _l1_blocks(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(row_token_ptr, start, count, True),
+                             wp, sp, x_ptr, xsf_ptr, row_token_ptr, H, ASM, True)
             pdl_release(PDL)
             _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
         else:
             m0 = 0
             while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
                 rows, valid = _pass(start, m0, count)
-                tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
-                xsp = xsf_ptr + tok * (H // 128)
-                acc = tl.zeros([64, NTOK], tl.float32)
-                f0, f1, f2, f3 = _factors4(sp)
-                xsf = tl.load(xsp, mask=valid, other=0.0)
-                for kb in range(NB):  # one block per iteration, the next block's scales loaded ahead
-                    nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
-                    n0, n1, n2, n3 = _factors4(sp + nb * 256)
-                    nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
-                    blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
-                    acc = _promote(acc, blk, xsf, ASM)
-                    f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+                acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), rows, valid, None, wp, sp, x_ptr, xsf_ptr,
+                                 row_token_ptr, H, ASM, False)
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
                 _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
+
+
+@triton.jit
+def _l1_blocks(acc, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, H: tl.constexpr, ASM: tl.constexpr,
+               PACKED: tl.constexpr):
+    """L1's K loop for one pass: acc fp32 [64, W] promoted block by block in ascending K, a 128-K block's four
+    groups per iteration (one packed MMA over ``cols``, or four), each block's scale bytes and x_sf loaded one
+    block ahead. The scale bytes and x_sf are plain loads (only the code and x tiles are software-pipelined by
+    Triton): loaded ahead, no group waits on global memory for them."""
+    NB: tl.constexpr = H // 128
+    tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
+    xsp = xsf_ptr + tok * NB
+    f0, f1, f2, f3 = _factors4(sp)
+    xsf = tl.load(xsp, mask=valid, other=0.0)
+    for kb in range(NB):
+        nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
+        n0, n1, n2, n3 = _factors4(sp + nb * 256)
+        nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
+        if PACKED:
+            d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, cols, kb * 128, H, ASM)
+            blk = ((d0 + d1) + d2) + d3
+        else:
+            blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
+        acc = _promote(acc, blk, xsf, ASM)
+        f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
+    return acc
 
 
 @triton.jit
@@ -306,26 +315,26 @@ def l2_tc_kernel(
         n = t * 64 + tl.arange(0, 64)
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
-            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, start, count, w_ptr, s_ptr, sf2_ptr, q_ptr,
-                             tile, I, ASM, True)
+            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(q_ptr, start, count, False),
+                             w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
             pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
         else:
             m0 = 0
             while m0 < count:
                 rows, valid = _pass(start, m0, count)
-                acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, start + m0, count - m0, w_ptr, s_ptr,
-                                 sf2_ptr, q_ptr, tile, I, ASM, False)
+                acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
+                                 tile, I, ASM, False)
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
 
 
 @triton.jit
-def _l2_groups(acc, rows, valid, start, count, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
+def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
                ASM: tl.constexpr, PACKED: tl.constexpr):
     """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
-    iteration (one packed MMA, or four), each group's scales loaded one iteration ahead."""
+    iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead."""
     NG: tl.constexpr = I // 32
     sp = s_ptr + tile * 64
     cp = sf2_ptr + rows * NG
@@ -340,7 +349,7 @@ def _l2_groups(acc, rows, valid, start, count, w_ptr, s_ptr, sf2_ptr, q_ptr, til
                           tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
         wp = w_ptr + (tile + g) * 1024
         if PACKED:
-            d0, d1, d2, d3 = _packed_mma(wp, f0, f1, f2, f3, q_ptr, q_ptr, start, count, g * 32, I, ASM, False)
+            d0, d1, d2, d3 = _packed_mma(wp, f0, f1, f2, f3, q_ptr, cols, g * 32, I, ASM)
         else:
             p0, p1, p2, p3 = _blocks4(wp)
             d0 = _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
