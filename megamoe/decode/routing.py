@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _kw
 from .triton_pdl import pdl_enter
 
 
@@ -114,7 +113,7 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         num_tokens,
         expert_lo, num_local,
         K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret,
-        **_kw(4, out.interpret, pdl),
+        **({"launch_pdl": True} if pdl and not out.interpret else {}),  # not gemv._kw: gemv imports this module
     )
 
 
