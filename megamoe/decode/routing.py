@@ -113,7 +113,8 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         num_tokens,
         expert_lo, num_local,
         K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret,
-        **({"launch_pdl": True} if pdl and not out.interpret else {}),  # not gemv._kw: that import closes a circle (tests/test_import_graph.py)
+        # (not gemv._kw: importing it here closes an import circle, tests/test_import_graph.py)
+        **({"launch_pdl": True} if pdl and not out.interpret else {}),
     )
 
 
