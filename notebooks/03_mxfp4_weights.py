@@ -275,7 +275,7 @@ figs.save(fig, "layer_error_by_range")
 # and finite: 20..236, 217 bytes against DeepGEMM's 15.
 
 # %%
-from megamoe.decode.layout_tc import _tiles, e4m3_bytes
+from megamoe.decode.layout_tc import code_blocks, e4m3_bytes
 from megamoe.formats import pack_e2m1, scale_byte_window
 
 codes = torch.arange(16, dtype=torch.uint8)
@@ -296,7 +296,7 @@ print("legal scale bytes of the tensor-core decode:", scale_byte_window("e4m3_gr
 # %%
 one_hot = torch.zeros(64 * 32, 64, 32, dtype=torch.uint8)  # [position, row, K]: one nonzero code each
 one_hot.view(64 * 32, -1)[torch.arange(64 * 32), torch.arange(64 * 32)] = 1
-blocks, _ = _tiles(pack_e2m1(one_hot), torch.full((64 * 32, 64, 1), 127, dtype=torch.uint8), 64)
+blocks = code_blocks(pack_e2m1(one_hot), 64)
 byte = blocks.view(64 * 32, 1024).nonzero()[:, 1].view(64, 32)  # the byte holding weight (row, K)
 thread = byte // 8
 print("threads:", int(thread.max()) + 1, "| weights per thread:", int(torch.bincount(thread.flatten()).max()),

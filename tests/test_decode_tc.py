@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install triton; CI installs it)")
 
-from megamoe.decode.layout_tc import checkpoint_from_tc, e4m3_bytes, expert_operands, prepare_tc_weights  # noqa: E402
+from megamoe.decode.layout_tc import (  # noqa: E402
+    checkpoint_from_tc, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
 from megamoe.decode.selfcheck import DecodeCase  # noqa: E402
 from megamoe.decode.selfcheck_tc import CPU_CASES, passed_tc, run_tc_case  # noqa: E402
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
@@ -27,6 +28,25 @@ def test_every_code_decodes_to_e2m1_times_2_pow_minus_6():
     mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[codes.long() & 7]
     want = torch.where(codes >= 8, -mag, mag) * 2.0**-6
     assert torch.equal(got, want) and got[8].item() == 0.0 and torch.signbit(got[8])
+
+
+def test_every_code_pair_decodes_bytewise_and_wordwise(gen):
+    """All 256 (lo, hi) pairs: the stored byte decodes to both codes' e4m3 bytes. Then the pairs four to a 32-bit
+    word in random order, decoded as the kernel does on the GPU: whole-word shifts, so bits cross byte boundaries
+    before the masks clear them."""
+    lo, hi = (c.flatten() for c in torch.meshgrid(torch.arange(16, dtype=torch.uint8),
+                                                   torch.arange(16, dtype=torch.uint8), indexing="ij"))
+    byte = pack_pair(lo, hi)
+    assert torch.equal(torch.sort(byte).values, torch.arange(256, dtype=torch.uint8))  # a bijection
+    got_lo, got_hi = unpack_pair(byte)
+    assert torch.equal(got_lo, e4m3_bytes(lo)) and torch.equal(got_hi, e4m3_bytes(hi))
+    shuffled = byte[torch.randperm(256, generator=gen)]
+    words = shuffled.view(torch.int32).long() & 0xFFFFFFFF  # 64 words, four pairs each
+    word_lo = words & 0x9C9C9C9C
+    word_hi = ((words << 2) & 0x8C8C8C8C) | ((words >> 2) & 0x10101010)
+    as_bytes = lambda w: w.to(torch.int32).view(torch.uint8)  # noqa: E731
+    want_lo, want_hi = unpack_pair(shuffled)
+    assert torch.equal(as_bytes(word_lo), want_lo) and torch.equal(as_bytes(word_hi), want_hi)
 
 
 def test_prepare_roundtrips_and_operands_are_the_checkpoint(weights_for):

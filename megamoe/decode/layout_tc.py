@@ -2,14 +2,18 @@
 bytes, regrouped so that each (tile, 32-K group) a program reads is one contiguous block and each thread's
 share of it is 8 contiguous bytes, already in the order of the wgmma A-operand register fragment.
 
-    L1 codes   uint8 [E, I/32, H/32, 1024]   tile t's 64 MMA rows: gate channels 32t..32t+31, then up's
-    L1 scales  uint8 [E, I/32, H/32, 64]
-    L2 codes   uint8 [E, H/64, I/32, 1024]   output rows 64t..64t+63
-    L2 scales  uint8 [E, H/64, I/32, 64]
+    L1 codes   uint8 [E, I/32, H/32, 1024]    tile t's 64 MMA rows: gate channels 32t..32t+31, then up's
+    L1 scales  uint8 [E, I/32, H/128, 64, 4]  per 128-K block, row r's four group bytes in one 32-bit word
+    L2 codes   uint8 [E, H/64, I/32, 1024]    output rows 64t..64t+63
+    L2 scales  uint8 [E, H/64, I/128, 64, 4]
+
+A scale byte is stored as s + 6 (``FACTOR_BIAS``): the FP32 exponent field of the group's factor 2**(s - 121),
+so the kernel makes the factor with a shift and a mask.
 
 A block holds the [64, 32] codes c[r, k] of one group, r = 16 w + 8 h + ri, k = 16 kh + 4 lq + i, as bytes in
-the order (w, ri, lq, kh, i), byte = c[h = 0] | c[h = 1] << 4: warp w's lane 4 ri + lq then holds rows ri and
-ri + 8 of its 16 at K 4 lq + (0..3) and 16 + 4 lq + (0..3), which is what the wgmma fragment asks of it.
+the order (w, ri, lq, kh, i), one byte per (row ri, row ri + 8) pair (``pack_pair``): warp w's lane 4 ri + lq
+then holds rows ri and ri + 8 of its 16 at K 4 lq + (0..3) and 16 + 4 lq + (0..3), which is what the wgmma
+fragment asks of it.
 
 The kernel reads a code as the e4m3 byte worth e2m1 * 2**-6 (``e4m3_bytes``: exact) and applies 2**(s - 121)
 to each group's tensor-core sum in FP32. That product stays exact, with no subnormal and no overflow, for
@@ -58,6 +62,30 @@ def e4m3_bytes(codes: torch.Tensor) -> torch.Tensor:
     return ((codes & 7) << 2) | ((codes & 8) << 4)
 
 
+def pack_pair(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Codes of rows ri (lo) and ri + 8 (hi), uint8 -> the stored byte, placed so that the kernel's decode of a
+    32-bit word (four bytes) is five operations (``unpack_pair`` is its torch twin):
+
+        bit    7     6     5     4     3     2     1     0
+              lo.s  hi.e1 hi.s  lo.e1 lo.e0 lo.m  hi.e0 hi.m
+
+        lo = byte & 0x9C                                   (already sign at 7, magnitude at 4..2)
+        hi = ((byte << 2) & 0x8C) | ((byte >> 2) & 0x10)   (hi.m, hi.e0, hi.s up 2; hi.e1 down 2)
+
+    Across a word's four bytes the shifts carry bits only into positions the masks clear."""
+    return e4m3_bytes(lo) | (hi & 3) | ((hi & 4) << 4) | ((hi & 8) << 2)
+
+
+def unpack_pair(byte: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored byte -> (lo, hi) as e4m3 bytes worth e2m1 * 2**-6 (what the kernel's decode computes)."""
+    return byte & 0x9C, ((byte << 2) & 0x8C) | ((byte >> 2) & 0x10)
+
+
+def codes_from_e4m3(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``e4m3_bytes``: the e4m3 byte of a code -> the code."""
+    return ((b >> 2) & 7) | ((b >> 4) & 8)
+
+
 def check_and_canonicalize_scales(packed: torch.Tensor, scale_bytes: torch.Tensor, what: str,
                                   first_expert: int = 0) -> torch.Tensor:
     """packed [E, N, K/2], bytes [E, N, K/32] -> bytes with all-zero groups set to 127; refuses a group with
@@ -75,28 +103,38 @@ def check_and_canonicalize_scales(packed: torch.Tensor, scale_bytes: torch.Tenso
 
 
 BLOCK_SHAPE = (4, 2, 8, 2, 4, 4)  # a block's rows and K as (w, h, ri) x (kh, lq, i)
-BLOCK_ORDER = (0, 2, 4, 3, 5, 1)  # -> (w, ri, lq, kh, i, h): the byte order, h the nibble
+BLOCK_ORDER = (0, 2, 4, 3, 5, 1)  # -> (w, ri, lq, kh, i, h): the byte order, h the row of the pair
 
 
-def _tiles(packed: torch.Tensor, scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """packed [E, N, K/2], scales [E, N, K/32] -> ([E, N/64, K/32, 1024], [E, N/64, K/32, 64]) (``rows`` = 64)."""
+def code_blocks(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """packed [E, N, K/2] -> [E, N/64, K/32, 1024]: one block per (tile, group) (``rows`` = 64)."""
     e, n, kb = packed.shape
     g = kb // GROUP_BYTES
     c = unpack_e2m1(packed).view(e, n // rows, rows, g, 32).permute(0, 1, 3, 2, 4)  # [E, NT, G, 64, 32]
     c = c.reshape(e, n // rows, g, *BLOCK_SHAPE).permute(0, 1, 2, *(3 + d for d in BLOCK_ORDER))
-    blocks = (c[..., 0] | (c[..., 1] << 4)).reshape(e, n // rows, g, rows * 16)
-    s = scales.view(e, n // rows, rows, g).permute(0, 1, 3, 2)
-    return blocks.contiguous(), s.contiguous()
+    return pack_pair(c[..., 0], c[..., 1]).reshape(e, n // rows, g, rows * 16).contiguous()
+
+
+FACTOR_BIAS = 6  # stored byte = s + 6 = the FP32 exponent field of 2**(s - 121), the group's factor
+
+
+def scale_words(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """scales [E, N, K/32] (checked bytes 20..236) -> [E, N/64, K/128, 64, 4] bytes s + 6: a tile's rows per
+    128-K block, each row's four bytes adjacent (one 32-bit load per row and block)."""
+    e, n, g = scales.shape
+    return (scales + FACTOR_BIAS).view(e, n // rows, rows, g // 4, 4).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def _untile(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``_tiles`` for one expert: ([NT, G, 1024], [NT, G, 64]) -> (codes [NT * 64, G * 32], bytes)."""
+    """Inverse of ``code_blocks`` and ``scale_words`` for one expert: ([NT, G, 1024], [NT, G/4, 64, 4]) -> (codes [NT * 64, G * 32],
+    bytes [NT * 64, G])."""
     nt, g, _ = blocks.shape
-    b = blocks.view(nt, g, 4, 8, 4, 2, 4)
-    c = torch.stack((b & 0xF, b >> 4), dim=-1)  # (w, ri, lq, kh, i, h)
+    lo, hi = unpack_pair(blocks.view(nt, g, 4, 8, 4, 2, 4))
+    c = codes_from_e4m3(torch.stack((lo, hi), dim=-1))  # (w, ri, lq, kh, i, h)
     inv = [BLOCK_ORDER.index(d) for d in range(6)]
     c = c.permute(0, 1, *(2 + d for d in inv)).reshape(nt, g, 64, 32)
-    return c.permute(0, 2, 1, 3).reshape(nt * 64, g * 32), scales.permute(0, 2, 1).reshape(nt * 64, g)
+    return (c.permute(0, 2, 1, 3).reshape(nt * 64, g * 32),
+            scales.permute(0, 2, 1, 3).reshape(nt * 64, g) - FACTOR_BIAS)
 
 
 def _l1_rows(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -118,7 +156,8 @@ def prepare_tc_weights(weights: MXFP4Weights, experts_per_chunk: int = 16) -> TC
         c = w.experts(lo, min(lo + experts_per_chunk, w.num_experts))
         s1 = check_and_canonicalize_scales(c.l1, c.l1_scale, "l1", lo)
         s2 = check_and_canonicalize_scales(c.l2, c.l2_scale, "l2", lo)
-        parts.append((*_tiles(_l1_rows(c.l1, i), _l1_rows(s1, i), L1_ROWS), *_tiles(c.l2, s2, L2_ROWS)))
+        parts.append((code_blocks(_l1_rows(c.l1, i), L1_ROWS), scale_words(_l1_rows(s1, i), L1_ROWS),
+                      code_blocks(c.l2, L2_ROWS), scale_words(s2, L2_ROWS)))
     l1c, l1s, l2c, l2s = (torch.cat(p) for p in zip(*parts))
     return TCWeights(l1c, l1s, l2c, l2s, h, i)
 

@@ -34,17 +34,16 @@ NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 
 @triton.jit
 def _nibbles_to_e4m3(p, ASM: tl.constexpr):
-    """uint8 codes -> (low nibble, high nibble) each as the e4m3 byte worth e2m1 * 2**-6: sign to bit 7,
-    magnitude bits (e1 e0 m) to bits 4..2. On the GPU four bytes per 32-bit register at once."""
+    """Stored bytes (``layout_tc.pack_pair``) -> (lo, hi), each the e4m3 byte worth e2m1 * 2**-6 of one code of
+    the pair. On the GPU four bytes per 32-bit register at once, five operations (two shifts, three LOP3)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; shl.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; shl.b32 b, $2, 4; "
-            "and.b32 b, b, 0x80808080; or.b32 $0, a, b; shr.b32 a, $2, 2; and.b32 a, a, 0x1c1c1c1c; "
-            "and.b32 b, $2, 0x80808080; or.b32 $1, a, b; }",
+            "{ .reg .b32 a, b; and.b32 $0, $2, 0x9c9c9c9c; shl.b32 a, $2, 2; and.b32 a, a, 0x8c8c8c8c; "
+            "shr.b32 b, $2, 2; and.b32 b, b, 0x10101010; or.b32 $1, a, b; }",
             "=r,=r,r", [p], dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
     else:
-        lo = (((p & 7) << 2) | ((p & 8) << 4)).to(tl.float8e4nv, bitcast=True)
-        hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.float8e4nv, bitcast=True)
+        lo = (p & 0x9C).to(tl.float8e4nv, bitcast=True)
+        hi = (((p << 2) & 0x8C) | ((p >> 2) & 0x10)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return lo, hi
 
 
@@ -61,10 +60,10 @@ def _decode_block(p, ASM: tl.constexpr):
 
 
 @triton.jit
-def _factors(scales_ptr):
-    """A group's 64 E8M0 bytes at scales_ptr -> fp32 [64] 2**(s - 121) (bytes 20..236: normal floats)."""
-    s = tl.load(scales_ptr + tl.arange(0, 64)).to(tl.int32)
-    return ((s + 6) << 23).to(tl.float32, bitcast=True)
+def _factor(word, g: tl.constexpr):
+    """Byte g of each row's scale word, s + 6 (``layout_tc.FACTOR_BIAS``) -> fp32 2**(s - 121): the byte is the
+    factor's exponent field (bytes 26..242: normal floats)."""
+    return (((word >> (8 * g)) & 0xFF) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -93,7 +92,7 @@ def _blocks4(wp):
 
 @triton.jit
 def _mma(p, f, xg, ASM: tl.constexpr):
-    """One 32-K group: its code block p [4, 8, 4, 2, 4] (``_blocks4``), its factors f [64] (``_factors``), x [32,
+    """One 32-K group: its code block p [4, 8, 4, 2, 4] (``_blocks4``), its factors f [64] (``_factors4``), x [32,
     NTOK] e4m3 -> d' fp32 [64, NTOK] = (tensor-core sum) * 2**(s - 121)."""
     d = tl.dot(_decode_block(p, ASM), xg, out_dtype=tl.float32)
     return d * f[:, None]
@@ -101,8 +100,10 @@ def _mma(p, f, xg, ASM: tl.constexpr):
 
 @triton.jit
 def _factors4(sp):
-    """The factors of four consecutive groups (``_factors``), scale bytes from sp."""
-    return _factors(sp), _factors(sp + 64), _factors(sp + 128), _factors(sp + 192)
+    """A 128-K block's 64 scale words at sp (int32, ``layout_tc.scale_words``: row r's four group bytes) -> the
+    factors of its four groups, fp32 [64] each. One 32-bit load per row, not four byte loads."""
+    word = tl.load(sp + tl.arange(0, 64))
+    return _factor(word, 0), _factor(word, 1), _factor(word, 2), _factor(word, 3)
 
 
 @triton.jit
@@ -209,7 +210,7 @@ def _pass(start, m0, count, W: tl.constexpr = NTOK):
 
 @triton.jit
 def l1_tc_kernel(
-    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 1024], uint8 [E, I/32, H/32, 64] (layout_tc.py)
+    w_ptr, s_ptr,  # uint8 [E, I/32, H/32, 1024], int32 [E, I/32, H/128, 64] (layout_tc.py: scale words)
     x_ptr, xsf_ptr,  # e4m3 [C, H], fp32 [C, H/128]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
@@ -225,9 +226,9 @@ def l1_tc_kernel(
     if j < tl.load(num_touched_ptr):
         NG: tl.constexpr = H // 32
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
-        tile = (e * (I // 32) + t) * NG  # first group of this tile
-        sp = s_ptr + tile * 64
-        wp = w_ptr + tile * 1024
+        tile = e * (I // 32) + t
+        sp = s_ptr + tile * (H // 128) * 64
+        wp = w_ptr + tile * NG * 1024
         if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
             rows, valid = _pass(start, 0, count, 4)
             acc = _l1_blocks(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(row_token_ptr, start, count, True),
@@ -259,7 +260,7 @@ def _l1_blocks(acc, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, H:
     xsf = tl.load(xsp, mask=valid, other=0.0)
     for kb in range(NB):
         nb = tl.minimum(kb + 1, NB - 1)  # the next block (the last reloads its own)
-        n0, n1, n2, n3 = _factors4(sp + nb * 256)
+        n0, n1, n2, n3 = _factors4(sp + nb * 64)
         nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
         if PACKED:
             d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, cols, kb * 128, H, ASM)
@@ -297,7 +298,7 @@ def _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, cl
 
 @triton.jit
 def l2_tc_kernel(
-    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 1024], uint8 [E, H/64, I/32, 64]
+    w_ptr, s_ptr,  # uint8 [E, H/64, I/32, 1024], int32 [E, H/64, I/128, 64]
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
@@ -336,7 +337,7 @@ def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl
     """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
     iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead."""
     NG: tl.constexpr = I // 32
-    sp = s_ptr + tile * 64
+    sp = s_ptr + tile * 16  # tile counts groups: its first 128-K block's 64 words
     cp = sf2_ptr + rows * NG
     f0, f1, f2, f3 = _factors4(sp)
     c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
@@ -344,7 +345,7 @@ def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl
     for it in range(NG // 4):
         g = it * 4
         nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
-        n0, n1, n2, n3 = _factors4(sp + nx * 64)
+        n0, n1, n2, n3 = _factors4(sp + nx * 16)
         o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
                           tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
         wp = w_ptr + (tile + g) * 1024
