@@ -2,7 +2,7 @@
 spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md quotes.
 
     python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]      the CUDA-core kernels
-    python3 scripts/decode_sass.py --tc [--pdl]                                  the tensor-core kernels
+    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]]             the tensor-core kernels
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ def loop_mix(sass: str, marker: str = "HADD2.F32") -> tuple[int, collections.Cou
 
 TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*i32", x_ptr="*fp8e4nv", xsf_ptr="*fp32", num_touched_ptr="*i32",
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32",
-                 row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", clamp="fp32")
+                 row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", terms_ptr="*fp32",
+                 cnt_ptr="*i32", clamp="fp32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
-                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", terms_ptr="*fp32",
+                 cnt_ptr="*i32")
 
 
-def tc_report(pdl: bool = False, pack: bool = False) -> int:
+def tc_report(pdl: bool = False, pack: bool = False, split: int = 1) -> int:
     """The tensor-core kernels with the backend's launch options: registers, spills inside / outside the K loop,
     the loop's instructions per weight, and the layout conversions left in the TTGIR (none between the decode
     and the MMA: the only ones are the epilogue's)."""
@@ -78,7 +80,7 @@ def tc_report(pdl: bool = False, pack: bool = False) -> int:
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack)
+    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack, SPLIT=split)
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
@@ -104,9 +106,10 @@ def main() -> int:
     ap.add_argument("--tc", action="store_true", help="the tensor-core kernels (megamoe-decode-tc) instead")
     ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch")
     ap.add_argument("--pack", action="store_true", help="with --tc: the packed passes (four groups per MMA)")
+    ap.add_argument("--split", type=int, default=1, help="with --tc --pack: the packed K loops in this many parts")
     args = ap.parse_args()
     if args.tc:
-        return tc_report(args.pdl, args.pack)
+        return tc_report(args.pdl, args.pack, args.split)
     geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),

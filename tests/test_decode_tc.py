@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 from megamoe.decode.layout_tc import (  # noqa: E402
     checkpoint_from_tc, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
 from megamoe.decode.selfcheck import DecodeCase  # noqa: E402
-from megamoe.decode.selfcheck_tc import CPU_CASES, passed_tc, run_tc_case  # noqa: E402
+from megamoe.decode.selfcheck_tc import CPU_CASES, SPLIT_CASES, passed_tc, run_tc_case  # noqa: E402
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
 from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
@@ -158,6 +158,18 @@ def test_triton_interpreter(interpreter_rows, case, pack):
     assert passed_tc(row), json.dumps(row, indent=1)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("split", (2, 4), ids=("split2", "split4"))
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
+def test_triton_interpreter_split_k(interpreter_rows, case, split):
+    """The packed passes' K loops in 2 and 4 parts, the last part replaying the promotion chain from the others'
+    terms: the same checks as unsplit (the twins know nothing of the split), poison kept, repeatable (the
+    parts' counters reset themselves)."""
+    row = interpreter_rows[f"{case.id}-pack1-split{split}"]
+    assert row["split"] == split and passed_tc(row), json.dumps(row, indent=1)
+
+
 # On the GPU: the interpreter's cases with real inputs (bit equality, the recipe's tensor-core model), plus
 # production-size steps: one token, and eight with masked slots.
 GPU_CASES = CPU_CASES + (DecodeCase("dsv4-flash", 1, seed=21), DecodeCase("dsv4-flash", 8, routing="masked", seed=22))
@@ -171,3 +183,14 @@ def test_on_the_gpu(case, pack):
     a relaunch identical; a scale byte off by one must be caught. With and without the packed passes."""
     row = run_tc_case(case, "cuda", pack)
     assert passed_tc(row) and (case.broken or not row["interpreter"]), json.dumps(row, indent=1, default=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", (2, 4), ids=("split2", "split4"))
+@pytest.mark.parametrize("case", SPLIT_CASES + (DecodeCase("dsv4-flash", 1, seed=23), DecodeCase("dsv4-flash", 2, seed=24)),
+                         ids=lambda c: c.id)
+def test_split_k_on_the_gpu(case, split):
+    """The split K on real inputs, where the order of the FP32 additions shows: the whole path bit-identical to
+    the reference (which knows nothing of the split), stages equal to their twins, a relaunch identical."""
+    row = run_tc_case(case, "cuda", True, split)
+    assert passed_tc(row) and row["split"] == split, json.dumps(row, indent=1, default=str)

@@ -49,8 +49,12 @@ VARIANTS = {
     "pdl": dict(pdl=True, pdl_early_release=False),
     "pdl-early": dict(pdl=True, pdl_early_release=True),
     "nopdl": dict(pdl=False),
-    # experts with at most 4 rows: a 128-K block's four groups in one MMA (triton_tc._packed_mma)
+    # experts with at most 4 rows: a 128-K block's four groups in one MMA (triton_tc_ops._packed_mma)
     "pack4": dict(tc_pack4=True),
+    # packed passes' K loops in 2 / 4 parts, the promotion chain replayed by the last (triton_tc._replay)
+    "split1": dict(tc_split=1),
+    "split2": dict(tc_split=2),
+    "split4": dict(tc_split=4),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
@@ -67,6 +71,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "decode_tc_out"))
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 32, 2, 4, 16, 64])
     ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--check-split", type=int, nargs="*", default=[], help="also check these K splits at each --check "
+                    "count up to 4 tokens")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
@@ -95,12 +101,13 @@ def main() -> int:
     for t in args.check:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
-                r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda")
-                r["passed"] = passed_tc(r)
-                res["check"].append(r)
-                print(f"[tc] check T={t} {routing}: l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff {r['calc_diff']:.2e} "
-                      f"bitwise {r['bitwise_frac']:.6f} repeat {r['repeat_identical']} passed {r['passed']} "
-                      f"({time.time() - T0:.0f} s)", flush=True)
+                for split in [None] + ([s for s in args.check_split] if t <= 4 else []):
+                    r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", split=split)
+                    r["passed"] = passed_tc(r)
+                    res["check"].append(r)
+                    print(f"[tc] check {r['case']} {routing}: l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff "
+                          f"{r['calc_diff']:.2e} bitwise {r['bitwise_frac']:.6f} repeat {r['repeat_identical']} passed "
+                          f"{r['passed']} ({time.time() - T0:.0f} s)", flush=True)
             except Exception:  # noqa: BLE001
                 res["errors"].append(f"check T={t}: {traceback.format_exc()}")
                 print(res["errors"][-1][-2000:], flush=True)
@@ -114,7 +121,7 @@ def main() -> int:
         row = {"tokens": t}
         res["rows"].append(row)
         try:
-            inp, buf, touched, slots = staged_buffers(g, t, dev)
+            inp, buf, touched, slots = staged_buffers(g, t, dev, split_tokens=t)
             cfg = default_launch_config(t)
             if not args.no_cuda_core:
                 row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)

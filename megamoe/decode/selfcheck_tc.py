@@ -38,6 +38,8 @@ CPU_CASES = (
     DecodeCase("wide", 3, routing="allmasked", seed=14),
     DecodeCase("tiny", 3, broken="l2-scale-off-by-one", seed=15),
 )
+# Split K (``LaunchConfig.tc_split``) needs as many K-loop iterations as parts: H and I of 512 give four.
+SPLIT_CASES = (DecodeCase("wide", 2, seed=16), DecodeCase("wide", 3, routing="allmasked", seed=14))
 
 
 def _exact_friendly(inp, seed: int):
@@ -51,8 +53,9 @@ def _exact_friendly(inp, seed: int):
     return dataclasses.replace(inp, x=x.to(torch.bfloat16).to(inp.x.device))
 
 
-def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None) -> dict:
-    """``pack`` overrides the launch's packed passes (``LaunchConfig.tc_pack4``; None: the backend's launch)."""
+def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None) -> dict:
+    """``pack`` and ``split`` override the launch's packed passes and K parts (``LaunchConfig.tc_pack4``,
+    ``tc_split``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -67,20 +70,23 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None) -> dic
     if interp:
         inp = _exact_friendly(inp, case.seed)
     t = case.tokens
-    buf = DecodeBuffers.allocate(g, t, device)
+    buf = DecodeBuffers.allocate(g, t, device, split_tokens=t)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t,
                num_experts=g.num_experts, backend="torch")
     recipe = MEGAMOE_DECODE_TC.with_(mma="exact-block") if interp else MEGAMOE_DECODE_TC
     cfg = dataclasses.replace(tc.tc_launch_config(t), store_l1=True)  # the backend's launch
     if pack is not None:
         cfg = dataclasses.replace(cfg, tc_pack4=pack)
-    row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}"), "tc": True, "pack": cfg.tc_pack4,
+    if split is not None:
+        cfg = dataclasses.replace(cfg, tc_split=split)
+    row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}"),
+           "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
            **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
         return row
-    twin = DecodeBuffers.allocate(g, t, device)
+    twin = DecodeBuffers.allocate(g, t, device, split_tokens=t)
     _copy_staged(buf, twin)
     buf.poison_()
     twin.poison_()
@@ -127,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     rows = [run_tc_case(c, args.device, pack) for c in CPU_CASES for pack in (False, True)]
+    rows += [run_tc_case(c, args.device, True, split) for c in SPLIT_CASES for split in (2, 4)]
     print(json.dumps(rows))
     return 0 if all(passed_tc(r) for r in rows) else 1
 

@@ -41,17 +41,32 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bo
             "PDL": pdl}
 
 
+def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
+    """The launch's K parts (``LaunchConfig.tc_split``), checked against the packed passes, the buffers' split
+    scratch and the K loops (L1: H/128 blocks, L2: I/128 iterations, each a multiple of the parts)."""
+    s = cfg.tc_split
+    if s > 1 and (not cfg.tc_pack4 or num_tokens > buf.split_tokens):
+        raise ValueError(f"LaunchConfig.tc_split={s} needs tc_pack4=True and num_tokens <= the buffers' "
+                         f"split_tokens ({buf.split_tokens}; DecodeBuffers.allocate(split_tokens=...)), got "
+                         f"tc_pack4={cfg.tc_pack4}, num_tokens={num_tokens}")
+    if (tw.hidden // 128) % s or (tw.intermediate // 128) % s:
+        raise ValueError(f"LaunchConfig.tc_split={s} must divide hidden/128 = {tw.hidden // 128} and "
+                         f"intermediate/128 = {tw.intermediate // 128} (the K loops' iterations)")
+    return s
+
+
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     from .triton_tc import l1_tc_kernel
 
     if num_tokens == 0:
         return
-    l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32)](
+    split = _split(tw, buf, num_tokens, cfg)
+    l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32, split)](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
-        float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1, ASM=not buf.interpret,
-        **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
+        buf.split_terms1, buf.split_counts[0], float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
     )
 
 
@@ -60,11 +75,13 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
-        tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched, buf.touched,
-        buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
-        ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
+    split = _split(tw, buf, num_tokens, cfg)
+    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64, split)](
+        tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, buf.split_terms2, buf.split_counts[1],
+        H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
+        **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
     )
 
 
