@@ -139,6 +139,28 @@ def test_pdl_launch_attribute_comes_with_the_kernels_wait():
     assert all(tc_launch_config(t).tc_pack4 for t in (1, 8, 64))
 
 
+def test_split_k_is_refused_where_it_cannot_run():
+    """Bad split settings fail before any launch, naming the setting: parts outside 1, 2, 4; a split without the
+    packed passes; more tokens than the buffers' split scratch; parts that do not divide the K loop."""
+    from megamoe.decode import LaunchConfig
+    from megamoe.decode.tc import _split
+
+    with pytest.raises(ValueError, match="tc_split_l2 must be 1, 2 or 4, got 3"):
+        LaunchConfig(tc_split_l2=3)
+
+    class Buf:
+        split_tokens = 2
+
+    ok = LaunchConfig(tc_pack4=True, tc_split=2)
+    assert _split(2, "tc_split", 32, Buf, 2, ok) == 2 and _split(1, "tc_split", 32, Buf, 64, ok) == 1
+    with pytest.raises(ValueError, match=r"tc_split=2 needs tc_pack4=True.*split_tokens \(2;.*num_tokens=3"):
+        _split(2, "tc_split", 32, Buf, 3, ok)
+    with pytest.raises(ValueError, match="tc_split=2 needs tc_pack4=True.*tc_pack4=False"):
+        _split(2, "tc_split", 32, Buf, 1, LaunchConfig(tc_split=2))
+    with pytest.raises(ValueError, match="tc_split_l2=4 must divide the K loop's 2 iterations"):
+        _split(4, "tc_split_l2", 2, Buf, 1, ok)
+
+
 @pytest.fixture(scope="module")
 def interpreter_rows():
     from megamoe.testing import interpreter_rows as run

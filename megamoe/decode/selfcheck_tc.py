@@ -55,7 +55,7 @@ def _exact_friendly(inp, seed: int):
 
 def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None) -> dict:
     """``pack`` and ``split`` override the launch's packed passes and K parts (``LaunchConfig.tc_pack4``,
-    ``tc_split``; None: the backend's launch)."""
+    ``tc_split`` and ``tc_split_l2``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -78,7 +78,7 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     if pack is not None:
         cfg = dataclasses.replace(cfg, tc_pack4=pack)
     if split is not None:
-        cfg = dataclasses.replace(cfg, tc_split=split)
+        cfg = dataclasses.replace(cfg, tc_split=split, tc_split_l2=split)
     row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}"),
            "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
            **dataclasses.asdict(case)}

@@ -41,18 +41,16 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bo
             "PDL": pdl}
 
 
-def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
-    """The launch's K parts (``LaunchConfig.tc_split``), checked against the packed passes, the buffers' split
-    scratch and the K loops (L1: H/128 blocks, L2: I/128 iterations, each a multiple of the parts)."""
-    s = cfg.tc_split
-    if s > 1 and (not cfg.tc_pack4 or num_tokens > buf.split_tokens):
-        raise ValueError(f"LaunchConfig.tc_split={s} needs tc_pack4=True and num_tokens <= the buffers' "
+def _split(parts: int, what: str, k_iterations: int, buf, num_tokens: int, cfg: LaunchConfig) -> int:
+    """A launch's K parts (``LaunchConfig.tc_split`` / ``tc_split_l2``), checked against the packed passes, the
+    buffers' split scratch and the K loop's iterations (a multiple of the parts)."""
+    if parts > 1 and (not cfg.tc_pack4 or num_tokens > buf.split_tokens):
+        raise ValueError(f"LaunchConfig.{what}={parts} needs tc_pack4=True and num_tokens <= the buffers' "
                          f"split_tokens ({buf.split_tokens}; DecodeBuffers.allocate(split_tokens=...)), got "
                          f"tc_pack4={cfg.tc_pack4}, num_tokens={num_tokens}")
-    if (tw.hidden // 128) % s or (tw.intermediate // 128) % s:
-        raise ValueError(f"LaunchConfig.tc_split={s} must divide hidden/128 = {tw.hidden // 128} and "
-                         f"intermediate/128 = {tw.intermediate // 128} (the K loops' iterations)")
-    return s
+    if k_iterations % parts:
+        raise ValueError(f"LaunchConfig.{what}={parts} must divide the K loop's {k_iterations} iterations")
+    return parts
 
 
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
@@ -60,7 +58,7 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
 
     if num_tokens == 0:
         return
-    split = _split(tw, buf, num_tokens, cfg)
+    split = _split(cfg.tc_split, "tc_split", tw.hidden // 128, buf, num_tokens, cfg)
     l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32, split)](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
@@ -75,7 +73,7 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    split = _split(tw, buf, num_tokens, cfg)
+    split = _split(cfg.tc_split_l2, "tc_split_l2", tw.intermediate // 128, buf, num_tokens, cfg)
     l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64, split)](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
         buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, buf.split_terms2, buf.split_counts[1],
