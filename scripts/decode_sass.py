@@ -68,8 +68,7 @@ TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*i32", x_ptr="*fp8e4nv", xsf_ptr="*fp32", n
                  row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", terms_ptr="*fp32",
                  cnt_ptr="*i32", clamp="fp32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
-                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", terms_ptr="*fp32",
-                 cnt_ptr="*i32")
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
 def tc_report(pdl: bool = False, pack: bool = False, split: int = 1) -> int:
@@ -80,9 +79,9 @@ def tc_report(pdl: bool = False, pack: bool = False, split: int = 1) -> int:
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack, SPLIT=split)
+    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack)
     for name, fn, sig, const, cap, groups in (
-        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, **geo), cfg.tc_l1_maxnreg, 4),
+        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, SPLIT=split, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
     ):
         opts = {"num_stages": cfg.tc_stages, "launch_pdl": pdl, **({"maxnreg": cap} if cap else {})}
@@ -106,7 +105,7 @@ def main() -> int:
     ap.add_argument("--tc", action="store_true", help="the tensor-core kernels (megamoe-decode-tc) instead")
     ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch")
     ap.add_argument("--pack", action="store_true", help="with --tc: the packed passes (four groups per MMA)")
-    ap.add_argument("--split", type=int, default=1, help="with --tc --pack: the packed K loops in this many parts")
+    ap.add_argument("--split", type=int, default=1, help="with --tc --pack: L1's packed K loop in this many parts")
     args = ap.parse_args()
     if args.tc:
         return tc_report(args.pdl, args.pack, args.split)

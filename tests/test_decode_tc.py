@@ -137,28 +137,33 @@ def test_pdl_launch_attribute_comes_with_the_kernels_wait():
     assert _opts(4, 3, 80, interpret=True, pdl=True) == {}
     assert [tc_launch_config(t).pdl for t in (1, 2, 8, 64)] == [False, True, True, True]
     assert all(tc_launch_config(t).tc_pack4 for t in (1, 8, 64))
+    assert [tc_launch_config(t).tc_split for t in (1, 2, 8, 64)] == [2, 1, 1, 1]
 
 
 def test_split_k_is_refused_where_it_cannot_run():
     """Bad split settings fail before any launch, naming the setting: parts outside 1, 2, 4; a split without the
-    packed passes; more tokens than the buffers' split scratch; parts that do not divide the K loop."""
+    packed passes; more tokens than the buffers' split scratch; parts that do not divide L1's K blocks."""
     from megamoe.decode import LaunchConfig
     from megamoe.decode.tc import _split
 
-    with pytest.raises(ValueError, match="tc_split_l2 must be 1, 2 or 4, got 3"):
-        LaunchConfig(tc_split_l2=3)
+    with pytest.raises(ValueError, match="tc_split must be 1, 2 or 4, got 3"):
+        LaunchConfig(tc_split=3)
 
     class Buf:
         split_tokens = 2
 
+    class TW:
+        hidden = 4096
+
     ok = LaunchConfig(tc_pack4=True, tc_split=2)
-    assert _split(2, "tc_split", 32, Buf, 2, ok) == 2 and _split(1, "tc_split", 32, Buf, 64, ok) == 1
+    assert _split(TW, Buf, 2, ok) == 2 and _split(TW, Buf, 64, LaunchConfig(tc_pack4=True)) == 1
     with pytest.raises(ValueError, match=r"tc_split=2 needs tc_pack4=True.*split_tokens \(2;.*num_tokens=3"):
-        _split(2, "tc_split", 32, Buf, 3, ok)
+        _split(TW, Buf, 3, ok)
     with pytest.raises(ValueError, match="tc_split=2 needs tc_pack4=True.*tc_pack4=False"):
-        _split(2, "tc_split", 32, Buf, 1, LaunchConfig(tc_split=2))
-    with pytest.raises(ValueError, match="tc_split_l2=4 must divide the K loop's 2 iterations"):
-        _split(4, "tc_split_l2", 2, Buf, 1, ok)
+        _split(TW, Buf, 1, LaunchConfig(tc_split=2))
+    TW.hidden = 256
+    with pytest.raises(ValueError, match="tc_split=4 must divide L1's 2 K blocks"):
+        _split(TW, Buf, 1, LaunchConfig(tc_pack4=True, tc_split=4))
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +190,10 @@ def test_triton_interpreter(interpreter_rows, case, pack):
 @pytest.mark.parametrize("split", (2, 4), ids=("split2", "split4"))
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
 def test_triton_interpreter_split_k(interpreter_rows, case, split):
-    """The packed passes' K loops in 2 and 4 parts, the last part replaying the promotion chain from the others'
-    terms: the same checks as unsplit (the twins know nothing of the split), poison kept, repeatable (the
-    parts' counters reset themselves)."""
+    """L1's packed K loop in 2 and 4 parts, the last part replaying the promotion chain from the others' terms:
+    the same checks as unsplit (the twins know nothing of the split), poison kept, repeatable (the parts'
+    counters reset themselves). Under the interpreter the sums are exact, so this checks which terms are added,
+    not their order; the GPU test checks the order."""
     row = interpreter_rows[f"{case.id}-pack1-split{split}"]
     assert row["split"] == split and passed_tc(row), json.dumps(row, indent=1)
 

@@ -52,12 +52,10 @@ class LaunchConfig:
     # The tensor-core L1 / L2: an expert with at most 4 rows takes one packed pass, a 128-K block's four groups
     # of up to 4 tokens in one MMA (triton_tc_ops._packed_mma). Same bits.
     tc_pack4: bool = False
-    # The tensor-core L1 (tc_split) and L2 (tc_split_l2), packed passes only: the K loop in that many parts run by
-    # as many programs; the last to finish replays the promotion chain in ascending K from the others' stored
-    # terms (triton_tc._replay). Same bits; more programs where the kernels wait on latency (1-2 tokens). Up to
-    # the buffers' ``split_tokens``.
+    # The tensor-core L1, packed passes only: the K loop in tc_split parts run by as many programs; the last to
+    # finish replays the promotion chain in ascending K from the others' stored terms (triton_tc._replay). Same
+    # bits; more programs where L1 waits on latency (1 token). Up to the buffers' ``split_tokens``.
     tc_split: int = 1
-    tc_split_l2: int = 1
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16
@@ -65,9 +63,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4):
             raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
-        for name in ("tc_split", "tc_split_l2"):
-            if getattr(self, name) not in (1, 2, 4):
-                raise ValueError(f"{name} must be 1, 2 or 4, got {getattr(self, name)}")
+        if self.tc_split not in (1, 2, 4):
+            raise ValueError(f"tc_split must be 1, 2 or 4, got {self.tc_split}")
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:

@@ -41,9 +41,9 @@ class DecodeBuffers:
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
         counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
-        split_terms1 fp32 [S', H/128, 2I], split_terms2 fp32 [S', I/32, H], split_counts int32 [2, W' * max(I/32, H/64)]
-                                           the tensor-core GEMVs' split K (``LaunchConfig.tc_split``) for up to
-                                           ``split_tokens`` tokens: S' = split_tokens * K rows, W' = min(E_l, S')
+        split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
+                                           (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
+                                           S' = split_tokens * K pool rows, W' = min(E_l, S') work items
     """
 
     x_q: torch.Tensor
@@ -65,8 +65,7 @@ class DecodeBuffers:
     slot_out: torch.Tensor
     y: torch.Tensor
     counters: torch.Tensor
-    split_terms1: torch.Tensor
-    split_terms2: torch.Tensor
+    split_terms: torch.Tensor
     split_counts: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
@@ -101,8 +100,8 @@ class DecodeBuffers:
             slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
             l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
             counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
-            split_terms1=e(s_split, h // 128, 2 * i), split_terms2=e(s_split, i // 32, h),
-            split_counts=torch.zeros(2, min(el, s_split) * max(i // 32, h // 64), dtype=i32, device=device),
+            split_terms=e(s_split, h // 128, 2 * i),
+            split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 
@@ -117,7 +116,7 @@ class DecodeBuffers:
     @property
     def split_tokens(self) -> int:
         """Tokens a launch with a split K (``LaunchConfig.tc_split`` > 1) may have."""
-        return self.split_terms1.shape[0] // self.num_topk
+        return self.split_terms.shape[0] // self.num_topk
 
     def max_work(self, num_tokens: int) -> int:
         """Work items a launch of num_tokens tokens can have: min(E_l, T K)."""

@@ -38,7 +38,7 @@ CPU_CASES = (
     DecodeCase("wide", 3, routing="allmasked", seed=14),
     DecodeCase("tiny", 3, broken="l2-scale-off-by-one", seed=15),
 )
-# Split K (``LaunchConfig.tc_split``) needs as many K-loop iterations as parts: H and I of 512 give four.
+# L1's split K (``LaunchConfig.tc_split``) needs as many K blocks as parts: H = 512 gives four.
 SPLIT_CASES = (DecodeCase("wide", 2, seed=16), DecodeCase("wide", 3, routing="allmasked", seed=14))
 
 
@@ -55,7 +55,7 @@ def _exact_friendly(inp, seed: int):
 
 def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None) -> dict:
     """``pack`` and ``split`` override the launch's packed passes and K parts (``LaunchConfig.tc_pack4``,
-    ``tc_split`` and ``tc_split_l2``; None: the backend's launch)."""
+    ``tc_split``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -75,10 +75,10 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
                num_experts=g.num_experts, backend="torch")
     recipe = MEGAMOE_DECODE_TC.with_(mma="exact-block") if interp else MEGAMOE_DECODE_TC
     cfg = dataclasses.replace(tc.tc_launch_config(t), store_l1=True)  # the backend's launch
-    if pack is not None:
-        cfg = dataclasses.replace(cfg, tc_pack4=pack)
+    if pack is not None:  # the split K runs on packed passes only
+        cfg = dataclasses.replace(cfg, tc_pack4=pack, tc_split=cfg.tc_split if pack else 1)
     if split is not None:
-        cfg = dataclasses.replace(cfg, tc_split=split, tc_split_l2=split)
+        cfg = dataclasses.replace(cfg, tc_split=split)
     row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}"),
            "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
            **dataclasses.asdict(case)}

@@ -24,12 +24,16 @@ from .layout_tc import TCWeights, expert_operands
 
 
 def tc_launch_config(num_tokens: int) -> LaunchConfig:
-    """The launch the ``megamoe-decode-tc`` backend runs: packed passes always (experts with at most 4 rows:
-    four groups per MMA), programmatic dependent launch from 2 tokens on. Both measured side by side on one
-    H200 (DeepSeek-V4-Flash; bench/results/2026-12-04_nvidia-h200_decode-tc): PDL 2.0 to 2.9 us less per step
-    at 2..64 tokens, 55.4 -> 55.8 at 1 token, inside the replays' spread (run 16); packing 55.8 -> 50.3 us at 1
-    token, 252.1 -> 188.9 at 8, 988.0 -> 738.1 at 64 (run 17). Same bits."""
-    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True)
+    """The launch the ``megamoe-decode-tc`` backend runs, each part measured side by side on one H200
+    (DeepSeek-V4-Flash; bench/results/2026-12-04_nvidia-h200_decode-tc). Same bits whatever the choice.
+
+    - packed passes always (experts with at most 4 rows: four groups per MMA): 55.8 -> 50.3 us at 1 token,
+      252.1 -> 188.9 at 8, 988.0 -> 738.1 at 64 (run 17);
+    - programmatic dependent launch from 2 tokens on: 2.0 to 2.9 us less per step at 2..64 tokens, nothing at 1
+      (run 16);
+    - L1's K in two parts at 1 token only: L1 27.8 -> 23.5-23.9 us of kernel time there, slower from 2 tokens on
+      (runs 20-21)."""
+    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
@@ -41,15 +45,16 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bo
             "PDL": pdl}
 
 
-def _split(parts: int, what: str, k_iterations: int, buf, num_tokens: int, cfg: LaunchConfig) -> int:
-    """A launch's K parts (``LaunchConfig.tc_split`` / ``tc_split_l2``), checked against the packed passes, the
-    buffers' split scratch and the K loop's iterations (a multiple of the parts)."""
+def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
+    """L1's K parts (``LaunchConfig.tc_split``), checked against the packed passes, the buffers' split scratch and
+    L1's K loop (hidden/128 blocks, a multiple of the parts)."""
+    parts = cfg.tc_split
     if parts > 1 and (not cfg.tc_pack4 or num_tokens > buf.split_tokens):
-        raise ValueError(f"LaunchConfig.{what}={parts} needs tc_pack4=True and num_tokens <= the buffers' "
+        raise ValueError(f"LaunchConfig.tc_split={parts} needs tc_pack4=True and num_tokens <= the buffers' "
                          f"split_tokens ({buf.split_tokens}; DecodeBuffers.allocate(split_tokens=...)), got "
                          f"tc_pack4={cfg.tc_pack4}, num_tokens={num_tokens}")
-    if k_iterations % parts:
-        raise ValueError(f"LaunchConfig.{what}={parts} must divide the K loop's {k_iterations} iterations")
+    if (tw.hidden // 128) % parts:
+        raise ValueError(f"LaunchConfig.tc_split={parts} must divide L1's {tw.hidden // 128} K blocks (hidden/128)")
     return parts
 
 
@@ -58,11 +63,11 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
 
     if num_tokens == 0:
         return
-    split = _split(cfg.tc_split, "tc_split", tw.hidden // 128, buf, num_tokens, cfg)
+    split = _split(tw, buf, num_tokens, cfg)
     l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32, split)](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
-        buf.split_terms1, buf.split_counts[0], float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        buf.split_terms, buf.split_counts, float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
     )
@@ -73,13 +78,11 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    split = _split(cfg.tc_split_l2, "tc_split_l2", tw.intermediate // 128, buf, num_tokens, cfg)
-    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64, split)](
+    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, buf.split_terms2, buf.split_counts[1],
-        H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
-        **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
+        ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
     )
 
 

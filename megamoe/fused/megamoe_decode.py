@@ -40,6 +40,7 @@ class MegaMoEDecode(FusedBackend):
     kernel = MEGAMOE_DECODE.kernel
     kernel_module = "triton"
     allows_zero_tokens = True
+    split_tokens = 0  # tokens of the tensor-core L1's split-K scratch (MegaMoEDecodeTC)
     graph_capturable = True
     max_tokens_per_rank = 64
 
@@ -88,7 +89,7 @@ class MegaMoEDecode(FusedBackend):
         if self.num_ranks != 1:
             raise ValueError(f"{self.name}: runs at EP = 1 only, got {self.num_ranks} ranks "
                              "(docs/decode-kernel.md says what EP > 1 needs)")
-        self.buf = DecodeBuffers.allocate(self.g, self.capacity, self.device)
+        self.buf = DecodeBuffers.allocate(self.g, self.capacity, self.device, split_tokens=self.split_tokens)
 
     def _build_job(self, num_tokens: int):
         """Triton compiles per specialization (constexprs, and whether int arguments such as T and W are 1 or
@@ -142,6 +143,7 @@ class MegaMoEDecodeTC(MegaMoEDecode):
     name = "megamoe-decode-tc"
     recipe = MEGAMOE_DECODE_TC
     kernel = MEGAMOE_DECODE_TC.kernel
+    split_tokens = 1  # tc_launch_config splits L1's K at 1 token: the buffers hold its scratch (3 MB at dsv4)
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
