@@ -3,7 +3,8 @@
     ncu --section WarpStateStats --section SchedulerStats --section Occupancy --section SpeedOfLight \
         -k regex:'l[12]_tc_kernel|read_kernel' python3 bench/device/decode_tc_ncu.py --tokens 1 8
 
-Each count runs the path twice (the first launch compiles) and a plain read of the same bytes once.
+Each count runs the backend's launch (``tc_launch_config``) twice (the first launch compiles) and a plain read of
+the same bytes once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from decode_probe import plain_read, staged_buffers  # noqa: E402
 from megamoe.decode import moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import case_weights  # noqa: E402
-from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
+from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 
 
@@ -34,8 +35,8 @@ def main() -> int:
     sink = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
     read_src = torch.empty(g.num_experts * tw.nbytes_per_expert() // 4, dtype=torch.int32, device="cuda")
     for t in args.tokens:
-        inp, buf, touched, slots = staged_buffers(g, t, torch.device("cuda"))
-        cfg = default_launch_config(t)
+        inp, buf, touched, slots = staged_buffers(g, t, torch.device("cuda"), split_tokens=t)
+        cfg = tc_launch_config(t)  # the backend's own launch (until 2026-12-04 this took the CUDA-core path's)
         for _ in range(2):
             moe_decode(tw, buf, t, g.clamp, cfg)
         plain_read(read_src, touched * tw.nbytes_per_expert(), sink)()
