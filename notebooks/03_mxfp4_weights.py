@@ -318,4 +318,4 @@ figs.save(fig, "tc_fragment_layout")
 # %% [markdown]
 # Thread 0 holds rows 0 and 8 at K 0..3 and 16..19: the first lane's share of an m64 x k32 wgmma A fragment.
 # On the H200 this path is bit-identical to its recipe (the tensor cores' own k32 sums,
-# `docs/decode-kernel.md`), and faster than the CUDA-core decode at every token count.
+# `docs/decode-kernel-tc.md`), and faster than the CUDA-core decode at every token count.

@@ -1,5 +1,5 @@
 """Compile the decode kernels for sm_90 on any machine (no GPU: Triton's bundled ptxas) and report registers,
-spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md quotes.
+spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md and docs/decode-kernel-tc.md quote.
 
     python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]      the CUDA-core kernels
     python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]]             the tensor-core kernels

@@ -5,7 +5,8 @@ layout prepared once, in two variants that round differently:
     TCWeights (layout_tc.py, triton_tc.py)      an FP8 MMA per 32-K scale group          recipe megamoe-decode-tc
 
 ``moe_decode`` runs whichever weights it is given. Each Triton stage sits beside its torch twin (same name +
-``_torch``, same signature). Design, napkin math and the H200 runs: docs/decode-kernel.md."""
+``_torch``, same signature). Design, napkin math and the H200 runs: docs/decode-kernel.md (CUDA cores) and
+docs/decode-kernel-tc.md (tensor cores)."""
 
 from .gemv import LaunchConfig
 from .layout import DecodeWeights, TileShape, checkpoint_from_decode, prepare_decode_weights
