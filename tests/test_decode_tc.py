@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 from megamoe.decode.layout_tc import (  # noqa: E402
     checkpoint_from_tc, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
 from megamoe.decode.selfcheck import DecodeCase  # noqa: E402
-from megamoe.decode.selfcheck_tc import CPU_CASES, FUSE_CASES, SPLIT_CASES, passed_tc, run_tc_case  # noqa: E402
+from megamoe.decode.selfcheck_tc import CPU_CASES, SPLIT_CASES, passed_tc, run_tc_case  # noqa: E402
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
 from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
@@ -198,17 +198,6 @@ def test_triton_interpreter_split_k(interpreter_rows, case, split):
     assert row["split"] == split and passed_tc(row), json.dumps(row, indent=1)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("pack", (0, 1), ids=("pack0", "pack1"))
-@pytest.mark.parametrize("case", FUSE_CASES, ids=lambda c: c.id)
-def test_triton_interpreter_combine_inside_l2(interpreter_rows, case, pack):
-    """The combine inside L2: y within 1e-6 of the reference as with the combine launch (which the twin runs),
-    rows of tokens past the step still poisoned, a relaunch identical (route zeroes the tile counts)."""
-    row = interpreter_rows[f"{case.id}-pack{pack}-fuse1"]
-    assert row["fuse_combine"] and passed_tc(row), json.dumps(row, indent=1)
-
-
 # On the GPU: the interpreter's cases with real inputs (bit equality, the recipe's tensor-core model), plus
 # production-size steps: one token, and eight with masked slots.
 GPU_CASES = CPU_CASES + (DecodeCase("dsv4-flash", 1, seed=21), DecodeCase("dsv4-flash", 8, routing="masked", seed=22))
@@ -233,12 +222,3 @@ def test_split_k_on_the_gpu(case, split):
     the reference (which knows nothing of the split), stages equal to their twins, a relaunch identical."""
     row = run_tc_case(case, "cuda", True, split)
     assert passed_tc(row) and row["split"] == split, json.dumps(row, indent=1, default=str)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", FUSE_CASES + (DecodeCase("dsv4-flash", 1, seed=25), DecodeCase("dsv4-flash", 8, routing="masked", seed=26)),
-                         ids=lambda c: c.id)
-def test_combine_inside_l2_on_the_gpu(case):
-    """The combine inside L2 on real inputs: the whole path bit-identical to the reference, a relaunch identical."""
-    row = run_tc_case(case, "cuda", fuse=True)
-    assert passed_tc(row) and row["fuse_combine"], json.dumps(row, indent=1, default=str)

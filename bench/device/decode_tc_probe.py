@@ -56,9 +56,6 @@ VARIANTS = {
     "split1": dict(tc_split=1),
     "split2": dict(tc_split=2),
     "split4": dict(tc_split=4),
-    # the combine inside L2 (triton_tc._combine_when_last): three launches instead of four
-    "fuse-combine": dict(tc_fuse_combine=True),
-    "no-fuse-combine": dict(tc_fuse_combine=False),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()

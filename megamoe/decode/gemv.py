@@ -56,9 +56,6 @@ class LaunchConfig:
     # finish replays the promotion chain in ascending K from the others' stored terms (triton_tc._replay). Same
     # bits; more programs where L1 waits on latency (1 token). Up to the buffers' ``split_tokens``.
     tc_split: int = 1
-    # The combine inside the tensor-core L2 (triton_tc._combine_when_last): the last program to finish a token's
-    # tile of columns sums its slots in ascending order, as the combine launch does. Same bits, one launch fewer.
-    tc_fuse_combine: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

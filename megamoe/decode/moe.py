@@ -40,8 +40,7 @@ class DecodeBuffers:
         row_token int32 [S], row_weight fp32 [S], slot_row int32 [S]
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
-        counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag; the
-                                           tensor-core L2's tile counts [C, H/64] (tc_fuse_combine); zeroed by route
+        counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
@@ -151,8 +150,7 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
     if isinstance(dw, TCWeights):  # the tensor-core GEMVs (recipe megamoe-decode-tc)
         tc.l1_tc(dw, buf, num_tokens, clamp, cfg)
         tc.l2_tc(dw, buf, num_tokens, cfg)
-        if not cfg.tc_fuse_combine:
-            gemv.combine(buf, num_tokens, buf.num_topk, cfg)
+        gemv.combine(buf, num_tokens, buf.num_topk, cfg)
     elif cfg.fused:
         gemv.fused(dw, buf, num_tokens, clamp, cfg)
     else:

@@ -40,9 +40,6 @@ CPU_CASES = (
 )
 # L1's split K (``LaunchConfig.tc_split``) needs as many K blocks as parts: H = 512 gives four.
 SPLIT_CASES = (DecodeCase("wide", 2, seed=16), DecodeCase("wide", 3, routing="allmasked", seed=14))
-# The combine inside L2 (``LaunchConfig.tc_fuse_combine``): masked slots, a token with none, two passes of 16.
-FUSE_CASES = (DecodeCase("tiny", 5, routing="masked", seed=17), DecodeCase("wide", 3, routing="allmasked", seed=18),
-              DecodeCase("tiny", 20, routing="skewed", seed=19))
 
 
 def _exact_friendly(inp, seed: int):
@@ -56,10 +53,9 @@ def _exact_friendly(inp, seed: int):
     return dataclasses.replace(inp, x=x.to(torch.bfloat16).to(inp.x.device))
 
 
-def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None,
-                fuse: bool | None = None) -> dict:
-    """``pack``, ``split`` and ``fuse`` override the launch's packed passes, L1's K parts and the combine inside L2
-    (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_fuse_combine``; None: the backend's launch)."""
+def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None) -> dict:
+    """``pack`` and ``split`` override the launch's packed passes and K parts (``LaunchConfig.tc_pack4``,
+    ``tc_split``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -83,11 +79,8 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_pack4=pack, tc_split=cfg.tc_split if pack else 1)
     if split is not None:
         cfg = dataclasses.replace(cfg, tc_split=split)
-    if fuse is not None:
-        cfg = dataclasses.replace(cfg, tc_fuse_combine=fuse)
-    row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}")
-           + ("" if fuse is None else f"-fuse{int(fuse)}"),
-           "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split, "fuse_combine": cfg.tc_fuse_combine,
+    row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}"),
+           "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
            **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
@@ -141,7 +134,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = [run_tc_case(c, args.device, pack) for c in CPU_CASES for pack in (False, True)]
     rows += [run_tc_case(c, args.device, True, split) for c in SPLIT_CASES for split in (2, 4)]
-    rows += [run_tc_case(c, args.device, pack, fuse=True) for c in FUSE_CASES for pack in (False, True)]
     print(json.dumps(rows))
     return 0 if all(passed_tc(r) for r in rows) else 1
 

@@ -80,11 +80,9 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
         return
     l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, buf.row_token, buf.slot_row, buf.y.view(torch.int16),
-        buf.counters, H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
-        **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
+        ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
-        COMBINE=cfg.tc_fuse_combine, K=buf.num_topk,
     )
 
 

@@ -5,8 +5,7 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
     l1_tc_kernel  grid (W, I / 32, SPLIT):  work item j's expert, gate and up channels [32 t, 32 t + 32) (64
                   MMA rows) over all H (part p of SPLIT: the p-th share of the K blocks); then SwiGLU, the
                   routing weight and the FP8 requant of those 32 channels
-    l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16; with
-                  COMBINE, the last of a token's slots to finish a tile also combines it
+    l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
 
 A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows), or,
 with PACK and at most 4 rows, in one packed pass: a 128-K block's four groups of up to 4 tokens in the 16
@@ -33,7 +32,6 @@ import triton
 import triton.language as tl
 
 from ..staging.triton_stage import _e4m3_rtne_bits
-from .triton_combine import combine_tile
 from .triton_gemv import _bf16_bits
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma, _x_group
@@ -168,9 +166,8 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    row_token_ptr, slot_row_ptr, y_ptr, cnt_ptr,  # COMBINE: int32 [S], int32 [C * K], int16 [C, H], int32 [>= C * H/64]
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    PACK: tl.constexpr = False, COMBINE: tl.constexpr = False, K: tl.constexpr = 1,
+    PACK: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -196,29 +193,6 @@ def l2_tc_kernel(
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
-        if COMBINE:
-            tl.debug_barrier()  # every thread's slot outputs stored before the counts below release them
-            _combine_when_last(t, start, count, row_token_ptr, slot_row_ptr, out_ptr, y_ptr, cnt_ptr, H, K)
-
-
-@triton.jit
-def _combine_when_last(t, start, count, row_token_ptr, slot_row_ptr, out_ptr, y_ptr, cnt_ptr, H: tl.constexpr,
-                       K: tl.constexpr):
-    """The combine inside L2 (``LaunchConfig.tc_fuse_combine``): for each of the work item's pool rows, count its
-    token's tile t in (acq_rel, GPU scope); the program that brings the count to the token's number of routed
-    slots combines that token's 64 columns (``combine_tile``: slots in ascending order, the combine launch's
-    bits). Which program that is changes from run to run; the order of the sum does not. Route zeroes the
-    counts before each step."""
-    cols = t * 64 + tl.arange(0, 64)
-    m = 0
-    while m < count:  # a while loop: the interpreter cannot range() over a loaded scalar
-        tok = tl.load(row_token_ptr + start + m)
-        routed = 0
-        for k in tl.static_range(K):
-            routed += (tl.load(slot_row_ptr + tok * K + k) >= 0).to(tl.int32)
-        if tl.atomic_add(cnt_ptr + tok * (H // 64) + t, 1, sem="acq_rel", scope="gpu") == routed - 1:
-            combine_tile(tok, cols, out_ptr, slot_row_ptr, y_ptr, H, K, ".cg")
-        m += 1
 
 
 @triton.jit
