@@ -12,7 +12,7 @@ NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 
 
 @triton.jit
-def _nibbles_to_e4m3(p, ASM: tl.constexpr):
+def _pair_to_e4m3(p, ASM: tl.constexpr):
     """Stored bytes (``layout_tc.pack_pair``) -> (lo, hi), each the e4m3 byte worth e2m1 * 2**-6 of one code of
     the pair. On the GPU four bytes per 32-bit register at once, five operations (two shifts, three LOP3)."""
     if ASM:
@@ -29,11 +29,11 @@ def _nibbles_to_e4m3(p, ASM: tl.constexpr):
 @triton.jit
 def _decode_block(p, ASM: tl.constexpr):
     """One (tile, group) block of codes, uint8 [4, 8, 4, 2, 4] (w, ri, lq, kh, i; layout_tc.py) -> the MMA's A,
-    float8e4nv [64, 32], A[16 w + 8 h + ri, 16 kh + 4 lq + i] = the nibble h of byte (w, ri, lq, kh, i) as
-    e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. The block's order is the order in
-    which the wgmma register fragment holds A, so that each thread loads its 8 bytes at once and the
-    reshapes below move no data. On the GPU four bytes per 32-bit register at once."""
-    lo, hi = _nibbles_to_e4m3(p, ASM)
+    float8e4nv [64, 32], A[16 w + 8 h + ri, 16 kh + 4 lq + i] = code h of the pair in byte (w, ri, lq, kh, i)
+    (``layout_tc.pack_pair``) as e2m1 * 2**-6: sign to bit 7, magnitude bits (e1 e0 m) to bits 4..2. The block's
+    order is the order in which the wgmma register fragment holds A, so that each thread loads its 8 bytes at
+    once and the reshapes below move no data. On the GPU four bytes per 32-bit register at once."""
+    lo, hi = _pair_to_e4m3(p, ASM)
     a = tl.permute(tl.join(lo, hi), (0, 5, 1, 3, 2, 4))  # (w, h, ri, kh, lq, i)
     return tl.reshape(a, (64, 32))
 
@@ -120,7 +120,7 @@ def _decode4(wp, ASM: tl.constexpr):
     """Four consecutive code blocks at wp -> one A operand, float8e4nv [64, 128]: group g at K [32 g, 32 g + 32)
     (``_decode_block`` for each, side by side)."""
     p = tl.reshape(_load4(wp), (4, 4, 8, 4, 2, 4))  # (g, w, ri, lq, kh, i)
-    lo, hi = _nibbles_to_e4m3(p, ASM)
+    lo, hi = _pair_to_e4m3(p, ASM)
     a = tl.permute(tl.join(lo, hi), (1, 6, 2, 0, 4, 3, 5))  # (w, h, ri, g, kh, lq, i)
     return tl.reshape(a, (64, 128))
 
