@@ -215,8 +215,8 @@ def test_on_the_gpu(case, pack):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", (2, 4), ids=("split2", "split4"))
-@pytest.mark.parametrize("case", SPLIT_CASES + (DecodeCase("dsv4-flash", 1, seed=23), DecodeCase("dsv4-flash", 2, seed=24)),
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("case", SPLIT_CASES + (DecodeCase("dsv4-flash", 1, seed=23),
+                                                DecodeCase("dsv4-flash", 2, seed=24)), ids=lambda c: c.id)
 def test_split_k_on_the_gpu(case, split):
     """The split K on real inputs, where the order of the FP32 additions shows: the whole path bit-identical to
     the reference (which knows nothing of the split), stages equal to their twins, a relaunch identical."""

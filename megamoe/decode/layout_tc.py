@@ -126,8 +126,8 @@ def scale_words(scales: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _untile(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``code_blocks`` and ``scale_words`` for one expert: ([NT, G, 1024], [NT, G/4, 64, 4]) -> (codes [NT * 64, G * 32],
-    bytes [NT * 64, G])."""
+    """Inverse of ``code_blocks`` and ``scale_words`` for one expert: ([NT, G, 1024], [NT, G/4, 64, 4]) ->
+    (codes [NT * 64, G * 32], bytes [NT * 64, G])."""
     nt, g, _ = blocks.shape
     lo, hi = unpack_pair(blocks.view(nt, g, 4, 8, 4, 2, 4))
     c = codes_from_e4m3(torch.stack((lo, hi), dim=-1))  # (w, ri, lq, kh, i, h)

@@ -79,9 +79,8 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_pack4=pack, tc_split=cfg.tc_split if pack else 1)
     if split is not None:
         cfg = dataclasses.replace(cfg, tc_split=split)
-    row = {"case": case.id + ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}"),
-           "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
-           **dataclasses.asdict(case)}
+    suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}")
+    row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split, **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)

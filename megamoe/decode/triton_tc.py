@@ -111,11 +111,11 @@ def l1_tc_kernel(
 @triton.jit
 def _l1_blocks(acc, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, lo, N: tl.constexpr, slots,
                STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
-    """L1's K loop for one pass over the N 128-K blocks from block lo: acc fp32 [64, W] promoted block by block in ascending
-    K (or, TERMS, each block's term stored in its slot: ``_take``), a block's four groups per iteration (one packed
-    MMA over ``cols``, or four), each block's scale words and x_sf loaded one block ahead. The scale words and
-    x_sf are plain loads (only the code and x tiles are software-pipelined by Triton): loaded ahead, no group
-    waits on global memory for them."""
+    """L1's K loop for one pass over the N 128-K blocks from block lo: acc fp32 [64, W] promoted block by block
+    in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a block's four groups per
+    iteration (one packed MMA over ``cols``, or four), each block's scale words and x_sf loaded one block ahead.
+    The scale words and x_sf are plain loads (only the code and x tiles are software-pipelined by Triton):
+    loaded ahead, no group waits on global memory for them."""
     NB: tl.constexpr = H // 128
     tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
     xsp = xsf_ptr + tok * NB

@@ -153,10 +153,11 @@ def _x_packed(x_ptr, xrow, grp, valid, k0, LD: tl.constexpr):
 
 @triton.jit
 def _packed_mma(wp, f0, f1, f2, f3, x_ptr, cols, k0, LD: tl.constexpr, ASM: tl.constexpr):
-    """Four 32-K groups of up to 4 tokens (columns ``cols``) in one m64n16k128 MMA -> d'_g fp32 [64, 4] for g = 0..3: group g's
-    column collects its products at k32 step g and zeros at the other three, which leave an FP32 accumulator
-    unchanged (all their terms are zero; checked bit for bit on the H200 with four groups per MMA in run 3), so
-    it is group g's sum from a zero accumulator, as a fresh k32 MMA: the same bits as ``_mma``, one wait."""
+    """Four 32-K groups of up to 4 tokens (columns ``cols``) in one m64n16k128 MMA -> d'_g fp32 [64, 4] for
+    g = 0..3: group g's column collects its products at k32 step g and zeros at the other three, which leave an
+    FP32 accumulator unchanged (all their terms are zero; checked bit for bit on the H200 with four groups per
+    MMA in run 3), so it is group g's sum from a zero accumulator, as a fresh k32 MMA: the same bits as
+    ``_mma``, one wait."""
     xrow, grp, valid = cols  # _packed_columns
     d = tl.dot(_decode4(wp, ASM), _x_packed(x_ptr, xrow, grp, valid, k0, LD), out_dtype=tl.float32)
     f = tl.permute(tl.join(tl.join(f0, f1), tl.join(f2, f3)), (0, 2, 1))  # [64, gh, gl]
