@@ -68,6 +68,7 @@ def test_sdist_has_what_its_own_tests_read(sdist_files):
     """Independent of git: the files an unpacked sdist needs for its notebook test and the README."""
     cited = (REPO / "bench" / "results" / "CITED.json")
     need = {"LICENSE", "README.md", "pyproject.toml", "tests/test_notebooks.py", "notebooks/_nb.py",
+            "notebooks/_kernel_walkthrough.py",
             "notebooks/06_kernel_walkthrough.py", "docs/kernel-contract.md", "docs/quickstart.md",
             "bench/results/CITED.json", "bench/results/2026-12-02-h200-dg-probe.json", "scripts/test.sh"}
     if cited.exists():  # the JSON of every cited results folder (notebooks and tests read them)

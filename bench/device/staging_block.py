@@ -28,6 +28,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megamoe.bench.ceilings import measure_copy_gbps  # noqa: E402
 from megamoe.bench.timing import time_fn, time_graph  # noqa: E402
@@ -38,6 +39,7 @@ from megamoe.staging import stage_into  # noqa: E402
 from megamoe.staging.checks import StagingCase, allocate_buffers, make_case  # noqa: E402
 from megamoe.staging.selfcheck import check_nonfinite, default_cases, run_cases  # noqa: E402
 from megamoe.testing import calc_diff, first_mismatch  # noqa: E402
+from staging_block_report import markdown as render_markdown  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"meta": {}, "errors": []}
@@ -343,62 +345,8 @@ def part_c(tokens, repeats, deadline, preset="dsv4-flash"):
 
 # ------------------------------------------------------------------------------------ report
 def markdown() -> str:
-    m = RESULTS["meta"]
-    lines = [f"# Staging kernel and DeepSeek-V4 block on {m.get('device')}", "",
-             f"torch {m.get('torch')}, triton {m.get('triton')}; total {elapsed():.0f} s; errors: {RESULTS['errors'] or 'none'}", ""]
-    a = RESULTS.get("a_bitwise", {})
-    if "cases" in a:
-        for cast in ("hw", "bits"):
-            rows = [r for r in a["cases"] if r["cast"] == cast]
-            lines.append(f"- (a) cast={cast}: {sum(r['ok'] for r in rows)}/{len(rows)} cases bit-exact")
-        lines.append(f"- (a) NaN/Inf: {a.get('nonfinite')}; vs deep_gemm: "
-                     f"{a['deep_gemm'] if isinstance(a.get('deep_gemm'), str) else [(d['case'], d['ok']) for d in a['deep_gemm']]}")
-    b = RESULTS.get("b_speed", {})
-    if "rows" in b:
-        lines += ["", f"(b) DeepSeek-V4-Flash H=4096 K=6; device copy {b['copy_bandwidth']['GBps']:.0f} GB/s (read + written), "
-                  "measured in this run. Median us, L2 flushed before every call, input sets rotated. 'events': "
-                  "megamoe.bench.timing.time_fn (one event pair per call, queued behind a spin so the Python launch "
-                  "is outside the pair); 'graph': the same call replayed from a CUDA graph. Floor = bytes / copy "
-                  "bandwidth; 'of floor' uses the graph figure.", "",
-                  "| T | bytes | floor us | eager us | eager no-sync us (graph) | triton us (graph) | of floor | GB/s | "
-                  "+flag check us | bits cast us | isfinite us | eager / triton | host us eager / triton / flag |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in b["rows"]:
-            lines.append(f"| {r['T']} | {r['bytes']} | {r['floor_us']:.1f} | {r['eager_us']:.1f} | "
-                         f"{r['eager_nocheck_us']:.1f} ({r['eager_nocheck_graph_us']:.1f}) | "
-                         f"{r['triton_us']:.1f} ({r['triton_graph_us']:.1f}) | {100 * r['frac_floor']:.0f}% | {r['GBps']:.0f} | "
-                         f"{r['triton_flag_us']:.1f} | {r['triton_bits_us']:.1f} | {r['isfinite_all_us']:.1f} | "
-                         f"{r['speedup_vs_eager']:.1f} | "
-                         f"{r['eager_host_us']:.0f} / {r['triton_host_us']:.0f} / {r['triton_flag_host_us']:.0f} |")
-    s = RESULTS.get("b_sweep")
-    if isinstance(s, list):
-        lines += ["", "(b) launch shapes (BLOCK_T, BLOCK_G, num_warps), us:", ""]
-        for r in s:
-            lines.append(f"- T={r['T']}: default {r['default']} ; best {r['best']} {r['best_us']:.1f} us; "
-                         + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.startswith("(")))
-    c = RESULTS.get("c_block", {})
-    if "rows" in c:
-        lines += ["", f"(c) block with {c['backend']} (plans built in {c.get('build_s', 0):.0f} s). stage = stage_into "
-                  "(triton) straight into the backend's buffer; launch = the fused kernel alone; share = stage (graph) / "
-                  "(stage (graph) + launch); calc_diff of the fused block and its routed part against the reference block "
-                  "(same recipe, the kernel's weights); same y = the kernel's output after our staging equals it after the "
-                  "backend's own staging, bit for bit.", "",
-                  "| T | stage us (graph) | launch us | share | backend's stage() us | calc_diff block | calc_diff routed | "
-                  "same routing | max tokens/expert | same y | block host us |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in c["rows"]:
-            if "stage_us" in r:
-                bad = {k: v for k, v in r.items() if k.startswith("nonfinite_")}
-                lines.append(f"| {r['T']} | {r['stage_us']:.1f} ({r['stage_graph_us']:.1f}) | {r['launch_us']:.1f} | "
-                             f"{r['stage_share']:.4f} | {r['backend_stage_us']:.1f} | "
-                             f"{r.get('calc_diff_block', float('nan')):.2e} | {r.get('calc_diff_routed', float('nan')):.2e}"
-                             f"{' ' + str(bad) if bad else ''} | {r.get('same_routing')} | {r.get('max_tokens_per_expert')} | "
-                             f"{r['y_bitwise_vs_backend_staging']} | {r['block_fused_host_us']:.0f} |")
-            else:
-                lines.append(f"| {r['T']} | {r.get('error') or r.get('skipped')} |")
-    elif c:
-        lines.append(f"\n(c) {c.get('skipped') or c.get('error')}")
-    return "\n".join(lines) + "\n"
+    """This run's report (staging_block_report.markdown), as far as it has got."""
+    return render_markdown(RESULTS, elapsed())
 
 
 def main() -> int:
