@@ -77,7 +77,8 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
-                         "programs); pdl, pdl-early, nopdl: launch overlap; pack4: four groups per MMA (VARIANTS)")
+                         "programs); pdl, pdl-early, nopdl: launch overlap; pack4: four groups per MMA; split1 / 2 / 4: "
+                         "L1's K in parts (VARIANTS)")
     ap.add_argument("--repeat", type=int, default=20, help="poisoned launches of each variant checked against the default")
     ap.add_argument("--no-cuda-core", action="store_true", help="time the tensor-core path only")
     ap.add_argument("--min-s", type=float, default=0.4)
@@ -102,7 +103,7 @@ def main() -> int:
     for t in args.check:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
-                for split in [None] + ([s for s in args.check_split] if t <= 4 else []):
+                for split in [None] + (list(args.check_split) if t <= 4 else []):
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", split=split)
                     r["passed"] = passed_tc(r)
                     res["check"].append(r)

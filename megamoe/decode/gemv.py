@@ -68,10 +68,10 @@ class LaunchConfig:
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:
-    """Launch options: none under the interpreter; warps, and programmatic dependent launch when asked."""
-    if interpret:
-        return {}
-    return {"num_warps": warps, **({"launch_pdl": True} if pdl else {})}
+    """``triton_pdl.launch_options`` (imported here, like the kernels, only when a launch needs it)."""
+    from .triton_pdl import launch_options
+
+    return launch_options(warps, interpret, pdl)
 
 
 def l1(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import pdl_enter
+from .triton_pdl import launch_options, pdl_enter
 
 
 @triton.jit
@@ -113,8 +113,7 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         num_tokens,
         expert_lo, num_local,
         K=k, S_PAD=_pow2(c * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret,
-        # (not gemv._kw: importing it here closes an import circle, tests/test_import_graph.py)
-        **({"launch_pdl": True} if pdl and not out.interpret else {}),
+        **launch_options(4, out.interpret, pdl),
     )
 
 

@@ -19,6 +19,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+def launch_options(warps: int, interpret: bool, pdl: bool = False) -> dict:
+    """A decode launch's options: none under the interpreter; warps, and the PDL launch attribute when asked
+    (the kernel must then be given PDL=True as well, so that it waits)."""
+    if interpret:
+        return {}
+    return {"num_warps": warps, **({"launch_pdl": True} if pdl else {})}
+
+
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the previous launch to finish (its writes visible)."""

@@ -77,15 +77,15 @@ def l1_tc_kernel(
         if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
             rows, valid = _pass(start, 0, count, 4)
             cols = _packed_columns(row_token_ptr, start, count, True)
-            slots = _slots(terms_ptr, rows, t, NB, 2 * I)
             zero = tl.zeros([64, 4], tl.float32)
             if SPLIT == 1:
-                acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NB, slots,
-                                 2 * I, H, ASM, True, False)
+                acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NB, None,
+                                 1, H, ASM, True, False)
                 pdl_release(PDL)
                 _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
                 NBP: tl.constexpr = NB // SPLIT
+                slots = _slots(terms_ptr, rows, t, NB, 2 * I)
                 if part == 0:  # the running sum of the first blocks, kept in slot 0
                     acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NBP, slots,
                                      2 * I, H, ASM, True, False)
