@@ -136,9 +136,9 @@ def launch_bytes(g, t: int, touched: int, slots: int, dw) -> dict:
     return out
 
 
-def staged_buffers(g, t: int, device, split_tokens: int = 0) -> tuple:
+def staged_buffers(g, t: int, device, split_tokens: int = 0, capacity: int = 0) -> tuple:
     inp = make_inputs(g, t, seed=500 + t, outlier_channels=4).to(device)
-    buf = DecodeBuffers.allocate(g, t, device, split_tokens=split_tokens)
+    buf = DecodeBuffers.allocate(g, max(t, capacity), device, split_tokens=split_tokens)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t,
                num_experts=g.num_experts, check=False)
     touched = int(torch.unique(inp.topk_idx[inp.topk_idx >= 0]).numel())

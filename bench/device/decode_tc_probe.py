@@ -78,6 +78,18 @@ def timed(fn, s, flush, keep: list | None = None) -> dict:
     return tm
 
 
+def sweep_clock(fn) -> dict:
+    """fn timed as `megamoe bench` times a graph-capturable backend (``time_graph`` with the sweep's device pass),
+    next to this probe's own clock (``time_replays``: one host sync per replay)."""
+    from megamoe.bench.sweep import SweepConfig
+    from megamoe.bench.timing import time_graph
+
+    cfg = SweepConfig()
+    kw = {k: v for k, v in cfg.device_pass(cfg.repeats).items() if k != "min_warmup_s"}
+    tm = time_graph(fn, warmup=cfg.warmup, repeats=cfg.repeats, flush_l2=True, device="cuda", **kw)
+    return {"median_us": tm.median_us, "replays": len(tm.samples_us)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "decode_tc_out"))
@@ -93,6 +105,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=20, help="poisoned launches of each variant checked against the default")
     ap.add_argument("--no-cuda-core", action="store_true", help="time the tensor-core path only")
     ap.add_argument("--min-s", type=float, default=0.4)
+    ap.add_argument("--capacity", type=int, default=0, help="buffers for this many tokens (the backend's: the sweep's "
+                    "largest count; default: each count's own)")
+    ap.add_argument("--sweep-clock", action="store_true", help="also time the backend's launch as `megamoe bench` "
+                    "does (megamoe.bench.timing.time_graph: batches queued back to back, the L2 flushed between calls)")
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -118,7 +134,7 @@ def main() -> int:
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", split=split)
                     r["passed"] = passed_tc(r)
                     res["check"].append(r)
-                    print(f"[tc] check {r['case']} {routing}: l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff "
+                    print(f"[tc] check {r['case']} {routing}: route '{r['route'][:200]}' l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff "
                           f"{r['calc_diff']:.2e} bitwise {r['bitwise_frac']:.6f} repeat {r['repeat_identical']} passed "
                           f"{r['passed']} ({time.time() - T0:.0f} s)", flush=True)
             except Exception:  # noqa: BLE001
@@ -134,13 +150,15 @@ def main() -> int:
         row = {"tokens": t}
         res["rows"].append(row)
         try:
-            inp, buf, touched, slots = staged_buffers(g, t, dev, split_tokens=t)
+            inp, buf, touched, slots = staged_buffers(g, t, dev, split_tokens=t, capacity=max(t, args.capacity))
             cfg = default_launch_config(t)
             if not args.no_cuda_core:
                 row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
             ctc = tc_launch_config(t)  # the backend's own launch
             default_graph = []
             row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, ctc), args.min_s, flush, default_graph)
+            if args.sweep_clock:
+                row["tc_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, ctc))
             for st in args.stages:
                 c2 = dataclasses.replace(ctc, tc_stages=st)
                 row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)

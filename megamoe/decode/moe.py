@@ -146,8 +146,10 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
     """The four Triton launches on the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of
     ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
-    routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf, cfg.pdl)
-    if isinstance(dw, TCWeights):  # the tensor-core GEMVs (recipe megamoe-decode-tc)
+    tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
+    routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf, cfg.pdl,
+                  x32=not tensor_cores, zero=not tensor_cores)
+    if tensor_cores:
         tc.l1_tc(dw, buf, num_tokens, clamp, cfg)
         tc.l2_tc(dw, buf, num_tokens, cfg)
         gemv.combine(buf, num_tokens, buf.num_topk, cfg)

@@ -29,7 +29,9 @@ from ..testing import calc_diff, first_mismatch
 from . import routing, tc
 from .layout_tc import prepare_tc_weights
 from .moe import DecodeBuffers, moe_decode
-from .selfcheck import DecodeCase, _copy_staged, _written, case_weights, geometry_of
+from .selfcheck import _STAGE_FIELDS, DecodeCase, _copy_staged, _written, case_weights, geometry_of
+
+ROUTE_FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f not in ("x32", "y_unrouted"))  # what L1-L2 read
 
 CPU_CASES = (
     DecodeCase("tiny", 1, seed=11),
@@ -89,8 +91,11 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     _copy_staged(buf, twin)
     buf.poison_()
     twin.poison_()
-    for b in (buf, twin):
-        routing.route_torch(b.topk_idx, b.topk_weights, b.x_q, t, b.expert_lo, b.num_local, b)
+    # route as moe_decode runs it for this path (no x32, nothing zeroed) against its twin, on the metadata
+    routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, x32=False, zero=False)
+    routing.route_torch(twin.topk_idx, twin.topk_weights, twin.x_q, t, twin.expert_lo, twin.num_local, twin)
+    row["route"] = "; ".join(f"{f}: {m}" for f in ROUTE_FIELDS if (m := first_mismatch(_written(buf, f, t),
+                                                                                       _written(twin, f, t))))
     tc.l1_tc(tw, buf, t, g.clamp, cfg)
     tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=recipe.mma)
     row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
@@ -124,7 +129,8 @@ def passed_tc(row: dict) -> bool:
     if row["broken"]:
         return row["calc_diff"] > 1e-3
     whole = row["calc_diff"] < 1e-6 if row["interpreter"] else row["bitwise_frac"] == 1.0
-    return not row["l1"] and not row["l2"] and whole and row["repeat_identical"] and row["poison_kept"] and not row["nan"]
+    stages = not row["route"] and not row["l1"] and not row["l2"]
+    return stages and whole and row["repeat_identical"] and row["poison_kept"] and not row["nan"]
 
 
 def main(argv=None) -> int:
