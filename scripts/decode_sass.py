@@ -2,7 +2,7 @@
 spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md and docs/decode-kernel-tc.md quote.
 
     python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]      the CUDA-core kernels
-    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]] [--ahead 2]  the tensor-core kernels
+    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]]             the tensor-core kernels
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", n
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
-def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, ahead: int = 1) -> int:
+def tc_report(pdl: bool = False, pack: bool = False, split: int = 1) -> int:
     """The tensor-core kernels with the backend's launch options: registers, spills inside / outside the K loop,
     the loop's instructions per weight, and the layout conversions left in the TTGIR (none between the decode
     and the MMA: the only ones are the epilogue's)."""
@@ -79,7 +79,7 @@ def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, ahead: int 
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack, AHEAD=ahead)
+    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack)
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, SPLIT=split, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
@@ -106,10 +106,9 @@ def main() -> int:
     ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch")
     ap.add_argument("--pack", action="store_true", help="with --tc: the packed passes (four groups per MMA)")
     ap.add_argument("--split", type=int, default=1, help="with --tc --pack: L1's packed K loop in this many parts")
-    ap.add_argument("--ahead", type=int, default=1, help="with --tc: scale loads this many K iterations ahead")
     args = ap.parse_args()
     if args.tc:
-        return tc_report(args.pdl, args.pack, args.split, args.ahead)
+        return tc_report(args.pdl, args.pack, args.split)
     geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),

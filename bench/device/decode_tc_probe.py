@@ -64,10 +64,6 @@ VARIANTS = {
     "pf-l2": dict(tc_pf_self_l2=True),
     "pf-self-l2": dict(tc_pf_self=True, tc_pf_self_l2=True),
     "pf-down-l2": dict(tc_pf_down=1, tc_pf_self_l2=True),
-    # the K loops' scale words and activation scales issued 1 / 2 / 3 iterations ahead
-    "ahead1": dict(tc_ahead=1),
-    "ahead2": dict(tc_ahead=2),
-    "ahead3": dict(tc_ahead=3),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()

@@ -62,9 +62,6 @@ class LaunchConfig:
     tc_pf_self: bool = False
     tc_pf_down: int = 0
     tc_pf_self_l2: bool = False
-    # The tensor-core K loops issue each iteration's scale words and activation scales tc_ahead (1..3) iterations
-    # before their use (plain loads, outside Triton's software pipeline). Same bits.
-    tc_ahead: int = 1
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16
@@ -74,8 +71,6 @@ class LaunchConfig:
             raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
         if self.tc_split not in (1, 2, 4):
             raise ValueError(f"tc_split must be 1, 2 or 4, got {self.tc_split}")
-        if self.tc_ahead not in (1, 2, 3):
-            raise ValueError(f"tc_ahead must be 1, 2 or 3, got {self.tc_ahead}")
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:

@@ -55,10 +55,9 @@ def _exact_friendly(inp, seed: int):
     return dataclasses.replace(inp, x=x.to(torch.bfloat16).to(inp.x.device))
 
 
-def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None,
-                ahead: int | None = None) -> dict:
-    """``pack``, ``split`` and ``ahead`` override the launch's packed passes, K parts and scale-load distance
-    (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_ahead``; None: the backend's launch)."""
+def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None) -> dict:
+    """``pack`` and ``split`` override the launch's packed passes and K parts (``LaunchConfig.tc_pack4``,
+    ``tc_split``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -82,10 +81,7 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_pack4=pack, tc_split=cfg.tc_split if pack else 1)
     if split is not None:
         cfg = dataclasses.replace(cfg, tc_split=split)
-    if ahead is not None:
-        cfg = dataclasses.replace(cfg, tc_ahead=ahead)
-    suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}") + (
-        "" if ahead is None else f"-ahead{ahead}")
+    suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}")
     row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split, **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:

@@ -70,7 +70,7 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
         buf.split_terms, buf.split_counts, tw.l2_codes, tw.l2_scales.view(torch.int32), float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
-        PF_SELF=cfg.tc_pf_self, PF_DOWN=cfg.tc_pf_down, AHEAD=cfg.tc_ahead,
+        PF_SELF=cfg.tc_pf_self, PF_DOWN=cfg.tc_pf_down,
     )
 
 
@@ -84,7 +84,6 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
         buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, PF_SELF=cfg.tc_pf_self_l2,
-        AHEAD=cfg.tc_ahead,
     )
 
 

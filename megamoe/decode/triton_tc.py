@@ -35,7 +35,7 @@ from ..staging.triton_stage import _e4m3_rtne_bits
 from .triton_gemv import _bf16_bits
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma,
-                            _prefetch_l2, _words, _x_group)
+                            _prefetch_l2, _x_group)
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def l1_tc_kernel(
     clamp,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    PF_SELF: tl.constexpr = False, PF_DOWN: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
+    PF_SELF: tl.constexpr = False, PF_DOWN: tl.constexpr = 0,
 ):
     pdl_wait(PDL)
     if EARLY:
@@ -93,18 +93,18 @@ def l1_tc_kernel(
             zero = tl.zeros([64, 4], tl.float32)
             if SPLIT == 1:
                 acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NB, None,
-                                 1, H, ASM, True, False, AHEAD)
+                                 1, H, ASM, True, False)
                 pdl_release(PDL)
                 _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
                 slots = _slots(terms_ptr, rows, t, NB, 2 * I)
                 if part == 0:  # the running sum of the first blocks, kept in slot 0
                     acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NBP, slots,
-                                     2 * I, H, ASM, True, False, AHEAD)
+                                     2 * I, H, ASM, True, False)
                     tl.store(slots, acc, mask=valid[None, :])
                 else:  # each block's term in its own slot
                     _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, part * NBP,
-                               NBP, slots, 2 * I, H, ASM, True, True, AHEAD)
+                               NBP, slots, 2 * I, H, ASM, True, True)
                 pdl_release(PDL)
                 if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
                     acc = _replay(slots, valid, NBP, NB, 2 * I)
@@ -114,7 +114,7 @@ def l1_tc_kernel(
             while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
                 rows, valid = _pass(start, m0, count)
                 acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), rows, valid, None, wp, sp, x_ptr, xsf_ptr,
-                                 row_token_ptr, 0, NB, None, 1, H, ASM, False, False, AHEAD)
+                                 row_token_ptr, 0, NB, None, 1, H, ASM, False, False)
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
                 _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
@@ -122,42 +122,29 @@ def l1_tc_kernel(
 
 @triton.jit
 def _l1_blocks(acc, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, lo, N: tl.constexpr, slots,
-               STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr,
-               AHEAD: tl.constexpr):
+               STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
     """L1's K loop for one pass over the N 128-K blocks from block lo: acc fp32 [64, W] promoted block by block
     in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a block's four groups per
-    iteration (one packed MMA over ``cols``, or four). The code and x tiles are software-pipelined by Triton;
-    the scale words and x_sf are plain loads, issued AHEAD (1..3) iterations before their use (a queue carried
-    through the loop), so that no iteration waits a whole memory latency for them."""
+    iteration (one packed MMA over ``cols``, or four), each block's scale words and x_sf loaded one block ahead.
+    The scale words and x_sf are plain loads (only the code and x tiles are software-pipelined by Triton):
+    loaded ahead, no group waits on global memory for them."""
     NB: tl.constexpr = H // 128
     tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
     xsp = xsf_ptr + tok * NB
-    w0 = _words(sp + lo * 64)  # the queue: blocks lo, lo + 1, lo + 2 (the last block repeated past the end)
-    s0 = tl.load(xsp + lo, mask=valid, other=0.0)
-    b1 = lo + (1 if N > 1 else 0)
-    w1 = _words(sp + b1 * 64)
-    s1 = tl.load(xsp + b1, mask=valid, other=0.0)
-    b2 = lo + (2 if N > 2 else N - 1)
-    w2 = _words(sp + b2 * 64)
-    s2 = tl.load(xsp + b2, mask=valid, other=0.0)
+    f0, f1, f2, f3 = _factors4(sp + lo * 64)
+    xsf = tl.load(xsp + lo, mask=valid, other=0.0)
     for i in range(N):
         kb = lo + i
-        nb = lo + tl.minimum(i + AHEAD, N - 1)  # the block AHEAD iterations on (the last reloads its own)
-        wn = _words(sp + nb * 64)
-        sn = tl.load(xsp + nb, mask=valid, other=0.0)
-        f0, f1, f2, f3 = _factors4(w0)
+        nb = lo + tl.minimum(i + 1, N - 1)  # the next block (the last reloads its own)
+        n0, n1, n2, n3 = _factors4(sp + nb * 64)
+        nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
         if PACKED:
             d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, cols, kb * 128, H, ASM)
             blk = ((d0 + d1) + d2) + d3
         else:
             blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
-        acc = _take(acc, blk, s0, slots, kb, valid, STRIDE, TERMS, ASM)
-        if AHEAD == 1:
-            w0, s0 = wn, sn
-        elif AHEAD == 2:
-            w0, s0, w1, s1 = w1, s1, wn, sn
-        else:
-            w0, s0, w1, s1, w2, s2 = w1, s1, w2, s2, wn, sn
+        acc = _take(acc, blk, xsf, slots, kb, valid, STRIDE, TERMS, ASM)
+        f0, f1, f2, f3, xsf = n0, n1, n2, n3, nxsf
     return acc
 
 
@@ -192,7 +179,7 @@ def l2_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    PACK: tl.constexpr = False, PF_SELF: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+    PACK: tl.constexpr = False, PF_SELF: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -209,7 +196,7 @@ def l2_tc_kernel(
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
             acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(q_ptr, start, count, False),
-                             w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True, AHEAD)
+                             w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
             pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
         else:
@@ -217,7 +204,7 @@ def l2_tc_kernel(
             while m0 < count:
                 rows, valid = _pass(start, m0, count)
                 acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
-                                 tile, I, ASM, False, AHEAD)
+                                 tile, I, ASM, False)
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
@@ -225,27 +212,21 @@ def l2_tc_kernel(
 
 @triton.jit
 def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
-               ASM: tl.constexpr, PACKED: tl.constexpr, AHEAD: tl.constexpr):
+               ASM: tl.constexpr, PACKED: tl.constexpr):
     """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
-    iteration (one packed MMA over ``cols``, or four); the scale words and activation scales issued AHEAD (1..3)
-    iterations before their use, as in L1."""
-    NI: tl.constexpr = I // 128  # iterations: four groups each
+    iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead."""
+    NG: tl.constexpr = I // 32
     sp = s_ptr + tile * 16  # tile counts groups: its first 128-K block's 64 words
-    cp = sf2_ptr + rows * (I // 32)
-    w0 = _words(sp)  # the queue (as in _l1_blocks)
-    c0 = _sf4(cp, 0, valid)
-    N1: tl.constexpr = 1 if NI > 1 else 0
-    N2: tl.constexpr = 2 if NI > 2 else NI - 1
-    w1 = _words(sp + N1 * 64)
-    c1 = _sf4(cp, N1 * 4, valid)
-    w2 = _words(sp + N2 * 64)
-    c2 = _sf4(cp, N2 * 4, valid)
-    for it in range(NI):
+    cp = sf2_ptr + rows * NG
+    f0, f1, f2, f3 = _factors4(sp)
+    c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
+                      tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
+    for it in range(NG // 4):
         g = it * 4
-        nx = tl.minimum(it + AHEAD, NI - 1)  # the iteration AHEAD on (the last reloads its own)
-        wn = _words(sp + nx * 64)
-        cn = _sf4(cp, nx * 4, valid)
-        f0, f1, f2, f3 = _factors4(w0)
+        nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
+        n0, n1, n2, n3 = _factors4(sp + nx * 16)
+        o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
+                          tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
         wp = w_ptr + (tile + g) * 1024
         if PACKED:
             d0, d1, d2, d3 = _packed_mma(wp, f0, f1, f2, f3, q_ptr, cols, g * 32, I, ASM)
@@ -255,25 +236,12 @@ def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl
             d1 = _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM)
             d2 = _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM)
             d3 = _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM)
-        a0, a1, a2, a3 = c0
-        acc = acc + _mul_rn(d0, a0[None, :], ASM)  # the promotion, group by group
-        acc = acc + _mul_rn(d1, a1[None, :], ASM)
-        acc = acc + _mul_rn(d2, a2[None, :], ASM)
-        acc = acc + _mul_rn(d3, a3[None, :], ASM)
-        if AHEAD == 1:
-            w0, c0 = wn, cn
-        elif AHEAD == 2:
-            w0, c0, w1, c1 = w1, c1, wn, cn
-        else:
-            w0, c0, w1, c1, w2, c2 = w1, c1, w2, c2, wn, cn
+        acc = acc + _mul_rn(d0, c0[None, :], ASM)  # the promotion, group by group
+        acc = acc + _mul_rn(d1, c1[None, :], ASM)
+        acc = acc + _mul_rn(d2, c2[None, :], ASM)
+        acc = acc + _mul_rn(d3, c3[None, :], ASM)
+        f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
     return acc
-
-
-@triton.jit
-def _sf4(cp, g, valid):
-    """The activation scales of groups g..g+3 of the pass's rows (cp: each row's first), four [W] vectors."""
-    return (tl.load(cp + g, mask=valid, other=0.0), tl.load(cp + g + 1, mask=valid, other=0.0),
-            tl.load(cp + g + 2, mask=valid, other=0.0), tl.load(cp + g + 3, mask=valid, other=0.0))
 
 
 # ---- a split K that keeps the bits: the promotion chain, replayed by the last part to finish -------------------

@@ -95,15 +95,10 @@ def _mma(p, f, xg, ASM: tl.constexpr):
 
 
 @triton.jit
-def _words(sp):
-    """A 128-K block's 64 scale words at sp (int32 [64], ``layout_tc.scale_words``: row r's four group bytes): one
-    32-bit load per row, not four byte loads."""
-    return tl.load(sp + tl.arange(0, 64))
-
-
-@triton.jit
-def _factors4(word):
-    """A block's scale words (``_words``) -> the factors of its four groups, fp32 [64] each."""
+def _factors4(sp):
+    """A 128-K block's 64 scale words at sp (int32, ``layout_tc.scale_words``: row r's four group bytes) -> the
+    factors of its four groups, fp32 [64] each. One 32-bit load per row, not four byte loads."""
+    word = tl.load(sp + tl.arange(0, 64))
     return _factor(word, 0), _factor(word, 1), _factor(word, 2), _factor(word, 3)
 
 
