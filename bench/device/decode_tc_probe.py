@@ -44,6 +44,12 @@ VARIANTS = {
     # tighter register caps: more resident programs (no gain on the H200, run 12)
     "cap64": dict(tc_l1_maxnreg=64, tc_l2_maxnreg=80),
     "cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=88),
+    # L2's cap alone (L1 at 80): more resident L2 programs (no spill inside its K loop down to 72: decode_sass.py)
+    "l2cap88": dict(tc_l2_maxnreg=88),
+    "l2cap80": dict(tc_l2_maxnreg=80),
+    "l2cap72": dict(tc_l2_maxnreg=72),
+    "l2cap64": dict(tc_l2_maxnreg=64),
+    "l1cap72-l2cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=72),
     # programmatic dependent launch (megamoe/decode/triton_pdl.py): L1 / L2 let the next launch start after their
     # K loops, or at once (early)
     "pdl": dict(pdl=True, pdl_early_release=False),
