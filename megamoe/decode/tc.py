@@ -32,8 +32,10 @@ def tc_launch_config(num_tokens: int) -> LaunchConfig:
     - programmatic dependent launch from 2 tokens on: 2.0 to 2.9 us less per step at 2..64 tokens, nothing at 1
       (run 16);
     - L1's K in two parts at 1 token only: L1 27.8 -> 23.5-23.9 us of kernel time there, slower from 2 tokens on
-      (runs 20-21)."""
-    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1)
+      (runs 20-21);
+    - L2 capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: L2's kernel time 21.3 -> 17.1 us
+      at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26)."""
+    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1, tc_l2_maxnreg=72)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
