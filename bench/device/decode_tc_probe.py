@@ -62,25 +62,14 @@ VARIANTS = {
     "split1": dict(tc_split=1),
     "split2": dict(tc_split=2),
     "split4": dict(tc_split=4),
-    # L2-cache prefetches (cp.async.bulk.prefetch.L2): L1 its own blocks, L1 the L2 stage's weights (plain or
-    # evict-last), L2 its own tile
-    "pf-self": dict(tc_pf_self=True),
-    "pf-down": dict(tc_pf_down=1),
-    "pf-down-last": dict(tc_pf_down=2),
-    "pf-l2": dict(tc_pf_self_l2=True),
-    "pf-self-l2": dict(tc_pf_self=True, tc_pf_self_l2=True),
-    "pf-down-l2": dict(tc_pf_down=1, tc_pf_self_l2=True),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
 
 
-def timed(fn, s, flush, keep: list | None = None) -> dict:
+def timed(fn, s, flush) -> dict:
     tm = time_replays(fn, s, flush)
-    gs = tm.pop("graph")
-    tm["kineto_us"] = kineto_us(gs, flush, 20, KERNELS)
-    if keep is not None:
-        keep.append(gs)
+    tm["kineto_us"] = kineto_us(tm.pop("graph"), flush, 20, KERNELS)
     return tm
 
 
@@ -161,8 +150,7 @@ def main() -> int:
             if not args.no_cuda_core:
                 row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
             ctc = tc_launch_config(t)  # the backend's own launch
-            default_graph = []
-            row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, ctc), args.min_s, flush, default_graph)
+            row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, ctc), args.min_s, flush)
             if args.sweep_clock:
                 row["tc_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, ctc))
             for st in args.stages:
@@ -177,10 +165,6 @@ def main() -> int:
                     differ += bool(first_mismatch(moe_decode(tw, buf, t, g.clamp, c3), y0))
                 row[f"tc_{name}"] = {**timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush),
                                      "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}"}
-                # the flush's control: one replay of the default launch right after the variant's last, the L2 flushed
-                # between; its kernels as fast as the default's own means nothing the variant left in the cache
-                # (an evict-last line, say) survived the flush
-                row[f"tc_{name}"]["default_next_kineto_us"] = kineto_us(default_graph[0], flush, 1, KERNELS)
             nbytes = touched * tw.nbytes_per_expert()
             row.update(touched=touched, slots=slots, weight_mb=nbytes / 1e6)
             if nbytes // 4 <= read_src.numel():

@@ -56,12 +56,6 @@ class LaunchConfig:
     # finish replays the promotion chain in ascending K from the others' stored terms (triton_tc._replay). Same
     # bits; more programs where L1 waits on latency (1 token). Up to the buffers' ``split_tokens``.
     tc_split: int = 1
-    # L2-cache prefetches of the tensor-core kernels (cp.async.bulk.prefetch.L2; hints, same bits), packed passes:
-    # L1 asks for its own blocks at once (tc_pf_self), for its share of the expert's L2 weights (tc_pf_down: 1,
-    # or 2 marked evict-last), L2 for its own tile (tc_pf_self_l2)
-    tc_pf_self: bool = False
-    tc_pf_down: int = 0
-    tc_pf_self_l2: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

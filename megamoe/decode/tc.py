@@ -69,10 +69,9 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
     l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32, split)](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
-        buf.split_terms, buf.split_counts, tw.l2_codes, tw.l2_scales.view(torch.int32), float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        buf.split_terms, buf.split_counts, float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
-        PF_SELF=cfg.tc_pf_self, PF_DOWN=cfg.tc_pf_down,
     )
 
 
@@ -85,7 +84,7 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
         buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, PF_SELF=cfg.tc_pf_self_l2,
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
     )
 
 

@@ -34,8 +34,7 @@ import triton.language as tl
 from ..staging.triton_stage import _e4m3_rtne_bits
 from .triton_gemv import _bf16_bits
 from .triton_pdl import pdl_release, pdl_wait
-from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma,
-                            _prefetch_l2, _x_group)
+from .triton_tc_ops import NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma, _x_group
 
 
 @triton.jit
@@ -59,11 +58,9 @@ def l1_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W' * I/32] (moe.DecodeBuffers.split_*)
-    w2_ptr, s2_ptr,  # L2's codes and scale words (l2_tc_kernel), only prefetched (PF_DOWN)
     clamp,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    PF_SELF: tl.constexpr = False, PF_DOWN: tl.constexpr = 0,
 ):
     pdl_wait(PDL)
     if EARLY:
@@ -78,16 +75,6 @@ def l1_tc_kernel(
         sp = s_ptr + tile * NB * 64
         wp = w_ptr + tile * NB * 4096
         if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
-            NBP: tl.constexpr = NB // SPLIT
-            if PF_SELF:  # the L2 cache asked for this part's code blocks and scale words at once
-                _prefetch_l2(wp + part * NBP * 4096, NBP * 4096, ASM)
-                _prefetch_l2(sp + part * NBP * 64, NBP * 256, ASM)
-            if PF_DOWN:  # ... and for this program's share of the expert's L2 weights (read by the next launch)
-                P: tl.constexpr = SPLIT * (I // 32)
-                q = part * (I // 32) + t
-                LAST: tl.constexpr = PF_DOWN == 2  # marked evict-last
-                _prefetch_l2(w2_ptr + e * (H * I // 2) + q * (H * I // 2 // P), H * I // 2 // P, ASM, LAST)
-                _prefetch_l2(s2_ptr + e * (H * I // 128) + q * (H * I // 128 // P), H * I // 32 // P, ASM, LAST)
             rows, valid = _pass(start, 0, count, 4)
             cols = _packed_columns(row_token_ptr, start, count, True)
             zero = tl.zeros([64, 4], tl.float32)
@@ -97,6 +84,7 @@ def l1_tc_kernel(
                 pdl_release(PDL)
                 _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
+                NBP: tl.constexpr = NB // SPLIT
                 slots = _slots(terms_ptr, rows, t, NB, 2 * I)
                 if part == 0:  # the running sum of the first blocks, kept in slot 0
                     acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NBP, slots,
@@ -179,7 +167,7 @@ def l2_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    PACK: tl.constexpr = False, PF_SELF: tl.constexpr = False,
+    PACK: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
@@ -190,9 +178,6 @@ def l2_tc_kernel(
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
-        if PF_SELF:  # the L2 cache asked for the tile's code blocks and scale words at once
-            _prefetch_l2(w_ptr + tile * 1024, I // 32 * 1024, ASM)
-            _prefetch_l2(s_ptr + tile * 16, I // 32 * 64, ASM)
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
             acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(q_ptr, start, count, False),

@@ -52,23 +52,6 @@ def _load4(wp):
 
 
 @triton.jit
-def _prefetch_l2(p, NBYTES: tl.constexpr, ASM: tl.constexpr, LAST: tl.constexpr = False):
-    """Ask the L2 cache for the NBYTES contiguous bytes at p (16-byte aligned; NBYTES a multiple of 2,048): 128
-    bulk prefetches of NBYTES / 128 bytes (``cp.async.bulk.prefetch.L2``), one per thread of a 4-warp program,
-    marked evict-last with LAST. No register written, no wait, no bit changed; nothing under the interpreter."""
-    if ASM:
-        C: tl.constexpr = NBYTES // 128
-        pb = p.to(tl.pointer_type(tl.uint8), bitcast=True)
-        if LAST:
-            asm: tl.constexpr = ("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                                 "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }")
-        else:
-            asm: tl.constexpr = "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;"
-        tl.inline_asm_elementwise(asm, "=r,l,r", [pb + tl.arange(0, 128) * C, tl.full([128], C, tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _blocks4(wp):
     """The four consecutive 1,024-byte code blocks at wp, each as [4, 8, 4, 2, 4] (``_decode_block``'s input).
 
