@@ -2,7 +2,7 @@
 spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md and docs/decode-kernel-tc.md quote.
 
     python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]      the CUDA-core kernels
-    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]]             the tensor-core kernels
+    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]] [--route]   the tensor-core kernels
 """
 
 from __future__ import annotations
@@ -48,30 +48,35 @@ def compile_sass(fn, sig: dict, const: dict, warps: int, options: dict | None = 
 
 
 def loop_mix(sass: str, marker: str = "HADD2.F32") -> tuple[int, collections.Counter]:
-    """Instructions of the K loop, the shortest backward branch whose body holds (nearly) every instruction
-    named ``marker`` (the fp16 decode conversion; the MMA for the tensor-core kernels): (count, mix by opcode)."""
+    """Instructions of the K loop: of the innermost loops (backward branches with no loop inside), the one holding
+    the most instructions named ``marker`` (the fp16 decode conversion; the MMA for the tensor-core kernels),
+    the first in the code on a tie (L1's packed loop, or part 0's with a split K): (count, mix by opcode)."""
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", sass)
     addr = [(int(a, 16), op, rest) for a, op, rest in lines]
-    loops = []
+    spans = []
     for pc, op, rest in addr:
         m = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if m and int(m.group(1), 16) < pc:
-            body = [o for p, o, _ in addr if int(m.group(1), 16) <= p <= pc]
-            loops.append((sum(o.startswith(marker) or marker in o for o in body), len(body), body))
-    most = max(h for h, _, _ in loops)
-    _, n, body = min((x for x in loops if x[0] >= 0.9 * most), key=lambda x: x[1])
-    return n, collections.Counter(body)
+            spans.append((int(m.group(1), 16), pc))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    loops = []
+    for a, b in inner:
+        body = [o for p, o, _ in addr if a <= p <= b]
+        loops.append((sum(o.startswith(marker) or marker in o for o in body), -a, body))
+    _, _, body = max(loops, key=lambda x: (x[0], x[1]))
+    return len(body), collections.Counter(body)
 
 
 TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*i32", x_ptr="*fp8e4nv", xsf_ptr="*fp32", num_touched_ptr="*i32",
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32",
                  row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", terms_ptr="*fp32",
-                 cnt_ptr="*i32", clamp="fp32")
+                 cnt_ptr="*i32", idx_ptr="*i64", tw_ptr="*fp32", slot_row_ptr="*i32", T="i32", expert_lo="i32",
+                 num_local="i32", clamp="fp32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
-def tc_report(pdl: bool = False, pack: bool = False, split: int = 1) -> int:
+def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool = False) -> int:
     """The tensor-core kernels with the backend's launch options: registers, spills inside / outside the K loop,
     the loop's instructions per weight, and the layout conversions left in the TTGIR (none between the decode
     and the MMA: the only ones are the epilogue's)."""
@@ -81,7 +86,8 @@ def tc_report(pdl: bool = False, pack: bool = False, split: int = 1) -> int:
     cfg = LaunchConfig()
     geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack)
     for name, fn, sig, const, cap, groups in (
-        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, SPLIT=split, **geo), cfg.tc_l1_maxnreg, 4),
+        ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, SPLIT=split, ROUTE=route, K=6, S_PAD=8,
+                                                       E_PAD=512, **geo), cfg.tc_l1_maxnreg, 4),
         ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
     ):
         opts = {"num_stages": cfg.tc_stages, "launch_pdl": pdl, **({"maxnreg": cap} if cap else {})}
@@ -106,9 +112,10 @@ def main() -> int:
     ap.add_argument("--pdl", action="store_true", help="with --tc: programmatic dependent launch")
     ap.add_argument("--pack", action="store_true", help="with --tc: the packed passes (four groups per MMA)")
     ap.add_argument("--split", type=int, default=1, help="with --tc --pack: L1's packed K loop in this many parts")
+    ap.add_argument("--route", action="store_true", help="with --tc: L1 routes for itself (one token's slots)")
     args = ap.parse_args()
     if args.tc:
-        return tc_report(args.pdl, args.pack, args.split)
+        return tc_report(args.pdl, args.pack, args.split, args.route)
     geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),

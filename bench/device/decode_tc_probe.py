@@ -62,6 +62,9 @@ VARIANTS = {
     "split1": dict(tc_split=1),
     "split2": dict(tc_split=2),
     "split4": dict(tc_split=4),
+    # L1 routes for itself, no route launch
+    "route": dict(tc_route=True),
+    "l2cap96": dict(tc_l2_maxnreg=96),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
@@ -92,6 +95,7 @@ def main() -> int:
     ap.add_argument("--check", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--check-split", type=int, nargs="*", default=[], help="also check these K splits at each --check "
                     "count up to 4 tokens")
+    ap.add_argument("--check-route", action="store_true", help="also check L1 routing for itself at each --check count")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
@@ -125,8 +129,9 @@ def main() -> int:
     for t in args.check:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
-                for split in [None] + (list(args.check_split) if t <= 4 else []):
-                    r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", split=split)
+                extra = [dict(split=s) for s in (args.check_split if t <= 4 else [])]
+                for kw in [{}] + extra + ([dict(route=True)] if args.check_route else []):
+                    r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", **kw)
                     r["passed"] = passed_tc(r)
                     res["check"].append(r)
                     print(f"[tc] check {r['case']} {routing}: route '{r['route'][:200]}' l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff "

@@ -42,7 +42,7 @@ class LaunchConfig:
     # the compiler's choice
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
-    tc_l2_maxnreg: int | None = 96
+    tc_l2_maxnreg: int | None = 72
     # Programmatic dependent launch (Hopper, ``triton_pdl.py``): each launch after route waits
     # (griddepcontrol.wait) before it reads what the previous one wrote, so it may be started early. Route and
     # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done
@@ -56,6 +56,10 @@ class LaunchConfig:
     # finish replays the promotion chain in ascending K from the others' stored terms (triton_tc._replay). Same
     # bits; more programs where L1 waits on latency (1 token). Up to the buffers' ``split_tokens``.
     tc_split: int = 1
+    # The tensor-core L1 routes for itself: each program finds its work item from the staged top-k (one small sort),
+    # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
+    # to 64 slots (tokens x top-k).
+    tc_route: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

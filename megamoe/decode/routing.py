@@ -66,30 +66,50 @@ def route_kernel(
             routed = routed | ((ek >= 0) & (ek < num_local))
         tl.store(y_ptr + offs, tl.zeros([X_BLOCK], tl.int16), mask=m & ~routed)
     else:
-        s = tl.arange(0, S_PAD)
-        in_step = s < T * K
-        e = tl.load(idx_ptr + s, mask=in_step, other=-1).to(tl.int32) - expert_lo
-        valid = in_step & (e >= 0) & (e < num_local)
-        # Sorting (expert, flat slot) keys gives the pool order; invalid slots sort last.
-        skey = tl.sort(tl.where(valid, e * S_PAD + s, E_PAD * S_PAD))
-        n_valid = tl.sum(valid.to(tl.int32), axis=0)
-        slot = skey % S_PAD
-        is_row = s < n_valid
-        tl.store(row_token_ptr + s, slot // K, mask=is_row)
-        tl.store(row_weight_ptr + s, tl.load(tw_ptr + slot, mask=is_row, other=0.0), mask=is_row)
-        tl.store(slot_row_ptr + s, tl.full([S_PAD], -1, tl.int32), mask=in_step)
-        tl.debug_barrier()  # the -1 fill lands before the scatter below (other threads' addresses)
-        tl.store(slot_row_ptr + slot, s, mask=is_row)
-        # Experts: counts (bin E_PAD - 1 >= E_l collects the invalid slots), compacted in ascending order.
-        counts = tl.histogram(tl.where(valid, e, E_PAD - 1), E_PAD)
-        ex = tl.arange(0, E_PAD)
-        touched = (counts > 0) & (ex < num_local)
-        j = tl.cumsum(touched.to(tl.int32), 0) - 1
-        start = tl.cumsum(counts, 0) - counts
-        tl.store(touched_ptr + j, ex, mask=touched)
-        tl.store(seg_start_ptr + j, start, mask=touched)
-        tl.store(seg_count_ptr + j, counts, mask=touched)
-        tl.store(num_touched_ptr, tl.sum(touched.to(tl.int32), axis=0))
+        route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
+                    row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local, K, S_PAD, E_PAD, True)
+
+
+@triton.jit
+def _sorted_slots(idx_ptr, T, expert_lo, num_local, K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """The step's T K slots sorted into pool order: keys expert * S_PAD + flat slot, invalid slots last (key
+    E_PAD * S_PAD) -> (keys [S_PAD], valid [S_PAD] in the unsorted order, expert [S_PAD] in the unsorted order)."""
+    s = tl.arange(0, S_PAD)
+    in_step = s < T * K
+    e = tl.load(idx_ptr + s, mask=in_step, other=-1).to(tl.int32) - expert_lo
+    valid = in_step & (e >= 0) & (e < num_local)
+    return tl.sort(tl.where(valid, e * S_PAD + s, E_PAD * S_PAD)), valid, e
+
+
+@triton.jit
+def route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
+                row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local,
+                K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, ZERO: tl.constexpr):
+    """Every output of the module docstring but x32 and y, by one program (route's program 0, or the extra
+    program of a tensor-core L1 that routes for itself: ``triton_tc.l1_tc_kernel``'s ROUTE); the counters
+    (n_zero of them) only with ZERO."""
+    s = tl.arange(0, S_PAD)
+    in_step = s < T * K
+    skey, valid, e = _sorted_slots(idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    slot = skey % S_PAD
+    is_row = s < n_valid
+    tl.store(row_token_ptr + s, slot // K, mask=is_row)
+    tl.store(row_weight_ptr + s, tl.load(tw_ptr + slot, mask=is_row, other=0.0), mask=is_row)
+    tl.store(slot_row_ptr + s, tl.full([S_PAD], -1, tl.int32), mask=in_step)
+    tl.debug_barrier()  # the -1 fill lands before the scatter below (other threads' addresses)
+    tl.store(slot_row_ptr + slot, s, mask=is_row)
+    # Experts: counts (bin E_PAD - 1 >= E_l collects the invalid slots), compacted in ascending order.
+    counts = tl.histogram(tl.where(valid, e, E_PAD - 1), E_PAD)
+    ex = tl.arange(0, E_PAD)
+    touched = (counts > 0) & (ex < num_local)
+    j = tl.cumsum(touched.to(tl.int32), 0) - 1
+    start = tl.cumsum(counts, 0) - counts
+    tl.store(touched_ptr + j, ex, mask=touched)
+    tl.store(seg_start_ptr + j, start, mask=touched)
+    tl.store(seg_count_ptr + j, counts, mask=touched)
+    tl.store(num_touched_ptr, tl.sum(touched.to(tl.int32), axis=0))
+    if ZERO:
         z = 0
         while z < n_zero:  # a while loop: the interpreter cannot range() over a runtime int
             zi = z + tl.arange(0, 1024)
@@ -97,7 +117,37 @@ def route_kernel(
             z += 1024
 
 
-def _pow2(n: int) -> int:
+@triton.jit
+def route_item(j, idx_ptr, T, expert_lo, num_local, K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """Work item j of the step from the staged routing alone, as ``_route_meta`` orders them: (the number of
+    work items, its expert (local index, int64), its first pool row, its number of rows, the pool-order keys
+    for ``route_rows``). For a kernel that routes for itself instead of waiting on route's launch (S_PAD of a
+    few dozen slots: an [S_PAD, S_PAD] comparison)."""
+    s = tl.arange(0, S_PAD)
+    skey, _, _ = _sorted_slots(idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
+    ex = skey // S_PAD  # the expert of pool row p (E_PAD past the last row)
+    prev = tl.max(tl.where(s[None, :] == s[:, None] - 1, ex[None, :], -1), axis=1)  # ex[p - 1]; -1 at p = 0
+    first = (ex != prev) & (ex < E_PAD)  # the first row of each touched expert
+    item = tl.cumsum(first.to(tl.int32), 0) - 1
+    mine = (item == j) & (ex < E_PAD)
+    start = tl.min(tl.where(mine, s, S_PAD), axis=0)
+    count = tl.sum(mine.to(tl.int32), axis=0)
+    expert = tl.max(tl.where(mine, ex, 0), axis=0)
+    return tl.sum(first.to(tl.int32), axis=0), expert.to(tl.int64), start, count, skey
+
+
+@triton.jit
+def route_rows(skey, first_row, rows_left, tw_ptr, K: tl.constexpr, S_PAD: tl.constexpr, W: tl.constexpr):
+    """Pool rows first_row .. first_row + W - 1 (those under rows_left) -> (their tokens int64 [W], routing
+    weights fp32 [W]); skey from ``route_item``."""
+    s = tl.arange(0, S_PAD)
+    n = tl.arange(0, W)
+    slot = tl.sum(tl.where(s[None, :] == first_row + n[:, None], (skey % S_PAD)[None, :], 0), axis=1)
+    real = n < rows_left
+    return tl.where(real, slot // K, 0).to(tl.int64), tl.load(tw_ptr + slot, mask=real, other=0.0)
+
+
+def pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -118,7 +168,7 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
         out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel() if zero else 0,
         out.y.view(torch.int16), num_tokens, expert_lo, num_local,
-        K=k, S_PAD=_pow2(num_tokens * k), E_PAD=_pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK,
+        K=k, S_PAD=pow2(num_tokens * k), E_PAD=pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK,
         PDL=pdl and not out.interpret, X32=x32, **launch_options(4, out.interpret, pdl),
     )
 

@@ -42,6 +42,8 @@ CPU_CASES = (
 )
 # L1's split K (``LaunchConfig.tc_split``) needs as many K blocks as parts: H = 512 gives four.
 SPLIT_CASES = (DecodeCase("wide", 2, seed=16), DecodeCase("wide", 3, routing="allmasked", seed=14))
+# L1 routing for itself (``LaunchConfig.tc_route``), packed passes: tiny 20 skewed also takes passes of 16 rows
+ROUTE_CASES = tuple(c for c in CPU_CASES if not c.broken)
 
 
 def _exact_friendly(inp, seed: int):
@@ -55,9 +57,10 @@ def _exact_friendly(inp, seed: int):
     return dataclasses.replace(inp, x=x.to(torch.bfloat16).to(inp.x.device))
 
 
-def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None) -> dict:
-    """``pack`` and ``split`` override the launch's packed passes and K parts (``LaunchConfig.tc_pack4``,
-    ``tc_split``; None: the backend's launch)."""
+def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None,
+                route: bool | None = None) -> dict:
+    """``pack``, ``split`` and ``route`` override the launch's packed passes, K parts and whether L1 routes for
+    itself (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -81,8 +84,12 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_pack4=pack, tc_split=cfg.tc_split if pack else 1)
     if split is not None:
         cfg = dataclasses.replace(cfg, tc_split=split)
-    suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}")
-    row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split, **dataclasses.asdict(case)}
+    if route is not None:
+        cfg = dataclasses.replace(cfg, tc_route=route)
+    suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}") + (
+        "" if route is None else f"-route{int(route)}")
+    row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split, "route_in_l1": cfg.tc_route,
+           **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
@@ -91,12 +98,18 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     _copy_staged(buf, twin)
     buf.poison_()
     twin.poison_()
-    # route as moe_decode runs it for this path (no x32, nothing zeroed) against its twin, on the metadata
-    routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, x32=False, zero=False)
+    # route as moe_decode runs it for this path (no x32, nothing zeroed; or inside L1's launch) against its twin,
+    # on the metadata L1-L2 read
+    if cfg.tc_route:
+        tc.l1_tc(tw, buf, t, g.clamp, cfg)
+    else:
+        routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, x32=False,
+                      zero=False)
     routing.route_torch(twin.topk_idx, twin.topk_weights, twin.x_q, t, twin.expert_lo, twin.num_local, twin)
     row["route"] = "; ".join(f"{f}: {m}" for f in ROUTE_FIELDS if (m := first_mismatch(_written(buf, f, t),
                                                                                        _written(twin, f, t))))
-    tc.l1_tc(tw, buf, t, g.clamp, cfg)
+    if not cfg.tc_route:
+        tc.l1_tc(tw, buf, t, g.clamp, cfg)
     tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=recipe.mma)
     row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
                           if (m := first_mismatch(_written(buf, f, t), _written(twin, f, t))))
@@ -139,6 +152,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = [run_tc_case(c, args.device, pack) for c in CPU_CASES for pack in (False, True)]
     rows += [run_tc_case(c, args.device, True, split) for c in SPLIT_CASES for split in (2, 4)]
+    rows += [run_tc_case(c, args.device, True, route=True) for c in ROUTE_CASES]
+    rows += [run_tc_case(c, args.device, True, 2, route=True) for c in SPLIT_CASES]
     print(json.dumps(rows))
     return 0 if all(passed_tc(r) for r in rows) else 1
 

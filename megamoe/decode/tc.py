@@ -21,6 +21,7 @@ from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
+from .routing import pow2
 
 
 def tc_launch_config(num_tokens: int) -> LaunchConfig:
@@ -33,9 +34,9 @@ def tc_launch_config(num_tokens: int) -> LaunchConfig:
       (run 16);
     - L1's K in two parts at 1 token only: L1 27.8 -> 23.5-23.9 us of kernel time there, slower from 2 tokens on
       (runs 20-21);
-    - L2 capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: L2's kernel time 21.3 -> 17.1 us
-      at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26)."""
-    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1, tc_l2_maxnreg=72)
+    - (LaunchConfig's default) L2 capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: L2's
+      kernel time 21.3 -> 17.1 us at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26)."""
+    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
@@ -60,18 +61,36 @@ def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
     return parts
 
 
+MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
+
+
+def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
+    """The padded slot count L1 sorts when it routes for itself (``LaunchConfig.tc_route``), 0 when it does not."""
+    if not cfg.tc_route:
+        return 0
+    slots = num_tokens * buf.num_topk
+    if slots > MAX_ROUTE_SLOTS:
+        raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every L1 program: num_tokens * top-k must "
+                         f"be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
+    return pow2(slots)
+
+
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
+    """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
     from .triton_tc import l1_tc_kernel
 
     if num_tokens == 0:
         return
     split = _split(tw, buf, num_tokens, cfg)
-    l1_tc_kernel[(buf.max_work(num_tokens), tw.intermediate // 32, split)](
+    s_pad = _route_slots(buf, num_tokens, cfg)
+    route = {"ROUTE": True, "K": buf.num_topk, "S_PAD": s_pad, "E_PAD": pow2(buf.num_local + 1)} if s_pad else {}
+    l1_tc_kernel[(buf.max_work(num_tokens) + bool(s_pad), tw.intermediate // 32, split)](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
-        buf.split_terms, buf.split_counts, float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
+        buf.num_local, float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split, **route,
     )
 
 

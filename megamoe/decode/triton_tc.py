@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..staging.triton_stage import _e4m3_rtne_bits
 from .triton_gemv import _bf16_bits
+from .routing import route_item, route_meta, route_rows
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma, _x_group
 
@@ -58,9 +59,11 @@ def l1_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W' * I/32] (moe.DecodeBuffers.split_*)
+    idx_ptr, tw_ptr, slot_row_ptr, T, expert_lo, num_local,  # ROUTE: the staged routing; route's other output
     clamp,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
 ):
     pdl_wait(PDL)
     if EARLY:
@@ -68,56 +71,79 @@ def l1_tc_kernel(
     j = tl.program_id(0)
     t = tl.program_id(1)
     part = tl.program_id(2)
-    if j < tl.load(num_touched_ptr):
+    if ROUTE:  # each program finds its work item itself; the extra last j writes route's outputs for L2, combine
+        n_items, e, start, count, skey = route_item(j, idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
+        if (j == tl.num_programs(0) - 1) & (t == 0) & (part == 0):
+            route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
+                       row_weight_ptr, slot_row_ptr, cnt_ptr, 0, T, expert_lo, num_local, K, S_PAD, E_PAD, False)
+    else:
+        n_items = tl.load(num_touched_ptr)
+    if j < n_items:
         NB: tl.constexpr = H // 128
-        e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
+        if not ROUTE:
+            e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
+            skey = 0
         tile = e * (I // 32) + t
         sp = s_ptr + tile * NB * 64
         wp = w_ptr + tile * NB * 4096
         if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
             rows, valid = _pass(start, 0, count, 4)
-            cols = _packed_columns(row_token_ptr, start, count, True)
+            tok, weight = _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, 0, count, tw_ptr,
+                                     ROUTE, K, S_PAD, 4)
+            cols = _packed_columns(tok, count)
             zero = tl.zeros([64, 4], tl.float32)
             if SPLIT == 1:
-                acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NB, None,
-                                 1, H, ASM, True, False)
+                acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
                 pdl_release(PDL)
-                _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
+                _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
                 NBP: tl.constexpr = NB // SPLIT
                 slots = _slots(terms_ptr, rows, t, NB, 2 * I)
                 if part == 0:  # the running sum of the first blocks, kept in slot 0
-                    acc = _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, 0, NBP, slots,
-                                     2 * I, H, ASM, True, False)
+                    acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NBP, slots, 2 * I, H, ASM,
+                                     True, False)
                     tl.store(slots, acc, mask=valid[None, :])
                 else:  # each block's term in its own slot
-                    _l1_blocks(zero, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, part * NBP,
-                               NBP, slots, 2 * I, H, ASM, True, True)
+                    _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
+                               ASM, True, True)
                 pdl_release(PDL)
                 if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
                     acc = _replay(slots, valid, NBP, NB, 2 * I)
-                    _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
+                    _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
         elif part == 0:  # passes of 16 rows, never split
             m0 = 0
             while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
                 rows, valid = _pass(start, m0, count)
-                acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), rows, valid, None, wp, sp, x_ptr, xsf_ptr,
-                                 row_token_ptr, 0, NB, None, 1, H, ASM, False, False)
+                tok, weight = _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, m0, count, tw_ptr,
+                                         ROUTE, K, S_PAD, NTOK)
+                acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), valid, None, wp, sp, x_ptr, xsf_ptr, tok, 0, NB,
+                                 None, 1, H, ASM, False, False)
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
-                _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
+                _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
 
 
 @triton.jit
-def _l1_blocks(acc, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, lo, N: tl.constexpr, slots,
+def _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, m0, count, tw_ptr, ROUTE: tl.constexpr,
+               K: tl.constexpr, S_PAD: tl.constexpr, W: tl.constexpr):
+    """The tokens (int64 [W]) and routing weights (fp32 [W]) of a pass's pool rows: route's outputs, or with ROUTE
+    the program's own (``routing.route_rows``)."""
+    if ROUTE:
+        return route_rows(skey, start + m0, count - m0, tw_ptr, K, S_PAD, W)
+    else:
+        return (tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64),
+                tl.load(row_weight_ptr + rows, mask=valid, other=0.0))
+
+
+@triton.jit
+def _l1_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexpr, slots,
                STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
-    """L1's K loop for one pass over the N 128-K blocks from block lo: acc fp32 [64, W] promoted block by block
+    """L1's K loop for one pass (its tokens tok [W]) over the N 128-K blocks from block lo: acc fp32 [64, W] promoted block by block
     in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a block's four groups per
     iteration (one packed MMA over ``cols``, or four), each block's scale words and x_sf loaded one block ahead.
     The scale words and x_sf are plain loads (only the code and x tiles are software-pipelined by Triton):
     loaded ahead, no group waits on global memory for them."""
     NB: tl.constexpr = H // 128
-    tok = tl.load(row_token_ptr + rows, mask=valid, other=0).to(tl.int64)
     xsp = xsf_ptr + tok * NB
     f0, f1, f2, f3 = _factors4(sp + lo * 64)
     xsf = tl.load(xsp + lo, mask=valid, other=0.0)
@@ -137,16 +163,15 @@ def _l1_blocks(acc, rows, valid, cols, wp, sp, x_ptr, xsf_ptr, row_token_ptr, lo
 
 
 @triton.jit
-def _l1_epilogue(acc, rows, valid, t, row_weight_ptr, l1_ptr, q_ptr, sf2_ptr, clamp, I: tl.constexpr,
+def _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I: tl.constexpr,
                  STORE_L1: tl.constexpr, W: tl.constexpr):
     """acc fp32 [64, W] (gate rows 0..31, up rows 32..63 of channel tile t) -> SwiGLU, the routing weight and the
-    FP8 requant of the tile's 32 channels, stored for the pass's W pool rows."""
+    FP8 requant of the tile's 32 channels, stored for the pass's W pool rows (routing weights weight [W])."""
     n = t * 32 + tl.arange(0, 32)
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, 32, W)), (1, 2, 0)))  # [32, W] each
     if STORE_L1:
         tl.store(l1_ptr + rows[None, :] * (2 * I) + n[:, None], gate, mask=valid[None, :])
         tl.store(l1_ptr + rows[None, :] * (2 * I) + I + n[:, None], up, mask=valid[None, :])
-    weight = tl.load(row_weight_ptr + rows, mask=valid, other=0.0)
     g = tl.minimum(gate, clamp)
     u = tl.minimum(tl.maximum(up, -clamp), clamp)
     ex = tl.exp((-g).to(tl.float64)).to(tl.float32)
@@ -180,7 +205,7 @@ def l2_tc_kernel(
         n = t * 64 + tl.arange(0, 64)
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
-            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(q_ptr, start, count, False),
+            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
                              w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
             pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])

@@ -126,20 +126,17 @@ def _decode4(wp, ASM: tl.constexpr):
 
 
 @triton.jit
-def _packed_columns(row_token_ptr, start, count, GATHER: tl.constexpr):
+def _packed_columns(xrow4, count):
     """The 16 MMA columns of a packed pass (up to 4 tokens, all four groups of a 128-K block in one MMA): column
-    c = 8 gh + 2 n + gl is token n at group g = 2 gh + gl. -> (x's row of each column [16]: the pool row's token
-    (GATHER, L1) or the pool row (L2); its group [16]; whether n is in the pass [16]). With this order the
-    accumulator columns each thread holds (2q, 2q + 1, 8 + 2q, 9 + 2q) are the four groups of one token.
-    Computed once per pass, outside the K loop."""
+    c = 8 gh + 2 n + gl is token n at group g = 2 gh + gl. xrow4 [4]: x's row of each of the pass's rows (the
+    pool row's token in L1, the pool row in L2) -> (x's row of each column [16]; its group [16]; whether n is in
+    the pass [16]). With this order the accumulator columns each thread holds (2q, 2q + 1, 8 + 2q, 9 + 2q) are
+    the four groups of one token. Computed once per pass, outside the K loop."""
     c = tl.arange(0, 16)
     n = (c % 8) // 2
     valid = n < count
-    if GATHER:
-        xrow = tl.load(row_token_ptr + start + tl.where(valid, n, 0), mask=valid, other=0).to(tl.int64)
-    else:
-        xrow = (start + tl.where(valid, n, 0)).to(tl.int64)
-    return xrow, 2 * (c // 8) + c % 2, valid
+    xrow = tl.sum(tl.where(n[:, None] == tl.arange(0, 4)[None, :], xrow4[None, :], 0), axis=1)  # xrow4[n]
+    return tl.where(valid, xrow, 0).to(tl.int64), 2 * (c // 8) + c % 2, valid
 
 
 @triton.jit
