@@ -135,9 +135,10 @@ def test_pdl_launch_attribute_comes_with_the_kernels_wait():
     assert on["launch_pdl"] is True and on["PDL"] is True
     assert "launch_pdl" not in off and off["PDL"] is False
     assert _opts(4, 3, 80, interpret=True, pdl=True) == {}
-    assert [tc_launch_config(t).pdl for t in (1, 2, 8, 64)] == [False, True, True, True]
-    assert all(tc_launch_config(t).tc_pack4 for t in (1, 8, 64))
-    assert [tc_launch_config(t).tc_split for t in (1, 2, 8, 64)] == [2, 1, 1, 1]
+    assert [tc_launch_config(t, 6).pdl for t in (1, 2, 8, 64)] == [False, True, True, True]
+    assert all(tc_launch_config(t, 6).tc_pack4 for t in (1, 8, 64))
+    assert [tc_launch_config(t, 6).tc_split for t in (1, 2, 8, 64)] == [2, 1, 1, 1]
+    assert [tc_launch_config(t, 6).tc_route for t in (1, 2, 4, 5, 8)] == [True, True, True, False, False]
 
 
 def test_split_k_is_refused_where_it_cannot_run():
@@ -164,6 +165,22 @@ def test_split_k_is_refused_where_it_cannot_run():
     TW.hidden = 256
     with pytest.raises(ValueError, match="tc_split=4 must divide L1's 2 K blocks"):
         _split(TW, Buf, 1, LaunchConfig(tc_pack4=True, tc_split=4))
+
+
+def test_route_in_l1_is_refused_past_its_slots():
+    """L1 routing for itself sorts the step's slots in every program: past 64 (tokens x top-k) it is refused before
+    any launch, naming the setting and the count; without it nothing is sorted (0)."""
+    from megamoe.decode import LaunchConfig
+    from megamoe.decode.tc import _route_slots
+
+    class Buf:
+        num_topk = 6
+
+    assert _route_slots(Buf, 1, LaunchConfig(tc_route=True)) == 8
+    assert _route_slots(Buf, 10, LaunchConfig(tc_route=True)) == 64
+    assert _route_slots(Buf, 100, LaunchConfig()) == 0
+    with pytest.raises(ValueError, match=r"tc_route .* num_tokens \* top-k must be <= 64, got 11 \* 6 = 66"):
+        _route_slots(Buf, 11, LaunchConfig(tc_route=True))
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,7 @@ VARIANTS = {
     "split4": dict(tc_split=4),
     # L1 routes for itself, no route launch
     "route": dict(tc_route=True),
+    "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
@@ -154,7 +155,7 @@ def main() -> int:
             cfg = default_launch_config(t)
             if not args.no_cuda_core:
                 row["cuda_core"] = timed(lambda: moe_decode(dw, buf, t, g.clamp, cfg), args.min_s, flush)
-            ctc = tc_launch_config(t)  # the backend's own launch
+            ctc = tc_launch_config(t, g.num_topk)  # the backend's own launch
             row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, ctc), args.min_s, flush)
             if args.sweep_clock:
                 row["tc_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, ctc))
@@ -170,6 +171,8 @@ def main() -> int:
                     differ += bool(first_mismatch(moe_decode(tw, buf, t, g.clamp, c3), y0))
                 row[f"tc_{name}"] = {**timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush),
                                      "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}"}
+                if args.sweep_clock:
+                    row[f"tc_{name}_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, c3))
             nbytes = touched * tw.nbytes_per_expert()
             row.update(touched=touched, slots=slots, weight_mb=nbytes / 1e6)
             if nbytes // 4 <= read_src.numel():

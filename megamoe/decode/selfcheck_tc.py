@@ -79,7 +79,7 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t,
                num_experts=g.num_experts, backend="torch")
     recipe = MEGAMOE_DECODE_TC.with_(mma="exact-block") if interp else MEGAMOE_DECODE_TC
-    cfg = dataclasses.replace(tc.tc_launch_config(t), store_l1=True)  # the backend's launch
+    cfg = dataclasses.replace(tc.tc_launch_config(t, g.num_topk), store_l1=True)  # the backend's launch
     if pack is not None:  # the split K runs on packed passes only
         cfg = dataclasses.replace(cfg, tc_pack4=pack, tc_split=cfg.tc_split if pack else 1)
     if split is not None:

@@ -24,7 +24,11 @@ from .layout_tc import TCWeights, expert_operands
 from .routing import pow2
 
 
-def tc_launch_config(num_tokens: int) -> LaunchConfig:
+MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
+ROUTE_SLOTS_FASTER = 24  # ... and gains up to this many (one H200, DeepSeek-V4-Flash: run 27)
+
+
+def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
     """The launch the ``megamoe-decode-tc`` backend runs, each part measured side by side on one H200
     (DeepSeek-V4-Flash; bench/results/2026-12-04_nvidia-h200_decode-tc). Same bits whatever the choice.
 
@@ -35,8 +39,12 @@ def tc_launch_config(num_tokens: int) -> LaunchConfig:
     - L1's K in two parts at 1 token only: L1 27.8 -> 23.5-23.9 us of kernel time there, slower from 2 tokens on
       (runs 20-21);
     - (LaunchConfig's default) L2 capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: L2's
-      kernel time 21.3 -> 17.1 us at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26)."""
-    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1)
+      kernel time 21.3 -> 17.1 us at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26);
+    - L1 routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.1 / 4.3 / 3.9 us less
+      at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
+      slower (run 27)."""
+    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
+                        tc_route=num_tokens * top_k <= ROUTE_SLOTS_FASTER)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
@@ -61,7 +69,7 @@ def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
     return parts
 
 
-MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
+
 
 
 def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:

@@ -158,7 +158,7 @@ class MegaMoEDecodeTC(MegaMoEDecode):
     def launch_config(self, num_tokens: int):
         from ..decode.tc import tc_launch_config
 
-        return tc_launch_config(num_tokens)
+        return tc_launch_config(num_tokens, self.g.num_topk)
 
     def plan(self, num_tokens: int) -> Plan:
         return Plan(16, forced=False, detail={"source": "tokens per MMA pass (N)", "warps": 4})
