@@ -127,7 +127,7 @@ def test_recipe_and_backend_registered():
 def test_pdl_launch_attribute_comes_with_the_kernels_wait():
     """A kernel launched with programmatic dependent launch may start before the previous launch has finished:
     the launch attribute must never be asked for without the kernels' own wait (PDL), and never under the
-    interpreter (no GPU instruction there). The backend asks for it from 2 tokens on."""
+    interpreter (no GPU instruction there). The backend asks for it at every count."""
     from megamoe.decode.tc import _opts, tc_launch_config
 
     on = _opts(4, 3, 80, interpret=False, pdl=True)
@@ -135,7 +135,8 @@ def test_pdl_launch_attribute_comes_with_the_kernels_wait():
     assert on["launch_pdl"] is True and on["PDL"] is True
     assert "launch_pdl" not in off and off["PDL"] is False
     assert _opts(4, 3, 80, interpret=True, pdl=True) == {}
-    assert [tc_launch_config(t, 6).pdl for t in (1, 2, 8, 64)] == [False, True, True, True]
+    assert all(tc_launch_config(t, 6).pdl for t in (1, 2, 8, 64))
+    assert [tc_launch_config(t, 6).tc_l1_maxnreg for t in (1, 8, 16, 64)] == [80, 80, 72, 72]
     assert all(tc_launch_config(t, 6).tc_pack4 for t in (1, 8, 64))
     assert [tc_launch_config(t, 6).tc_split for t in (1, 2, 8, 64)] == [2, 1, 1, 1]
     assert [tc_launch_config(t, 6).tc_route for t in (1, 2, 4, 5, 8)] == [True, True, True, False, False]

@@ -34,17 +34,20 @@ def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
 
     - packed passes always (experts with at most 4 rows: four groups per MMA): 55.8 -> 50.3 us at 1 token,
       252.1 -> 188.9 at 8, 988.0 -> 738.1 at 64 (run 17);
-    - programmatic dependent launch from 2 tokens on: 2.0 to 2.9 us less per step at 2..64 tokens, nothing at 1
-      (run 16);
+    - programmatic dependent launch: 2.0 to 2.9 us less per step at 2..64 tokens (run 16); at 1 token, once L1
+      routes for itself, 1.0 us less timed as `megamoe bench` times it (43.1 against 44.1), none by the probe's
+      clock (run 28);
     - L1's K in two parts at 1 token only: L1 27.8 -> 23.5-23.9 us of kernel time there, slower from 2 tokens on
       (runs 20-21);
     - (LaunchConfig's default) L2 capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: L2's
       kernel time 21.3 -> 17.1 us at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26);
+    - L1 capped at 72 registers from 16 tokens (80 below): L1 186.6 -> 182.3 us at 16 tokens, 313.5 -> 304.5 at
+      32, 446.4 -> 440.4 at 64; slower at 4 and 8 (run 26);
     - L1 routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.1 / 4.3 / 3.9 us less
       at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
       slower (run 27)."""
-    return LaunchConfig(pdl=num_tokens >= 2, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
-                        tc_route=num_tokens * top_k <= ROUTE_SLOTS_FASTER)
+    return LaunchConfig(pdl=True, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
+                        tc_route=num_tokens * top_k <= ROUTE_SLOTS_FASTER, tc_l1_maxnreg=72 if num_tokens >= 16 else 80)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
