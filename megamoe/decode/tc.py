@@ -43,7 +43,7 @@ def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
       kernel time 21.3 -> 17.1 us at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26);
     - L1 capped at 72 registers from 16 tokens (80 below): L1 186.6 -> 182.3 us at 16 tokens, 313.5 -> 304.5 at
       32, 446.4 -> 440.4 at 64; slower at 4 and 8 (run 26);
-    - L1 routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.1 / 4.3 / 3.9 us less
+    - L1 routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.0 / 4.7 / 3.6 us less
       at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
       slower (run 27)."""
     return LaunchConfig(pdl=True, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
