@@ -135,7 +135,8 @@ def main() -> int:
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", **kw)
                     r["passed"] = passed_tc(r)
                     res["check"].append(r)
-                    print(f"[tc] check {r['case']} {routing}: route '{r['route'][:200]}' l1 '{r['l1'][:200]}' l2 '{r['l2'][:200]}' calc_diff "
+                    print(f"[tc] check {r['case']} {routing}: route '{r['route'][:200]}' l1 '{r['l1'][:200]}' "
+                          f"l2 '{r['l2'][:200]}' calc_diff "
                           f"{r['calc_diff']:.2e} bitwise {r['bitwise_frac']:.6f} repeat {r['repeat_identical']} passed "
                           f"{r['passed']} ({time.time() - T0:.0f} s)", flush=True)
             except Exception:  # noqa: BLE001

@@ -67,7 +67,7 @@ def route_kernel(
         tl.store(y_ptr + offs, tl.zeros([X_BLOCK], tl.int16), mask=m & ~routed)
     else:
         route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-                    row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local, K, S_PAD, E_PAD, True)
+                   row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local, K, S_PAD, E_PAD, True)
 
 
 @triton.jit
@@ -83,8 +83,8 @@ def _sorted_slots(idx_ptr, T, expert_lo, num_local, K: tl.constexpr, S_PAD: tl.c
 
 @triton.jit
 def route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-                row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local,
-                K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, ZERO: tl.constexpr):
+               row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local,
+               K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, ZERO: tl.constexpr):
     """Every output of the module docstring but x32 and y, by one program (route's program 0, or the extra
     program of a tensor-core L1 that routes for itself: ``triton_tc.l1_tc_kernel``'s ROUTE); the counters
     (n_zero of them) only with ZERO."""
@@ -119,7 +119,7 @@ def route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg
 
 @triton.jit
 def route_item(j, idx_ptr, T, expert_lo, num_local, K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """Work item j of the step from the staged routing alone, as ``_route_meta`` orders them: (the number of
+    """Work item j of the step from the staged routing alone, as ``route_meta`` orders them: (the number of
     work items, its expert (local index, int64), its first pool row, its number of rows, the pool-order keys
     for ``route_rows``). For a kernel that routes for itself instead of waiting on route's launch (S_PAD of a
     few dozen slots: an [S_PAD, S_PAD] comparison)."""
@@ -147,10 +147,6 @@ def route_rows(skey, first_row, rows_left, tw_ptr, K: tl.constexpr, S_PAD: tl.co
     return tl.where(real, slot // K, 0).to(tl.int64), tl.load(tw_ptr + slot, mask=real, other=0.0)
 
 
-def pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 X_BLOCK = 4096
 
 
@@ -168,8 +164,8 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
         out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel() if zero else 0,
         out.y.view(torch.int16), num_tokens, expert_lo, num_local,
-        K=k, S_PAD=pow2(num_tokens * k), E_PAD=pow2(num_local + 1), H=h, X_BLOCK=X_BLOCK,
-        PDL=pdl and not out.interpret, X32=x32, **launch_options(4, out.interpret, pdl),
+        K=k, S_PAD=triton.next_power_of_2(num_tokens * k), E_PAD=triton.next_power_of_2(num_local + 1), H=h,
+        X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret, X32=x32, **launch_options(4, out.interpret, pdl),
     )
 
 

@@ -21,7 +21,6 @@ from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
-from .routing import pow2
 
 
 MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
@@ -47,7 +46,8 @@ def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
       at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
       slower (run 27)."""
     return LaunchConfig(pdl=True, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
-                        tc_route=num_tokens * top_k <= ROUTE_SLOTS_FASTER, tc_l1_maxnreg=72 if num_tokens >= 16 else 80)
+                        tc_route=num_tokens * top_k <= ROUTE_SLOTS_FASTER,
+                        tc_l1_maxnreg=72 if num_tokens >= 16 else 80)
 
 
 def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bool) -> dict:
@@ -72,9 +72,6 @@ def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
     return parts
 
 
-
-
-
 def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
     """The padded slot count L1 sorts when it routes for itself (``LaunchConfig.tc_route``), 0 when it does not."""
     if not cfg.tc_route:
@@ -83,18 +80,22 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
     if slots > MAX_ROUTE_SLOTS:
         raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every L1 program: num_tokens * top-k must "
                          f"be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
-    return pow2(slots)
+    return 1 << (slots - 1).bit_length()  # the next power of two
 
 
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
+    import triton
+
     from .triton_tc import l1_tc_kernel
 
     if num_tokens == 0:
         return
     split = _split(tw, buf, num_tokens, cfg)
     s_pad = _route_slots(buf, num_tokens, cfg)
-    route = {"ROUTE": True, "K": buf.num_topk, "S_PAD": s_pad, "E_PAD": pow2(buf.num_local + 1)} if s_pad else {}
+    route = {}
+    if s_pad:  # E_PAD: route's histogram bins (routing.route_meta), the local experts and one for invalid slots
+        route = dict(ROUTE=True, K=buf.num_topk, S_PAD=s_pad, E_PAD=triton.next_power_of_2(buf.num_local + 1))
     l1_tc_kernel[(buf.max_work(num_tokens) + bool(s_pad), tw.intermediate // 32, split)](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,

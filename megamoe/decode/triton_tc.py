@@ -138,11 +138,11 @@ def _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, m0, coun
 @triton.jit
 def _l1_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexpr, slots,
                STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
-    """L1's K loop for one pass (its tokens tok [W]) over the N 128-K blocks from block lo: acc fp32 [64, W] promoted block by block
-    in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a block's four groups per
-    iteration (one packed MMA over ``cols``, or four), each block's scale words and x_sf loaded one block ahead.
-    The scale words and x_sf are plain loads (only the code and x tiles are software-pipelined by Triton):
-    loaded ahead, no group waits on global memory for them."""
+    """L1's K loop for one pass (its tokens tok [W]) over the N 128-K blocks from block lo: acc fp32 [64, W]
+    promoted block by block in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a
+    block's four groups per iteration (one packed MMA over ``cols``, or four), each block's scale words and x_sf
+    loaded one block ahead. The scale words and x_sf are plain loads (only the code and x tiles are
+    software-pipelined by Triton): loaded ahead, no group waits on global memory for them."""
     NB: tl.constexpr = H // 128
     xsp = xsf_ptr + tok * NB
     f0, f1, f2, f3 = _factors4(sp + lo * 64)
