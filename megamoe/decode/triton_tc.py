@@ -7,6 +7,9 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
                   routing weight and the FP8 requant of those 32 channels
     l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
 
+With ROUTE (``LaunchConfig.tc_route``) L1 runs route's work itself: each program finds work item j from the staged
+top-k (``routing.route_item``), and one extra program (j = W) writes route's outputs for L2 and the combine.
+
 A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows), or,
 with PACK and at most 4 rows, in one packed pass: a 128-K block's four groups of up to 4 tokens in the 16
 columns of one MMA (``_packed_mma``; the same bits). Each loop iteration takes four groups (L1: one 128-K
