@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 from megamoe.decode.layout_tc import (  # noqa: E402
     checkpoint_from_tc, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
 from megamoe.decode.selfcheck import DecodeCase  # noqa: E402
-from megamoe.decode.selfcheck_tc import CPU_CASES, ROUTE_CASES, SPLIT_CASES, passed_tc, run_tc_case  # noqa: E402
+from megamoe.decode.selfcheck_tc import (CPU_CASES, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_tc,  # noqa: E402
+                                         run_tc_case)
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
 from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
@@ -218,14 +219,15 @@ def test_triton_interpreter_split_k(interpreter_rows, case, split):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("case_id", [f"{c.id}-pack1-route1" for c in ROUTE_CASES]
-                         + [f"{c.id}-pack1-split2-route1" for c in SPLIT_CASES])
-def test_triton_interpreter_route_in_l1(interpreter_rows, case_id):
-    """L1 routing for itself (no route launch): route's outputs, now written by L1's extra program, equal
-    route_torch's; each program's own work item gives the same L1 / L2 outputs as the twins (packed passes, passes
-    of 16 rows for the skewed case, and L1 split in two); the whole path as before."""
+@pytest.mark.parametrize("case_id", [f"{c.id}-pack1-route{int(flipped_route(c))}" for c in ROUTE_CASES]
+                         + [f"{c.id}-pack1-split2-route{int(flipped_route(c))}" for c in SPLIT_CASES])
+def test_triton_interpreter_route_either_way(interpreter_rows, case_id):
+    """The other choice of L1 routing for itself than the backend's launch (whose rows the tests above check):
+    with it, route's outputs (written by L1's extra program) equal route_torch's and each program's own work item
+    gives the twins' L1 / L2 outputs; without it, the route launch the tensor-core path runs (no x32, nothing
+    zeroed) gives route_torch's metadata. Packed passes, passes of 16 rows (the skewed case), L1 split in two."""
     row = interpreter_rows[case_id]
-    assert row["route_in_l1"] and passed_tc(row), json.dumps(row, indent=1)
+    assert row["route_in_l1"] == case_id.endswith("route1") and passed_tc(row), json.dumps(row, indent=1)
 
 
 # On the GPU: the interpreter's cases with real inputs (bit equality, the recipe's tensor-core model), plus
