@@ -2,7 +2,7 @@
 spills and the instruction mix of the K loops, the numbers docs/decode-kernel.md and docs/decode-kernel-tc.md quote.
 
     python3 scripts/decode_sass.py [--block-m 1] [--warps 4] [--prefetch]      the CUDA-core kernels
-    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2] [--split-l2 2]] [--route]  tensor-core kernels
+    python3 scripts/decode_sass.py --tc [--pdl] [--pack [--split 2]] [--route]   the tensor-core kernels
 """
 
 from __future__ import annotations
@@ -73,11 +73,10 @@ TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*i32", x_ptr="*fp8e4nv", xsf_ptr="*fp32", n
                  cnt_ptr="*i32", idx_ptr="*i64", tw_ptr="*fp32", slot_row_ptr="*i32", T="i32", expert_lo="i32",
                  num_local="i32", clamp="fp32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
-                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", terms_ptr="*fp32",
-                 cnt_ptr="*i32")
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16")
 
 
-def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool = False, split_l2: int = 1) -> int:
+def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool = False) -> int:
     """The tensor-core kernels with the backend's launch options: registers, spills inside / outside the K loop,
     the loop's instructions per weight, and the layout conversions left in the TTGIR (none between the decode
     and the MMA: the only ones are the epilogue's)."""
@@ -89,7 +88,7 @@ def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, SPLIT=split, ROUTE=route, K=6, S_PAD=8,
                                                        E_PAD=512, **geo), cfg.tc_l1_maxnreg, 4),
-        ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, dict(SPLIT=split_l2, **geo), cfg.tc_l2_maxnreg, 4),
+        ("l2_tc_kernel", l2_tc_kernel, TC_L2_SIG, geo, cfg.tc_l2_maxnreg, 4),
     ):
         opts = {"num_stages": cfg.tc_stages, "launch_pdl": pdl, **({"maxnreg": cap} if cap else {})}
         sass, res, ttgir = compile_sass(fn, sig, const, 4, opts, with_ttgir=True)
@@ -114,10 +113,9 @@ def main() -> int:
     ap.add_argument("--pack", action="store_true", help="with --tc: the packed passes (four groups per MMA)")
     ap.add_argument("--split", type=int, default=1, help="with --tc --pack: L1's packed K loop in this many parts")
     ap.add_argument("--route", action="store_true", help="with --tc: L1 routes for itself (one token's slots)")
-    ap.add_argument("--split-l2", type=int, default=1, help="with --tc --pack: L2's packed K loop in this many parts")
     args = ap.parse_args()
     if args.tc:
-        return tc_report(args.pdl, args.pack, args.split, args.route, args.split_l2)
+        return tc_report(args.pdl, args.pack, args.split, args.route)
     geo = dict(H=4096, I=2048, G=16, BLOCK_M=args.block_m, ASM=True, PREFETCH=args.prefetch)
     for name, fn, sig, const, rows_words in (
         ("l1_kernel", l1_kernel, L1_SIG, dict(BN=32, STORE_L1=False, **geo), 2),

@@ -151,26 +151,22 @@ def test_split_k_is_refused_where_it_cannot_run():
 
     with pytest.raises(ValueError, match="tc_split must be 1, 2 or 4, got 3"):
         LaunchConfig(tc_split=3)
-    with pytest.raises(ValueError, match="tc_split_l2 must be 1, 2 or 4, got 8"):
-        LaunchConfig(tc_split_l2=8)
 
     class Buf:
         split_tokens = 2
 
-    def l1(cfg, tokens, blocks=32):
-        return _split(cfg.tc_split, "tc_split", blocks, f"L1's {blocks} K blocks (hidden/128)", Buf, tokens, cfg)
+    class TW:
+        hidden = 4096
 
     ok = LaunchConfig(tc_pack4=True, tc_split=2)
-    assert l1(ok, 2) == 2 and l1(LaunchConfig(tc_pack4=True), 64) == 1
+    assert _split(TW, Buf, 2, ok) == 2 and _split(TW, Buf, 64, LaunchConfig(tc_pack4=True)) == 1
     with pytest.raises(ValueError, match=r"tc_split=2 needs tc_pack4=True.*split_tokens \(2;.*num_tokens=3"):
-        l1(ok, 3)
+        _split(TW, Buf, 3, ok)
     with pytest.raises(ValueError, match="tc_split=2 needs tc_pack4=True.*tc_pack4=False"):
-        l1(LaunchConfig(tc_split=2), 1)
+        _split(TW, Buf, 1, LaunchConfig(tc_split=2))
+    TW.hidden = 256
     with pytest.raises(ValueError, match="tc_split=4 must divide L1's 2 K blocks"):
-        l1(LaunchConfig(tc_pack4=True, tc_split=4), 1, blocks=2)
-    l2 = LaunchConfig(tc_pack4=True, tc_split_l2=4)
-    with pytest.raises(ValueError, match="tc_split_l2=4 must divide L2's 2 K iterations"):
-        _split(l2.tc_split_l2, "tc_split_l2", 2, "L2's 2 K iterations (intermediate/128)", Buf, 1, l2)
+        _split(TW, Buf, 1, LaunchConfig(tc_pack4=True, tc_split=4))
 
 
 def test_route_in_l1_is_refused_past_its_slots():
@@ -232,17 +228,6 @@ def test_triton_interpreter_route_either_way(interpreter_rows, case_id):
     zeroed) gives route_torch's metadata. Packed passes, passes of 16 rows (the skewed case), L1 split in two."""
     row = interpreter_rows[case_id]
     assert row["route_in_l1"] == case_id.endswith("route1") and passed_tc(row), json.dumps(row, indent=1)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("parts", (2, 4), ids=("l2split2", "l2split4"))
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
-def test_triton_interpreter_l2_split_k(interpreter_rows, case, parts):
-    """L2's packed K loop in 2 and 4 parts, a term per 32-K group, the last part replaying the promotion chain:
-    the same checks as unsplit (under the interpreter: which terms, not their order)."""
-    row = interpreter_rows[f"{case.id}-pack1-l2split{parts}"]
-    assert row["split_l2"] == parts and passed_tc(row), json.dumps(row, indent=1)
 
 
 # On the GPU: the interpreter's cases with real inputs (bit equality, the recipe's tensor-core model), plus

@@ -63,9 +63,6 @@ VARIANTS = {
     "split2": dict(tc_split=2),
     "split4": dict(tc_split=4),
     # L1 routes for itself, no route launch
-    # L2's packed K loop in 2 / 4 parts (a term per 32-K group)
-    "l2split2": dict(tc_split_l2=2),
-    "l2split4": dict(tc_split_l2=4),
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
@@ -100,8 +97,6 @@ def main() -> int:
     ap.add_argument("--check-split", type=int, nargs="*", default=[], help="also check these K splits at each --check "
                     "count up to 4 tokens")
     ap.add_argument("--check-route", action="store_true", help="also check L1 routing for itself at each --check count")
-    ap.add_argument("--check-split-l2", type=int, nargs="*", default=[], help="also check these L2 K splits at each "
-                    "--check count up to 4 tokens")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
@@ -136,7 +131,6 @@ def main() -> int:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
                 extra = [dict(split=s) for s in (args.check_split if t <= 4 else [])]
-                extra += [dict(split_l2=s) for s in (args.check_split_l2 if t <= 4 else [])]
                 for kw in [{}] + extra + ([dict(route=True)] if args.check_route else []):
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", **kw)
                     r["passed"] = passed_tc(r)

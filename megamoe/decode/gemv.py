@@ -56,8 +56,6 @@ class LaunchConfig:
     # finish replays the promotion chain in ascending K from the others' stored terms (triton_tc._replay). Same
     # bits; more programs where L1 waits on latency (1 token). Up to the buffers' ``split_tokens``.
     tc_split: int = 1
-    # The same for the tensor-core L2 (a term per 32-K group: L2 promotes each group). Up to ``split_tokens``.
-    tc_split_l2: int = 1
     # The tensor-core L1 routes for itself: each program finds its work item from the staged top-k (one small sort),
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
@@ -69,9 +67,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4):
             raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
-        for name in ("tc_split", "tc_split_l2"):
-            if getattr(self, name) not in (1, 2, 4):
-                raise ValueError(f"{name} must be 1, 2 or 4, got {getattr(self, name)}")
+        if self.tc_split not in (1, 2, 4):
+            raise ValueError(f"tc_split must be 1, 2 or 4, got {self.tc_split}")
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:

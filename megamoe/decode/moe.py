@@ -44,7 +44,6 @@ class DecodeBuffers:
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
-        split_terms2 fp32 [S', I/32, H], split_counts2 int32 [W' * H/64]   the same for L2 (``tc_split_l2``)
     """
 
     x_q: torch.Tensor
@@ -68,8 +67,6 @@ class DecodeBuffers:
     counters: torch.Tensor
     split_terms: torch.Tensor
     split_counts: torch.Tensor
-    split_terms2: torch.Tensor
-    split_counts2: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
 
@@ -105,8 +102,6 @@ class DecodeBuffers:
             counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
-            split_terms2=e(s_split, i // 32, h),
-            split_counts2=torch.zeros(min(el, s_split) * (h // 64), dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 
@@ -132,7 +127,7 @@ class DecodeBuffers:
         for f in fields(self):
             t = getattr(self, f.name)
             if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters",
-                                                                 "split_counts", "split_counts2"):
+                                                                 "split_counts"):
                 if t.dtype.is_floating_point:
                     t.fill_(float("nan"))
                 else:

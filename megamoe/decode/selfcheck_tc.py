@@ -40,7 +40,7 @@ CPU_CASES = (
     DecodeCase("wide", 3, routing="allmasked", seed=14),
     DecodeCase("tiny", 3, broken="l2-scale-off-by-one", seed=15),
 )
-# A split K (``LaunchConfig.tc_split``, ``tc_split_l2``) needs as many K blocks as parts: H = I = 512 give four.
+# L1's split K (``LaunchConfig.tc_split``) needs as many K blocks as parts: H = 512 gives four.
 SPLIT_CASES = (DecodeCase("wide", 2, seed=16), DecodeCase("wide", 3, routing="allmasked", seed=14))
 # The other choice of ``LaunchConfig.tc_route`` than the backend's launch makes (it routes inside L1 up to 24
 # slots), so that both L1-routes-for-itself and the route launch are checked: packed passes; tiny 20 skewed also
@@ -65,10 +65,9 @@ def _exact_friendly(inp, seed: int):
 
 
 def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None,
-                route: bool | None = None, split_l2: int | None = None) -> dict:
-    """``pack``, ``split``, ``route`` and ``split_l2`` override the launch's packed passes, L1's K parts, whether
-    L1 routes for itself and L2's K parts (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``, ``tc_split_l2``;
-    None: the backend's launch)."""
+                route: bool | None = None) -> dict:
+    """``pack``, ``split`` and ``route`` override the launch's packed passes, K parts and whether L1 routes for
+    itself (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -94,12 +93,10 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_split=split)
     if route is not None:
         cfg = dataclasses.replace(cfg, tc_route=route)
-    if split_l2 is not None:
-        cfg = dataclasses.replace(cfg, tc_split_l2=split_l2)
     suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}") + (
-        "" if route is None else f"-route{int(route)}") + ("" if split_l2 is None else f"-l2split{split_l2}")
+        "" if route is None else f"-route{int(route)}")
     row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
-           "route_in_l1": cfg.tc_route, "split_l2": cfg.tc_split_l2, **dataclasses.asdict(case)}
+           "route_in_l1": cfg.tc_route, **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
@@ -164,7 +161,6 @@ def main(argv=None) -> int:
     rows += [run_tc_case(c, args.device, True, split) for c in SPLIT_CASES for split in (2, 4)]
     rows += [run_tc_case(c, args.device, True, route=flipped_route(c)) for c in ROUTE_CASES]
     rows += [run_tc_case(c, args.device, True, 2, route=flipped_route(c)) for c in SPLIT_CASES]
-    rows += [run_tc_case(c, args.device, True, split_l2=parts) for c in SPLIT_CASES for parts in (2, 4)]
     print(json.dumps(rows))
     return 0 if all(passed_tc(r) for r in rows) else 1
 

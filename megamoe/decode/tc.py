@@ -59,15 +59,16 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bo
             "PDL": pdl}
 
 
-def _split(parts: int, name: str, iterations: int, what: str, buf, num_tokens: int, cfg: LaunchConfig) -> int:
-    """A GEMV's K parts (``LaunchConfig.tc_split`` for L1, ``tc_split_l2`` for L2), checked against the packed
-    passes, the buffers' split scratch and the K loop (``iterations``, a multiple of the parts)."""
+def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
+    """L1's K parts (``LaunchConfig.tc_split``), checked against the packed passes, the buffers' split scratch and
+    L1's K loop (hidden/128 blocks, a multiple of the parts)."""
+    parts = cfg.tc_split
     if parts > 1 and (not cfg.tc_pack4 or num_tokens > buf.split_tokens):
-        raise ValueError(f"LaunchConfig.{name}={parts} needs tc_pack4=True and num_tokens <= the buffers' "
+        raise ValueError(f"LaunchConfig.tc_split={parts} needs tc_pack4=True and num_tokens <= the buffers' "
                          f"split_tokens ({buf.split_tokens}; DecodeBuffers.allocate(split_tokens=...)), got "
                          f"tc_pack4={cfg.tc_pack4}, num_tokens={num_tokens}")
-    if iterations % parts:
-        raise ValueError(f"LaunchConfig.{name}={parts} must divide {what}")
+    if (tw.hidden // 128) % parts:
+        raise ValueError(f"LaunchConfig.tc_split={parts} must divide L1's {tw.hidden // 128} K blocks (hidden/128)")
     return parts
 
 
@@ -90,8 +91,7 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
 
     if num_tokens == 0:
         return
-    split = _split(cfg.tc_split, "tc_split", tw.hidden // 128, f"L1's {tw.hidden // 128} K blocks (hidden/128)",
-                   buf, num_tokens, cfg)
+    split = _split(tw, buf, num_tokens, cfg)
     s_pad = _route_slots(buf, num_tokens, cfg)
     route = {}
     if s_pad:  # E_PAD: route's histogram bins (routing.route_meta), the local experts and one for invalid slots
@@ -111,14 +111,11 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    split = _split(cfg.tc_split_l2, "tc_split_l2", tw.intermediate // 128,
-                   f"L2's {tw.intermediate // 128} K iterations (intermediate/128)", buf, num_tokens, cfg)
-    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64, split)](
+    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, buf.split_terms2, buf.split_counts2,
-        H=tw.hidden, I=tw.intermediate, ASM=not buf.interpret,
-        **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
+        ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
     )
 
 

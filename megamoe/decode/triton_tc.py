@@ -5,8 +5,7 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
     l1_tc_kernel  grid (W, I / 32, SPLIT):  work item j's expert, gate and up channels [32 t, 32 t + 32) (64
                   MMA rows) over all H (part p of SPLIT: the p-th share of the K blocks); then SwiGLU, the
                   routing weight and the FP8 requant of those 32 channels
-    l2_tc_kernel  grid (W, H / 64, SPLIT):  the same expert's output rows [64 t, 64 t + 64) over all I (part p:
-                  the p-th share of the K iterations) -> bf16
+    l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
 
 With ROUTE (``LaunchConfig.tc_route``) L1 runs route's work itself: each program finds work item j from the staged
 top-k (``routing.route_item``), and one extra program (j = W) writes route's outputs for L2 and the combine.
@@ -17,8 +16,8 @@ columns of one MMA (``_packed_mma``; the same bits). Each loop iteration takes f
 block; L2: four promotion blocks), their four code blocks in one load (``_load4``): Triton software-pipelines
 the code and x tiles, and the scale words and activation scales are loaded one iteration ahead by hand.
 
-Split K (packed passes, SPLIT > 1): part 0 keeps the running sum of its blocks, the other parts store each
-block's term fl32(x_sf * blk) (L2: each 32-K group's); the last part to finish (a self-resetting counter) replays the chain, the same
+Split K (L1's packed passes, SPLIT > 1): part 0 keeps the running sum of its blocks, the other parts store each
+block's term fl32(x_sf * blk); the last part to finish (a self-resetting counter) replays the chain, the same
 FP32 additions in the same order (``_replay``), and runs the epilogue. Same bits as SPLIT = 1.
 
 Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_gemm``), per 32-K group g:
@@ -195,71 +194,49 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', I/32, H], int32 [>= W' * H/64] (moe.DecodeBuffers.split_*2)
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    PACK: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
-    part = tl.program_id(2)
     pdl_wait(PDL)
     if EARLY:
         pdl_release(PDL)
     if j < tl.load(num_touched_ptr):
-        NI: tl.constexpr = I // 128  # K-loop iterations, four groups each
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
-            cols = _packed_columns(rows, count)
-            zero = tl.zeros([64, 4], tl.float32)
-            if SPLIT == 1:
-                acc = _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, 0, NI, None, 1, I, ASM,
-                                 True, False)
-                pdl_release(PDL)
-                tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
-            else:  # as L1's split, with a term per 32-K group (L2 promotes each group)
-                NIP: tl.constexpr = NI // SPLIT
-                slots = _slots(terms_ptr, rows, t, I // 32, H)
-                if part == 0:
-                    acc = _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, 0, NIP, slots, H, I,
-                                     ASM, True, False)
-                    tl.store(slots, acc, mask=valid[None, :])
-                else:
-                    _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, part * NIP, NIP, slots, H,
-                               I, ASM, True, True)
-                pdl_release(PDL)
-                if _arrive_last(cnt_ptr + j * (H // 64) + t, SPLIT):
-                    acc = _replay(slots, valid, 4 * NIP, I // 32, H)
-                    tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
-        elif part == 0:  # passes of 16 rows, never split
+            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
+                             w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
+            pdl_release(PDL)
+            tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
+        else:
             m0 = 0
             while m0 < count:
                 rows, valid = _pass(start, m0, count)
                 acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
-                                 tile, 0, NI, None, 1, I, ASM, False, False)
+                                 tile, I, ASM, False)
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
 
 
 @triton.jit
-def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, lo, N: tl.constexpr, slots,
-               STRIDE: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
-    """L2's K loop for one pass over N iterations of four groups each, from iteration lo: acc fp32 [64, W]
-    promoted group by group in ascending K (or, TERMS, each group's term stored in its slot: ``_take``), one
-    packed MMA over ``cols`` or four per iteration, each group's scales loaded one iteration ahead."""
+def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
+               ASM: tl.constexpr, PACKED: tl.constexpr):
+    """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
+    iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead."""
     NG: tl.constexpr = I // 32
     sp = s_ptr + tile * 16  # tile counts groups: its first 128-K block's 64 words
     cp = sf2_ptr + rows * NG
-    g = lo * 4
-    f0, f1, f2, f3 = _factors4(sp + lo * 64)
-    c0, c1, c2, c3 = (tl.load(cp + g, mask=valid, other=0.0), tl.load(cp + g + 1, mask=valid, other=0.0),
-                      tl.load(cp + g + 2, mask=valid, other=0.0), tl.load(cp + g + 3, mask=valid, other=0.0))
-    for i in range(N):
-        g = (lo + i) * 4
-        nx = (lo + tl.minimum(i + 1, N - 1)) * 4  # the next iteration's first group (the last: its own)
+    f0, f1, f2, f3 = _factors4(sp)
+    c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
+                      tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
+    for it in range(NG // 4):
+        g = it * 4
+        nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
         n0, n1, n2, n3 = _factors4(sp + nx * 16)
         o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
                           tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
@@ -272,10 +249,10 @@ def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, lo, N
             d1 = _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM)
             d2 = _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM)
             d3 = _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM)
-        acc = _take(acc, d0, c0, slots, g, valid, STRIDE, TERMS, ASM)  # the promotion, group by group
-        acc = _take(acc, d1, c1, slots, g + 1, valid, STRIDE, TERMS, ASM)
-        acc = _take(acc, d2, c2, slots, g + 2, valid, STRIDE, TERMS, ASM)
-        acc = _take(acc, d3, c3, slots, g + 3, valid, STRIDE, TERMS, ASM)
+        acc = acc + _mul_rn(d0, c0[None, :], ASM)  # the promotion, group by group
+        acc = acc + _mul_rn(d1, c1[None, :], ASM)
+        acc = acc + _mul_rn(d2, c2[None, :], ASM)
+        acc = acc + _mul_rn(d3, c3[None, :], ASM)
         f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
     return acc
 
