@@ -36,7 +36,8 @@ def main() -> int:
     read_src = torch.empty(g.num_experts * tw.nbytes_per_expert() // 4, dtype=torch.int32, device="cuda")
     for t in args.tokens:
         inp, buf, touched, slots = staged_buffers(g, t, torch.device("cuda"), split_tokens=t)
-        cfg = tc_launch_config(t, g.num_topk)  # the backend's own launch (until 2026-12-04 this took the CUDA-core path's)
+        # the backend's own launch (until 2026-12-04 this took the CUDA-core path's)
+        cfg = tc_launch_config(t, g.num_topk)
         for _ in range(2):
             moe_decode(tw, buf, t, g.clamp, cfg)
         plain_read(read_src, touched * tw.nbytes_per_expert(), sink)()
