@@ -99,9 +99,9 @@ def main() -> int:
     ap.add_argument("--check-route", action="store_true", help="also check L1 routing for itself at each --check count")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                    help="nocap: no register caps (the compiler's choice); cap64 / cap72: tighter caps (more resident "
-                         "programs); pdl, pdl-early, nopdl: launch overlap; pack4: four groups per MMA; split1 / 2 / 4: "
-                         "L1's K in parts (VARIANTS)")
+                    help="nocap: no register caps (the compiler's choice); cap64 / cap72, l2capNN, l1cap72-l2cap72: "
+                         "other caps; pdl, pdl-early, nopdl: launch overlap; pack4: four groups per MMA; split1 / 2 / "
+                         "4: L1's K in parts; route / noroute: L1 routing for itself or not (VARIANTS)")
     ap.add_argument("--repeat", type=int, default=20, help="poisoned launches of each variant checked against the default")
     ap.add_argument("--no-cuda-core", action="store_true", help="time the tensor-core path only")
     ap.add_argument("--min-s", type=float, default=0.4)
