@@ -149,7 +149,7 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
     if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
-                      cfg.pdl, x32=not tensor_cores, zero=not tensor_cores)
+                      cfg.pdl, full=not tensor_cores)
     if tensor_cores:
         tc.l1_tc(dw, buf, num_tokens, clamp, cfg)
         tc.l2_tc(dw, buf, num_tokens, cfg)

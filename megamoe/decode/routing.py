@@ -11,13 +11,13 @@ for the first T tokens and the local experts [expert_lo, expert_lo + E_l):
     num_touched[0]                  how many local experts have a slot
     touched[j], seg_start[j], seg_count[j]   work item j < num_touched: the j-th touched expert (local
                                     index, ascending), its first pool row, its number of rows
-    x32 [T, H] fp32                 the e4m3 values of x_q (exact)                       (x32=True)
-    counters                        zeroed (the fused launch's done / tile counts and error flag)   (zero=True)
+    x32 [T, H] fp32                 the e4m3 values of x_q (exact)                               (full)
+    counters                        zeroed (the fused launch's done / tile counts and error flag)   (full)
     y[t]                            zeroed for every token t with no local slot (nothing else writes it when
-                                    fused)                                                (zero=True)
+                                    fused)                                                        (full)
 
-The tensor-core path reads x_q itself and its combine writes every row of y, so it routes with neither: one
-program, whose sort covers the step's T K slots (not the buffers' capacity).
+The tensor-core path reads x_q itself and its combine writes every row of y, so it routes without these
+(``full=False``): one program, whose sort covers the step's T K slots (not the buffers' capacity).
 
 Entries past these counts are left as they were (the kernels never read them).
 """
@@ -49,16 +49,15 @@ def route_kernel(
     y_ptr,  # int16 (bf16 bits) [C, H]: rows of tokens with no local slot are zeroed (the fused launch skips them)
     T, expert_lo, num_local,
     K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, H: tl.constexpr, X_BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False, X32: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid > 0:  # programs 1.. convert x_q to float32 values, X_BLOCK elements each
         offs = (pid - 1).to(tl.int64) * X_BLOCK + tl.arange(0, X_BLOCK)
         m = offs < T * H
-        if X32:
-            code = tl.load(xq_ptr + offs, mask=m, other=0)
-            tl.store(x32_ptr + offs, e4m3_to_f32(code), mask=m)
+        code = tl.load(xq_ptr + offs, mask=m, other=0)
+        tl.store(x32_ptr + offs, e4m3_to_f32(code), mask=m)
         tok = offs // H
         routed = tl.zeros([X_BLOCK], tl.int1)
         for k in tl.static_range(K):
@@ -151,21 +150,21 @@ X_BLOCK = 4096
 
 
 def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out, pdl: bool = False,
-          *, x32: bool = True, zero: bool = True) -> None:
+          *, full: bool = True) -> None:
     """Launch ``route_kernel`` for the first ``num_tokens`` staged tokens into ``out`` (a DecodeBuffers); ``pdl``:
-    programmatic dependent launch (``triton_pdl.py``); ``x32`` / ``zero``: also write x32 / zero the counters and
-    the unrouted tokens' y (the module docstring)."""
+    programmatic dependent launch (``triton_pdl.py``); ``full``: also x32, the counters and the unrouted tokens' y
+    (the module docstring; programs 1.. and program 0's zeroing)."""
     k = topk_idx.shape[1]
     h = x_q.shape[1]
     if num_tokens == 0:
         return
-    grid = (1 + (triton.cdiv(num_tokens * h, X_BLOCK) if x32 or zero else 0),)
+    grid = (1 + (triton.cdiv(num_tokens * h, X_BLOCK) if full else 0),)
     route_kernel[grid](
         topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
-        out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel() if zero else 0,
+        out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel() if full else 0,
         out.y.view(torch.int16), num_tokens, expert_lo, num_local,
         K=k, S_PAD=triton.next_power_of_2(num_tokens * k), E_PAD=triton.next_power_of_2(num_local + 1), H=h,
-        X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret, X32=x32, **launch_options(4, out.interpret, pdl),
+        X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret, **launch_options(4, out.interpret, pdl),
     )
 
 

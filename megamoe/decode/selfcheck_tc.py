@@ -110,8 +110,7 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     if cfg.tc_route:
         tc.l1_tc(tw, buf, t, g.clamp, cfg)
     else:
-        routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, x32=False,
-                      zero=False)
+        routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, full=False)
     routing.route_torch(twin.topk_idx, twin.topk_weights, twin.x_q, t, twin.expert_lo, twin.num_local, twin)
     row["route"] = "; ".join(f"{f}: {m}" for f in ROUTE_FIELDS if (m := first_mismatch(_written(buf, f, t),
                                                                                        _written(twin, f, t))))

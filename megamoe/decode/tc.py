@@ -80,7 +80,9 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
     if slots > MAX_ROUTE_SLOTS:
         raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every L1 program: num_tokens * top-k must "
                          f"be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
-    return 1 << (slots - 1).bit_length()  # the next power of two
+    import triton
+
+    return triton.next_power_of_2(slots)
 
 
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
