@@ -89,6 +89,32 @@ def sweep_clock(fn) -> dict:
     return {"median_us": tm.median_us, "replays": len(tm.samples_us)}
 
 
+def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5) -> dict:
+    """The launch's timeline (megamoe.decode.timeline) over a few flushed graph replays with stamps on; the
+    replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
+    from megamoe.decode.timeline import stamp_buffer, summarize, table
+
+    buf.stamps = stamp_buffer(buf, (buf.max_work(t) + 1) * max(g.intermediate // 32 * 4, g.hidden // 64))
+    try:
+        tm = time_replays(lambda: moe_decode(tw, buf, t, g.clamp, cfg), 0.2, flush)
+        gs, reps = tm.pop("graph"), []
+        for _ in range(replays):
+            buf.stamps.fill_(-1)
+            flush()
+            gs.replay(0)
+            torch.cuda.synchronize()
+            reps.append(summarize(buf.stamps))
+    finally:
+        buf.stamps = None
+    reps.sort(key=lambda r: r["launches"]["l2"]["at_us"]["exit"]["max"])
+    mid = reps[len(reps) // 2]
+    print(f"[tc] timeline T={t} (stamped launch {tm['median_us']:.1f} us; timer step {mid['timer_step_ns']} ns, "
+          f"{mid['clock_ghz']} GHz):\n{table(mid)}", flush=True)
+    print("     ", {k: {x: d[x] for x in ("programs", "working", "sms", "max_resident_per_sm", "loop_us") if x in d}
+                     for k, d in mid["launches"].items()}, flush=True)
+    return {"stamped": tm, "replays": reps, "median_replay": mid}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "decode_tc_out"))
@@ -109,6 +135,9 @@ def main() -> int:
                     "largest count; default: each count's own)")
     ap.add_argument("--sweep-clock", action="store_true", help="also time the backend's launch as `megamoe bench` "
                     "does (megamoe.bench.timing.time_graph: batches queued back to back, the L2 flushed between calls)")
+    ap.add_argument("--timeline", action="store_true", help="also record the backend's launch's timeline "
+                    "(megamoe.decode.timeline: when each L1 / L2 program started, waited, knew its item, finished "
+                    "its K loop, exited)")
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -160,6 +189,8 @@ def main() -> int:
             row["tc"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, ctc), args.min_s, flush)
             if args.sweep_clock:
                 row["tc_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, ctc))
+            if args.timeline:
+                row["timeline"] = timeline_of(tw, buf, t, g, ctc, flush)
             for st in args.stages:
                 c2 = dataclasses.replace(ctc, tc_stages=st)
                 row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)
@@ -179,7 +210,7 @@ def main() -> int:
             if nbytes // 4 <= read_src.numel():
                 row["read"] = timed(plain_read(read_src, nbytes, sink), 0.2, flush)
             line = " ".join(f"{k} {v['median_us']:.1f}{'' if v.get('same_bits', True) else ' (OTHER BITS)'}"
-                            for k, v in row.items() if isinstance(v, dict))
+                            for k, v in row.items() if isinstance(v, dict) and "median_us" in v)
             print(f"[tc] T={t} experts {touched}: {line} (FlashInfer {FLASHINFER_US.get(t, '-')}) "
                   f"({time.time() - T0:.0f} s)", flush=True)
             print("     kineto tc:", {k: round(v, 1) for k, v in row["tc"]["kineto_us"].items()}, flush=True)

@@ -44,6 +44,8 @@ class DecodeBuffers:
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
+        stamps int64 [2, P, 16] or None    set by a caller that wants the tensor-core L1's (0) and L2's (1)
+                                           timeline, P >= each launch's programs (``tc.timeline``)
     """
 
     x_q: torch.Tensor
@@ -69,6 +71,7 @@ class DecodeBuffers:
     split_counts: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
+    stamps: torch.Tensor | None = None
 
     @property
     def interpret(self) -> bool:

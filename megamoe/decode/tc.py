@@ -14,6 +14,8 @@ tensor cores' 13 fraction bits (the CPU tests' inputs are built so).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..recipe import MEGAMOE_DECODE_TC
@@ -85,6 +87,18 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
     return triton.next_power_of_2(slots)
 
 
+def _stamps(buf, launch: int, grid: tuple) -> tuple:
+    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``timeline``), checked
+    against the grid; otherwise a stand-in tensor the kernel never touches and STAMP off."""
+    if buf.stamps is None:
+        return buf.num_touched, False
+    programs = math.prod(grid)
+    if buf.interpret or buf.stamps.dim() != 3 or buf.stamps.shape[1] < programs or buf.stamps.shape[2] != 16:
+        raise ValueError(f"DecodeBuffers.stamps must be int64 [2, >= {programs}, 16] on a GPU (launch {launch}'s "
+                         f"grid {grid}), got {tuple(buf.stamps.shape)}{' under the interpreter' * buf.interpret}")
+    return buf.stamps[launch], True
+
+
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
     import triton
@@ -98,13 +112,16 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
     route = {}
     if s_pad:  # E_PAD: route's histogram bins (routing.route_meta), the local experts and one for invalid slots
         route = dict(ROUTE=True, K=buf.num_topk, S_PAD=s_pad, E_PAD=triton.next_power_of_2(buf.num_local + 1))
-    l1_tc_kernel[(buf.max_work(num_tokens) + bool(s_pad), tw.intermediate // 32, split)](
+    grid = (buf.max_work(num_tokens) + bool(s_pad), tw.intermediate // 32, split)
+    stamps, stamp = _stamps(buf, 0, grid)
+    l1_tc_kernel[grid](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
         buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
-        buf.num_local, float(clamp), H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split, **route,
+        STAMP=stamp,
     )
 
 
@@ -113,11 +130,13 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    l2_tc_kernel[(buf.max_work(num_tokens), tw.hidden // 64)](
+    grid = (buf.max_work(num_tokens), tw.hidden // 64)
+    stamps, stamp = _stamps(buf, 1, grid)
+    l2_tc_kernel[grid](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, H=tw.hidden, I=tw.intermediate,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4,
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, STAMP=stamp,
     )
 
 

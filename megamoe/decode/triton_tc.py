@@ -38,7 +38,8 @@ from ..staging.triton_stage import _e4m3_rtne_bits
 from .triton_gemv import _bf16_bits
 from .routing import route_item, route_meta, route_rows
 from .triton_pdl import pdl_release, pdl_wait
-from .triton_tc_ops import NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma, _x_group
+from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma, _stamp,
+                            _x_group)
 
 
 @triton.jit
@@ -63,12 +64,15 @@ def l1_tc_kernel(
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W' * I/32] (moe.DecodeBuffers.split_*)
     idx_ptr, tw_ptr, slot_row_ptr, T, expert_lo, num_local,  # ROUTE: the staged routing; route's other output
-    clamp,
+    clamp, stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
     ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
+    STAMP: tl.constexpr = False,
 ):
+    _stamp(stamps_ptr, 1, STAMP)
     pdl_wait(PDL)
+    _stamp(stamps_ptr, 2, STAMP)
     if EARLY:
         pdl_release(PDL)
     j = tl.program_id(0)
@@ -86,6 +90,7 @@ def l1_tc_kernel(
         if not ROUTE:
             e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
             skey = 0
+        _stamp(stamps_ptr, 3, STAMP)
         tile = e * (I // 32) + t
         sp = s_ptr + tile * NB * 64
         wp = w_ptr + tile * NB * 4096
@@ -97,6 +102,7 @@ def l1_tc_kernel(
             zero = tl.zeros([64, 4], tl.float32)
             if SPLIT == 1:
                 acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
+                _stamp(stamps_ptr, 4, STAMP)
                 pdl_release(PDL)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
@@ -109,6 +115,7 @@ def l1_tc_kernel(
                 else:  # each block's term in its own slot
                     _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
                                ASM, True, True)
+                _stamp(stamps_ptr, 4, STAMP)
                 pdl_release(PDL)
                 if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
                     acc = _replay(slots, valid, NBP, NB, 2 * I)
@@ -124,6 +131,7 @@ def l1_tc_kernel(
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
+    _stamp(stamps_ptr, 5, STAMP)
 
 
 @triton.jit
@@ -194,22 +202,27 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
+    stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    PACK: tl.constexpr = False,
+    PACK: tl.constexpr = False, STAMP: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
+    _stamp(stamps_ptr, 1, STAMP)
     pdl_wait(PDL)
+    _stamp(stamps_ptr, 2, STAMP)
     if EARLY:
         pdl_release(PDL)
     if j < tl.load(num_touched_ptr):
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
+        _stamp(stamps_ptr, 3, STAMP)
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
             acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
                              w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
+            _stamp(stamps_ptr, 4, STAMP)
             pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
         else:
@@ -221,6 +234,7 @@ def l2_tc_kernel(
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
+    _stamp(stamps_ptr, 5, STAMP)
 
 
 @triton.jit
