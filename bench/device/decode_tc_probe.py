@@ -89,7 +89,7 @@ def sweep_clock(fn) -> dict:
     return {"median_us": tm.median_us, "replays": len(tm.samples_us)}
 
 
-def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5) -> dict:
+def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str | None = None) -> dict:
     """The launch's timeline (megamoe.decode.timeline) over a few flushed graph replays with stamps on; the
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
     from megamoe.decode.timeline import stamp_buffer, summarize, table
@@ -103,11 +103,15 @@ def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5) -> dict:
             flush()
             gs.replay(0)
             torch.cuda.synchronize()
-            reps.append(summarize(buf.stamps))
+            reps.append((summarize(buf.stamps), buf.stamps.clone()))
     finally:
         buf.stamps = None
-    reps.sort(key=lambda r: r["launches"]["l2"]["at_us"]["exit"]["max"])
-    mid = reps[len(reps) // 2]
+    reps.sort(key=lambda r: r[0]["launches"]["l2"]["at_us"]["exit"]["max"])
+    mid, raw = reps[len(reps) // 2]
+    reps = [r[0] for r in reps]
+    if raw_out:  # the median replay's stamps of the programs that ran, for offline reading
+        ran = raw[:, :, 1] >= 0
+        torch.save({"stamps": [raw[i][ran[i]] for i in range(2)], "tokens": t, "config": str(cfg)}, raw_out)
     print(f"[tc] timeline T={t} (stamped launch {tm['median_us']:.1f} us; timer step {mid['timer_step_ns']} ns, "
           f"{mid['clock_ghz']} GHz):\n{table(mid)}", flush=True)
     print("     ", {k: {x: d[x] for x in ("programs", "working", "sms", "max_resident_per_sm", "loop_us") if x in d}
@@ -190,7 +194,8 @@ def main() -> int:
             if args.sweep_clock:
                 row["tc_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, ctc))
             if args.timeline:
-                row["timeline"] = timeline_of(tw, buf, t, g, ctc, flush)
+                row["timeline"] = timeline_of(tw, buf, t, g, ctc, flush,
+                                              raw_out=os.path.join(args.out, f"stamps-T{t}.pt") if t <= 2 else None)
             for st in args.stages:
                 c2 = dataclasses.replace(ctc, tc_stages=st)
                 row[f"tc_stages{st}"] = timed(lambda: moe_decode(tw, buf, t, g.clamp, c2), 0.2, flush)
@@ -205,6 +210,10 @@ def main() -> int:
                                      "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}"}
                 if args.sweep_clock:
                     row[f"tc_{name}_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, c3))
+                if args.timeline and t <= 2:
+                    print(f"[tc] variant {name}:", flush=True)
+                    row[f"timeline_{name}"] = timeline_of(tw, buf, t, g, c3, flush,
+                                                          raw_out=os.path.join(args.out, f"stamps-T{t}-{name}.pt"))
             nbytes = touched * tw.nbytes_per_expert()
             row.update(touched=touched, slots=slots, weight_mb=nbytes / 1e6)
             if nbytes // 4 <= read_src.numel():

@@ -83,13 +83,12 @@ def l1_tc_kernel(
         if (j == tl.num_programs(0) - 1) & (t == 0) & (part == 0):
             route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
                        row_weight_ptr, slot_row_ptr, cnt_ptr, 0, T, expert_lo, num_local, K, S_PAD, E_PAD, False)
-    else:
+    else:  # the item's loads go out with the count's, not after it (j < W: always inside route's outputs)
         n_items = tl.load(num_touched_ptr)
+        e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
+        skey = 0
     if j < n_items:
         NB: tl.constexpr = H // 128
-        if not ROUTE:
-            e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
-            skey = 0
         _stamp(stamps_ptr, 3, STAMP)
         tile = e * (I // 32) + t
         sp = s_ptr + tile * NB * 64
@@ -213,8 +212,9 @@ def l2_tc_kernel(
     _stamp(stamps_ptr, 2, STAMP)
     if EARLY:
         pdl_release(PDL)
-    if j < tl.load(num_touched_ptr):
-        e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)
+    n_items = tl.load(num_touched_ptr)
+    e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as L1's)
+    if j < n_items:
         _stamp(stamps_ptr, 3, STAMP)
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
