@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
-STAMP_WORDS = tl.constexpr(16)  # int64 per program in a launch's timeline (``_stamp``): SM id, then globaltimer / clock64 pairs
+STAMP_WORDS = tl.constexpr(16)  # int64 per program in a launch's timeline (``_stamp``): SM id, timer / clock pairs
 
 
 @triton.jit
@@ -67,6 +67,20 @@ def _factor(word, g: tl.constexpr):
 def _load4(wp):
     """The four consecutive 1,024-byte code blocks at wp as one [4, 1024] load (see ``_blocks4``)."""
     return tl.load(wp + tl.arange(0, 4)[:, None] * 1024 + tl.arange(0, 1024)[None, :])
+
+
+@triton.jit
+def _prefetch_l2(p, NBYTES: tl.constexpr, ASM: tl.constexpr):
+    """Ask the L2 cache for the NBYTES contiguous bytes at p (16-byte aligned; NBYTES a multiple of 2,048): 128
+    bulk prefetches of NBYTES / 128 bytes (``cp.async.bulk.prefetch.L2``), one per thread of a 4-warp program, with
+    no eviction priority (an L2 flush evicts them like any line). No register written, no wait, no bit changed;
+    nothing under the interpreter."""
+    if ASM:
+        C: tl.constexpr = NBYTES // 128
+        pb = p.to(tl.pointer_type(tl.uint8), bitcast=True)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                  [pb + tl.arange(0, 128) * C, tl.full([128], C, tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
