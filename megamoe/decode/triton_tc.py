@@ -254,10 +254,6 @@ def l2_tc_kernel(
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
-    if ROUTE and META_LAST:  # no extra programs: the first writes route's outputs once its own work is done
-        if (j == 0) & (t == 0) & (part == 0):
-            route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-                       row_weight_ptr, slot_row_ptr, cnt_ptr, 0, T, expert_lo, num_local, K, S_PAD, E_PAD, False)
     _stamp(stamps_ptr, 5, STAMP)
 
 
