@@ -66,10 +66,6 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
-    # L1 warms the L2 cache with its share of the L2 weights after its K loop; route's outputs by L1's first program
-    "warm": dict(tc_warm_l2=True),
-    "metalast": dict(tc_meta_last=True),
-    "warm-metalast": dict(tc_warm_l2=True, tc_meta_last=True),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()

@@ -60,13 +60,6 @@ class LaunchConfig:
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
-    # The tensor-core L1, packed passes: once its K loop is done, each program asks the L2 cache for its share of its
-    # expert's L2 weights (cp.async.bulk.prefetch.L2, no eviction priority), so that L2 starts from the L2 cache.
-    # A hint: same bits.
-    tc_warm_l2: bool = False
-    # With tc_route: route's outputs written by L1's first program once its work is done, not by an extra j (whose
-    # other programs are idle but take slots first). Same bits.
-    tc_meta_last: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

@@ -112,17 +112,16 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
     route = {}
     if s_pad:  # E_PAD: route's histogram bins (routing.route_meta), the local experts and one for invalid slots
         route = dict(ROUTE=True, K=buf.num_topk, S_PAD=s_pad, E_PAD=triton.next_power_of_2(buf.num_local + 1))
-    grid = (buf.max_work(num_tokens) + (bool(s_pad) and not cfg.tc_meta_last), tw.intermediate // 32, split)
+    grid = (buf.max_work(num_tokens) + bool(s_pad), tw.intermediate // 32, split)
     stamps, stamp = _stamps(buf, 0, grid)
     l1_tc_kernel[grid](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
-        buf.split_terms, buf.split_counts, tw.l2_codes, tw.l2_scales.view(torch.int32), buf.topk_idx, buf.topk_weights,
-        buf.slot_row, num_tokens, buf.expert_lo,
+        buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
         buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
         **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split, **route,
-        STAMP=stamp, WARM=cfg.tc_warm_l2, META_LAST=cfg.tc_meta_last,
+        STAMP=stamp,
     )
 
 

@@ -39,7 +39,7 @@ from .triton_gemv import _bf16_bits
 from .routing import route_item, route_meta, route_rows
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma,
-                            _prefetch_l2, _stamp, _x_group)
+                            _stamp, _x_group)
 
 
 @triton.jit
@@ -63,13 +63,12 @@ def l1_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr,
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W' * I/32] (moe.DecodeBuffers.split_*)
-    w2_ptr, s2_ptr,  # WARM: L2's codes and scale words (l2_tc_kernel's), only asked of the L2 cache
     idx_ptr, tw_ptr, slot_row_ptr, T, expert_lo, num_local,  # ROUTE: the staged routing; route's other output
     clamp, stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
     ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-    STAMP: tl.constexpr = False, WARM: tl.constexpr = False, META_LAST: tl.constexpr = False,
+    STAMP: tl.constexpr = False,
 ):
     _stamp(stamps_ptr, 1, STAMP)
     pdl_wait(PDL)
@@ -81,7 +80,7 @@ def l1_tc_kernel(
     part = tl.program_id(2)
     if ROUTE:  # each program finds its work item itself; the extra last j writes route's outputs for L2, combine
         n_items, e, start, count, skey = route_item(j, idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
-        if (not META_LAST) and (j == tl.num_programs(0) - 1) & (t == 0) & (part == 0):
+        if (j == tl.num_programs(0) - 1) & (t == 0) & (part == 0):
             route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
                        row_weight_ptr, slot_row_ptr, cnt_ptr, 0, T, expert_lo, num_local, K, S_PAD, E_PAD, False)
     else:  # the item's loads go out with the count's, not after it (j < W: always inside route's outputs)
@@ -103,7 +102,6 @@ def l1_tc_kernel(
             if SPLIT == 1:
                 acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
                 _stamp(stamps_ptr, 4, STAMP)
-                _warm_l2(w2_ptr, s2_ptr, e, t, part, SPLIT, H, I, WARM, ASM)
                 pdl_release(PDL)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
@@ -117,7 +115,6 @@ def l1_tc_kernel(
                     _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
                                ASM, True, True)
                 _stamp(stamps_ptr, 4, STAMP)
-                _warm_l2(w2_ptr, s2_ptr, e, t, part, SPLIT, H, I, WARM, ASM)
                 pdl_release(PDL)
                 if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
                     acc = _replay(slots, valid, NBP, NB, 2 * I)
@@ -133,24 +130,7 @@ def l1_tc_kernel(
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
-    if ROUTE and META_LAST:  # no extra programs: the first writes route's outputs once its own work is done
-        if (j == 0) & (t == 0) & (part == 0):
-            route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-                       row_weight_ptr, slot_row_ptr, cnt_ptr, 0, T, expert_lo, num_local, K, S_PAD, E_PAD, False)
     _stamp(stamps_ptr, 5, STAMP)
-
-
-@triton.jit
-def _warm_l2(w2_ptr, s2_ptr, e, t, part, SPLIT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, WARM: tl.constexpr,
-             ASM: tl.constexpr):
-    """WARM: once its K loop is done, an L1 program asks the L2 cache for its share of expert e's L2 weights (1 /
-    (SPLIT I / 32) of its codes and scale words), which the next launch reads: L1's stream thins out over its last
-    programs, and L2 then starts from its weights in the L2 cache."""
-    if WARM:
-        P: tl.constexpr = SPLIT * (I // 32)  # L1 programs per expert
-        q = part * (I // 32) + t
-        _prefetch_l2(w2_ptr + e * (H * I // 2) + q * (H * I // 2 // P), H * I // 2 // P, ASM)
-        _prefetch_l2(s2_ptr + e * (H * I // 128) + q * (H * I // 128 // P), H * I // 32 // P, ASM)
 
 
 @triton.jit
