@@ -73,8 +73,7 @@ TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*i32", x_ptr="*fp8e4nv", xsf_ptr="*fp32", n
                  cnt_ptr="*i32", idx_ptr="*i64", tw_ptr="*fp32", slot_row_ptr="*i32",
                  T="i32", expert_lo="i32", num_local="i32", clamp="fp32", stamps_ptr="*i64")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
-                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", stamps_ptr="*i64",
-                 idx_ptr="*i64", T="i32", expert_lo="i32", num_local="i32")
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", stamps_ptr="*i64")
 
 
 def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool = False) -> int:

@@ -66,10 +66,6 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
-    # L2 finds its work item before its PDL wait (and asks the L2 cache for its first 8 / 16 KB of codes there)
-    "l2route": dict(tc_route_l2=True),
-    "l2route-head8": dict(tc_route_l2=True, tc_l2_head=8192),
-    "l2route-head16": dict(tc_route_l2=True, tc_l2_head=16384),
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()

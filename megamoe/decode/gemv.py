@@ -60,12 +60,6 @@ class LaunchConfig:
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
-    # The tensor-core L2 finds its work item from the staged top-k too, before its PDL wait (the top-k was written
-    # before L1, every program of which has passed its own wait when L2 starts), and with tc_l2_head > 0 asks the
-    # L2 cache for the first tc_l2_head bytes of its codes there (cp.async.bulk.prefetch.L2, no eviction priority).
-    # Same bits. Up to 64 slots.
-    tc_route_l2: bool = False
-    tc_l2_head: int = 0
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16

@@ -74,14 +74,13 @@ def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
     return parts
 
 
-def _route_slots(buf, num_tokens: int, cfg: LaunchConfig, flag: str = "tc_route") -> int:
-    """The padded slot count L1 (L2: ``flag="tc_route_l2"``) sorts when it routes for itself
-    (``LaunchConfig.tc_route``), 0 when it does not."""
-    if not getattr(cfg, flag):
+def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
+    """The padded slot count L1 sorts when it routes for itself (``LaunchConfig.tc_route``), 0 when it does not."""
+    if not cfg.tc_route:
         return 0
     slots = num_tokens * buf.num_topk
     if slots > MAX_ROUTE_SLOTS:
-        raise ValueError(f"LaunchConfig.{flag} sorts the step's slots in every program: num_tokens * top-k must "
+        raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every L1 program: num_tokens * top-k must "
                          f"be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
     import triton
 
@@ -127,26 +126,17 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
 
 
 def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
-    """L2 (with ``cfg.tc_route_l2`` it finds its work item from the staged top-k itself, before its PDL wait)."""
-    import triton
-
     from .triton_tc import l2_tc_kernel
 
     if num_tokens == 0:
         return
-    s_pad = _route_slots(buf, num_tokens, cfg, "tc_route_l2")
-    route = {}
-    if s_pad:
-        route = dict(ROUTE=True, K=buf.num_topk, S_PAD=s_pad, E_PAD=triton.next_power_of_2(buf.num_local + 1),
-                     HEAD=cfg.tc_l2_head)
     grid = (buf.max_work(num_tokens), tw.hidden // 64)
     stamps, stamp = _stamps(buf, 1, grid)
     l2_tc_kernel[grid](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, buf.topk_idx, num_tokens, buf.expert_lo,
-        buf.num_local, H=tw.hidden, I=tw.intermediate,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, STAMP=stamp, **route,
+        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, STAMP=stamp,
     )
 
 

@@ -39,7 +39,7 @@ from .triton_gemv import _bf16_bits
 from .routing import route_item, route_meta, route_rows
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma,
-                            _prefetch_l2, _stamp, _x_group)
+                            _stamp, _x_group)
 
 
 @triton.jit
@@ -202,27 +202,18 @@ def l2_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
-    idx_ptr, T, expert_lo, num_local,  # ROUTE: the staged top-k
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
     PACK: tl.constexpr = False, STAMP: tl.constexpr = False,
-    ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-    HEAD: tl.constexpr = 0,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
     _stamp(stamps_ptr, 1, STAMP)
-    if ROUTE:  # before the wait: the top-k was staged before L1, and every L1 program has passed its own wait
-        n_items, e, start, count, _ = route_item(j, idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
-        if HEAD:  # ... and the L2 cache asked for the tile's first code blocks while L1 ends
-            if j < n_items:
-                _prefetch_l2(w_ptr + (e * (H // 64) + t) * (I // 32) * 1024, HEAD, ASM)
     pdl_wait(PDL)
     _stamp(stamps_ptr, 2, STAMP)
     if EARLY:
         pdl_release(PDL)
-    if not ROUTE:
-        n_items = tl.load(num_touched_ptr)
-        e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as L1's)
+    n_items = tl.load(num_touched_ptr)
+    e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as L1's)
     if j < n_items:
         _stamp(stamps_ptr, 3, STAMP)
         tile = (e * (H // 64) + t) * (I // 32)

@@ -70,20 +70,6 @@ def _load4(wp):
 
 
 @triton.jit
-def _prefetch_l2(p, NBYTES: tl.constexpr, ASM: tl.constexpr):
-    """Ask the L2 cache for the NBYTES contiguous bytes at p (16-byte aligned; NBYTES a multiple of 2,048): 128
-    bulk prefetches of NBYTES / 128 bytes (``cp.async.bulk.prefetch.L2``), one per thread of a 4-warp program, with
-    no eviction priority (an L2 flush evicts them like any line). No register written, no wait, no bit changed;
-    nothing under the interpreter."""
-    if ASM:
-        C: tl.constexpr = NBYTES // 128
-        pb = p.to(tl.pointer_type(tl.uint8), bitcast=True)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [pb + tl.arange(0, 128) * C, tl.full([128], C, tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _blocks4(wp):
     """The four consecutive 1,024-byte code blocks at wp, each as [4, 8, 4, 2, 4] (``_decode_block``'s input).
 
