@@ -72,3 +72,49 @@ def test_launchers_refuse_a_stamps_buffer_too_small_or_off_the_gpu():
     Buf.interpret = True
     with pytest.raises(ValueError, match="under the interpreter"):
         _stamps(Buf, 1, (6, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 8))
+def test_timeline_on_the_gpu(tokens):
+    """One stamped launch of the backend's step (route inside L1 and a split L1 at 1 token, a route launch at 8):
+    every program records its points in order, L2 passes its wait only after L1's last program has exited (PDL),
+    and stamping changes no bit of y."""
+    from megamoe.decode import moe_decode
+    from megamoe.decode.layout_tc import prepare_tc_weights
+    from megamoe.decode.moe import DecodeBuffers
+    from megamoe.decode.selfcheck import case_weights
+    from megamoe.decode.tc import tc_launch_config
+    from megamoe.geometry import get_geometry
+    from megamoe.inputs import make_inputs
+    from megamoe.staging import stage_into
+
+    g = get_geometry("dsv4-flash")
+    tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+    inp = make_inputs(g, tokens, seed=700 + tokens, outlier_channels=4).to("cuda")
+    buf = DecodeBuffers.allocate(g, 64, "cuda", split_tokens=1)
+    stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, tokens,
+               num_experts=g.num_experts, backend="torch")
+    cfg = tc_launch_config(tokens, g.num_topk)
+    buf.poison_()
+    y = moe_decode(tw, buf, tokens, g.clamp, cfg).clone()
+    buf.poison_()
+    buf.stamps = stamp_buffer(buf, (buf.max_work(tokens) + 1) * 128)  # -1: a point no program reached
+    y_stamped = moe_decode(tw, buf, tokens, g.clamp, cfg).clone()
+    torch.cuda.synchronize()
+    s = buf.stamps.cpu()
+    assert torch.equal(y.view(torch.int16), y_stamped.view(torch.int16))
+    split = cfg.tc_split
+    l1_programs = (buf.max_work(tokens) + cfg.tc_route) * (g.intermediate // 32) * split
+    l2_programs = buf.max_work(tokens) * (g.hidden // 64)
+    for launch, programs in ((0, l1_programs), (1, l2_programs)):
+        ran = s[launch, :, 1] >= 0
+        assert int(ran.sum()) == programs and bool(ran[:programs].all()), (launch, int(ran.sum()), programs)
+        r = s[launch, :programs]
+        assert bool((r[:, 2] >= r[:, 1]).all() and (r[:, 5] >= r[:, 2]).all())
+        w = r[r[:, 3] >= 0]  # programs with a work item
+        assert w.shape[0] > 0 and bool(((w[:, 3] >= w[:, 2]) & (w[:, 4] >= w[:, 3]) & (w[:, 5] >= w[:, 4])).all())
+        assert bool(((r[:, 0] >= 0) & (r[:, 0] < torch.cuda.get_device_properties(0).multi_processor_count)).all())
+    assert cfg.pdl and int(s[1, :l2_programs, 2].min()) >= int(s[0, :l1_programs, 5].max())  # L2 waits on all of L1
+    summary = summarize(buf.stamps)
+    assert summary["launches"]["l1"]["programs"] == l1_programs and summary["launches"]["l2"]["programs"] == l2_programs
