@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.decode.timeline import stamp_buffer, summarize, table
+from megamoe.decode.timeline import loop_spread, main, stamp_buffer, summarize, table
 
 
 def _stamps(l1: list, l2: list, programs: int = 8) -> torch.Tensor:
@@ -45,6 +45,29 @@ def test_summary_reads_points_residency_and_clock():
     assert s["clock_ghz"] == 2.0
     assert s["timer_step_ns"] == 100
     assert "| l2 | exit | 21.00 |" in table(s)
+
+
+def test_loop_spread_separates_programs_from_their_sms(tmp_path, capsys):
+    """Loops of 1,000 / 3,000 cycles on SM 0 (two programs) and 2,000 on SM 1 (one): SD over programs sqrt(2/3) *
+    1,000, of the SM means 0 (both 2,000); by programs per SM, 2,000 either way. The CLI prints the same."""
+    rows = torch.full((3, 16), -1, dtype=torch.int64)
+    rows[:, 0] = torch.tensor([0, 0, 1])
+    rows[:, 1], rows[:, 5] = 100, 5000
+    rows[:, 11] = torch.tensor([500, 700, 900])
+    rows[:, 12] = rows[:, 11] + torch.tensor([1000, 3000, 2000])
+    spread = loop_spread(rows)
+    assert spread == {"programs": 3, "sd_cycles": round(1000 * (2 / 3) ** 0.5, 1), "sd_of_sm_means_cycles": 0.0,
+                      "mean_loop_by_programs_per_sm": {1: 2000.0, 2: 2000.0}}
+    idle = rows.clone()
+    idle[:, 11:13] = -1  # programs past the work items: no loop
+    assert loop_spread(torch.cat([rows, idle]))["programs"] == 3
+    f = tmp_path / "stamps.pt"
+    l1 = rows.clone()
+    l1[:, 9], l1[:, 13] = 0, 9800  # 2 cycles per ns over the 4,900 ns start-to-exit spans
+    torch.save({"stamps": [l1, l1[:2]]}, f)
+    assert main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "| l1 | start | 0.00 |" in out and "SM clock 2.0 GHz" in out and '"sd_of_sm_means_cycles": 0.0' in out
 
 
 def test_summary_refuses_what_it_cannot_read():

@@ -89,6 +89,22 @@ def _max_resident(sm: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> i
     return best
 
 
+def loop_spread(rows: torch.Tensor) -> dict:
+    """One launch's programs with a work item, int64 [P, 16] rows as stamped -> how their K loops (in SM
+    cycles) spread: the standard deviation over programs, that of the per-SM means (what the SM a program runs
+    on explains), and the mean loop per number of working programs an SM held, all in cycles."""
+    w = rows[(rows[:, 11] >= 0) & (rows[:, 12] >= 0)]
+    loop = (w[:, 12] - w[:, 11]).double()
+    sm = w[:, 0]
+    ids, inverse, counts = torch.unique(sm, return_inverse=True, return_counts=True)
+    sums = torch.zeros(ids.numel(), dtype=torch.float64).index_add_(0, inverse, loop)
+    means = sums / counts
+    by_count = {int(c): round(float(means[counts == c].mean()), 1) for c in torch.unique(counts)}
+    return {"programs": int(w.shape[0]), "sd_cycles": round(float(loop.std(unbiased=False)), 1),
+            "sd_of_sm_means_cycles": round(float(means.std(unbiased=False)), 1),
+            "mean_loop_by_programs_per_sm": by_count}
+
+
 def table(summary: dict) -> str:
     """A markdown table of ``summarize``'s point times: one row per launch and point, p10 / p50 / p90 / max."""
     lines = ["| launch | point | min | p10 | p50 | p90 | max (us from L1's first start) |",
@@ -99,3 +115,29 @@ def table(summary: dict) -> str:
                 lines.append(f"| {name} | {label} | " + " | ".join(f"{q[k]:.2f}" for k in ("min", "p10", "p50",
                                                                                           "p90", "max")) + " |")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print a saved replay's table, its clocks and each launch's loop spread (``loop_spread``)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("stamps", help="a torch file with 'stamps': [L1 rows, L2 rows] (the probe's stamps-T*.pt)")
+    args = ap.parse_args(argv)
+    saved = torch.load(args.stamps, map_location="cpu")
+    rows = saved["stamps"]
+    programs = max(r.shape[0] for r in rows)
+    stamps = torch.full((len(LAUNCHES), programs, WORDS), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        stamps[i, : r.shape[0]] = r
+    summary = summarize(stamps)
+    print(table(summary))
+    print(f"timer step {summary['timer_step_ns']} ns, SM clock {summary['clock_ghz']} GHz")
+    for name, r in zip(LAUNCHES, rows):
+        print(name, json.dumps(loop_spread(r)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
