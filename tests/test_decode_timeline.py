@@ -98,11 +98,11 @@ def test_launchers_refuse_a_stamps_buffer_too_small_or_off_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", (1, 8))
-def test_timeline_on_the_gpu(tokens):
-    """One stamped launch of the backend's step (route inside L1 and a split L1 at 1 token, a route launch at 8):
-    every program records its points in order, L2 passes its wait only after L1's last program has exited (PDL),
-    and stamping changes no bit of y."""
+@pytest.mark.parametrize("tokens,skew", ((1, 0.0), (8, 0.0), (32, 3.0)), ids=("T1", "T8", "T32-skewed"))
+def test_timeline_on_the_gpu(tokens, skew):
+    """One stamped launch of the backend's step (route inside L1 and a split L1 at 1 token, a route launch at 8,
+    an expert with more than 4 rows, so passes of 16, at 32 skewed): every program records its points in order,
+    L2 passes its wait only after L1's last program has exited (PDL), and stamping changes no bit of y."""
     from megamoe.decode import moe_decode
     from megamoe.decode.layout_tc import prepare_tc_weights
     from megamoe.decode.moe import DecodeBuffers
@@ -114,7 +114,7 @@ def test_timeline_on_the_gpu(tokens):
 
     g = get_geometry("dsv4-flash")
     tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
-    inp = make_inputs(g, tokens, seed=700 + tokens, outlier_channels=4).to("cuda")
+    inp = make_inputs(g, tokens, seed=700 + tokens, outlier_channels=4, **({"skew": skew} if skew else {})).to("cuda")
     buf = DecodeBuffers.allocate(g, 64, "cuda", split_tokens=1)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, tokens,
                num_experts=g.num_experts, backend="torch")
@@ -139,5 +139,7 @@ def test_timeline_on_the_gpu(tokens):
         assert w.shape[0] > 0 and bool(((w[:, 3] >= w[:, 2]) & (w[:, 4] >= w[:, 3]) & (w[:, 5] >= w[:, 4])).all())
         assert bool(((r[:, 0] >= 0) & (r[:, 0] < torch.cuda.get_device_properties(0).multi_processor_count)).all())
     assert cfg.pdl and int(s[1, :l2_programs, 2].min()) >= int(s[0, :l1_programs, 5].max())  # L2 waits on all of L1
+    if skew:  # the passes of 16 rows ran
+        assert int(buf.seg_count[: int(buf.num_touched[0])].max()) > 4
     summary = summarize(buf.stamps)
     assert summary["launches"]["l1"]["programs"] == l1_programs and summary["launches"]["l2"]["programs"] == l2_programs

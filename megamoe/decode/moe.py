@@ -45,7 +45,7 @@ class DecodeBuffers:
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
         stamps int64 [2, P, 16] or None    set by a caller that wants the tensor-core L1's (0) and L2's (1)
-                                           timeline, P >= each launch's programs (``tc.timeline``)
+                                           timeline, P >= each launch's programs (``timeline.stamp_buffer``)
     """
 
     x_q: torch.Tensor

@@ -88,7 +88,7 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
 
 
 def _stamps(buf, launch: int, grid: tuple) -> tuple:
-    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``timeline``), checked
+    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``timeline.py``), checked
     against the grid; otherwise a stand-in tensor the kernel never touches and STAMP off."""
     if buf.stamps is None:
         return buf.num_touched, False

@@ -127,6 +127,7 @@ def l1_tc_kernel(
                                          ROUTE, K, S_PAD, NTOK)
                 acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), valid, None, wp, sp, x_ptr, xsf_ptr, tok, 0, NB,
                                  None, 1, H, ASM, False, False)
+                _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
@@ -231,6 +232,7 @@ def l2_tc_kernel(
                 rows, valid = _pass(start, m0, count)
                 acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
                                  tile, I, ASM, False)
+                _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
