@@ -23,6 +23,7 @@ from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
+from .timeline import WORDS
 
 
 MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
@@ -93,8 +94,8 @@ def _stamps(buf, launch: int, grid: tuple) -> tuple:
     if buf.stamps is None:
         return buf.num_touched, False
     programs = math.prod(grid)
-    if buf.interpret or buf.stamps.dim() != 3 or buf.stamps.shape[1] < programs or buf.stamps.shape[2] != 16:
-        raise ValueError(f"DecodeBuffers.stamps must be int64 [2, >= {programs}, 16] on a GPU (launch {launch}'s "
+    if buf.interpret or buf.stamps.dim() != 3 or buf.stamps.shape[1] < programs or buf.stamps.shape[2] != WORDS:
+        raise ValueError(f"DecodeBuffers.stamps must be int64 [2, >= {programs}, {WORDS}] on a GPU (launch {launch}'s "
                          f"grid {grid}), got {tuple(buf.stamps.shape)}{' under the interpreter' * buf.interpret}")
     return buf.stamps[launch], True
 

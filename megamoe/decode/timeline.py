@@ -16,7 +16,7 @@ import torch
 
 POINTS = {1: "start", 2: "waited", 3: "item", 4: "loop done", 5: "exit"}
 LAUNCHES = ("l1", "l2")
-WORDS = 16  # int64 per program (triton_tc_ops.STAMP_WORDS)
+WORDS = 16  # int64 per program: SM id, 7 timer words, 8 clock words (``triton_tc_ops._stamp`` writes them)
 
 
 def stamp_buffer(buf, programs: int) -> torch.Tensor:
