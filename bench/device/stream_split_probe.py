@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 bench/device/stream_split_probe.py --out $OUT
 
 The tensor-core decode step at 1 token reads L1's weights (53.5 MB for six experts), then L2's (26.7 MB), in
-two launches; the bar is 1.3x one plain read of all 80.2 MB. This times plain reads shaped like that step, in
+two launches; the bar is 1.3x one plain read of all 80.2 MB. This times the roofline's plain read
+(megamoe.bench.read_kernel) in launches shaped like that step, in
 CUDA graphs with the L2 flushed before each replay (decode_probe.time_replays), kineto per kernel:
   one           all 80.2 MB in one launch
   l1, l2        each part alone
@@ -26,7 +27,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,35 +34,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_probe import L2Flusher, kineto_us, staged_buffers, time_replays  # noqa: E402
 from decode_tc_probe import sweep_clock  # noqa: E402
 from megamoe.bench.meta import tree_commit  # noqa: E402
-from megamoe.decode.triton_pdl import pdl_release, pdl_wait  # noqa: E402
+from megamoe.bench.read_kernel import BLOCK, _read_kernel  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 
-KERNELS = ("read_pdl_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "route_kernel")
-BLOCK = 4096  # int32 words per program, as megamoe.bench.read_kernel
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
-
-
-@triton.jit
-def read_pdl_kernel(src, out, n, BLOCK: tl.constexpr, WAIT: tl.constexpr, RELEASE: tl.constexpr):
-    """megamoe.bench.read_kernel's read, optionally waiting on the launch before (WAIT) and releasing the next
-    after its load (RELEASE)."""
-    pid = tl.program_id(0)
-    pdl_wait(WAIT)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    words = tl.load(src + offs, mask=offs < n, other=0)
-    pdl_release(RELEASE)
-    tl.store(out + pid, tl.reduce(words, 0, _xor))
+KERNELS = ("_read_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "route_kernel")
 
 
 def reader(src: torch.Tensor, out: torch.Tensor, *, wait=False, release=False, pdl=False):
+    """The roofline's read (megamoe.bench.read_kernel), optionally waiting on the launch before and releasing
+    the next after its load."""
     n = src.numel()
-    grid = (triton.cdiv(n, BLOCK),)
     opts = {"num_warps": 8, **({"launch_pdl": True} if pdl else {})}
-    return lambda: read_pdl_kernel[grid](src, out, n, BLOCK=BLOCK, WAIT=wait, RELEASE=release, **opts)
+    return lambda: _read_kernel[(triton.cdiv(n, BLOCK),)](src, out, n, BLOCK=BLOCK, WAIT=wait, RELEASE=release,
+                                                          **opts)
 
 
 def main() -> int:

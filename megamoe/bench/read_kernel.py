@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BLOCK = 4096  # int32 words per program: 16 KB
 
@@ -22,10 +23,16 @@ def _xor(a, b):
 
 
 @triton.jit
-def _read_kernel(src, out, n, BLOCK: tl.constexpr):
+def _read_kernel(src, out, n, BLOCK: tl.constexpr, WAIT: tl.constexpr = False, RELEASE: tl.constexpr = False):
+    """WAIT / RELEASE (off for the ceiling; for reads chained like a kernel's launches, launched with PDL): wait
+    on the launch before (griddepcontrol.wait) before the load, let the next start after it."""
     pid = tl.program_id(0)
+    if WAIT:
+        gdc_wait()
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: a 25 GB read (dsv4-pro, FP8) passes 2**31 words
     words = tl.load(src + offs, mask=offs < n, other=0)
+    if RELEASE:
+        gdc_launch_dependents()
     tl.store(out + pid, tl.reduce(words, 0, _xor))
 
 

@@ -149,6 +149,18 @@ def route_rows(skey, first_row, rows_left, tw_ptr, K: tl.constexpr, S_PAD: tl.co
 X_BLOCK = 4096
 
 
+def slot_pad(num_tokens: int, top_k: int) -> int:
+    """S_PAD: the step's T K slots, padded to a power of two (the sort's length)."""
+    return triton.next_power_of_2(num_tokens * top_k)
+
+
+def route_pads(num_tokens: int, top_k: int, num_local: int) -> dict:
+    """The sort's sizes, as the kernels' constexprs: K, S_PAD (``slot_pad``) and E_PAD, route's histogram bins
+    (the local experts and one for invalid slots). For route's launch and for a kernel that routes for itself
+    (``route_item``), which must order the pool rows alike."""
+    return dict(K=top_k, S_PAD=slot_pad(num_tokens, top_k), E_PAD=triton.next_power_of_2(num_local + 1))
+
+
 def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out, pdl: bool = False,
           *, full: bool = True) -> None:
     """Launch ``route_kernel`` for the first ``num_tokens`` staged tokens into ``out`` (a DecodeBuffers); ``pdl``:
@@ -163,8 +175,8 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
         topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
         out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel() if full else 0,
         out.y.view(torch.int16), num_tokens, expert_lo, num_local,
-        K=k, S_PAD=triton.next_power_of_2(num_tokens * k), E_PAD=triton.next_power_of_2(num_local + 1), H=h,
-        X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret, **launch_options(4, out.interpret, pdl),
+        **route_pads(num_tokens, k, num_local), H=h, X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret,
+        **launch_options(4, out.interpret, pdl),
     )
 
 

@@ -83,9 +83,9 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
     if slots > MAX_ROUTE_SLOTS:
         raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every L1 program: num_tokens * top-k must "
                          f"be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
-    import triton
+    from .routing import slot_pad
 
-    return triton.next_power_of_2(slots)
+    return slot_pad(num_tokens, buf.num_topk)
 
 
 def _stamps(buf, launch: int, grid: tuple) -> tuple:
@@ -102,18 +102,16 @@ def _stamps(buf, launch: int, grid: tuple) -> tuple:
 
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
-    import triton
-
+    from .routing import route_pads
     from .triton_tc import l1_tc_kernel
 
     if num_tokens == 0:
         return
     split = _split(tw, buf, num_tokens, cfg)
-    s_pad = _route_slots(buf, num_tokens, cfg)
     route = {}
-    if s_pad:  # E_PAD: route's histogram bins (routing.route_meta), the local experts and one for invalid slots
-        route = dict(ROUTE=True, K=buf.num_topk, S_PAD=s_pad, E_PAD=triton.next_power_of_2(buf.num_local + 1))
-    grid = (buf.max_work(num_tokens) + bool(s_pad), tw.intermediate // 32, split)
+    if _route_slots(buf, num_tokens, cfg):  # route's sort sizes, as route's launch has them
+        route = dict(ROUTE=True, **route_pads(num_tokens, buf.num_topk, buf.num_local))
+    grid = (buf.max_work(num_tokens) + bool(route), tw.intermediate // 32, split)
     stamps, stamp = _stamps(buf, 0, grid)
     l1_tc_kernel[grid](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
