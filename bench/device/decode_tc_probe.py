@@ -66,8 +66,17 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
+    # the whole step in one launch (megamoe/decode/triton_tc_fused.py), L1's K in 1 / 2 / 4 / 8 parts
+    "fused": dict(tc_fused=True),
+    "fused-split1": dict(tc_fused=True, tc_split=1),
+    "fused-split4": dict(tc_fused=True, tc_split=4),
+    "fused-split8": dict(tc_fused=True, tc_split=8),
+    "fused-split4-cap72": dict(tc_fused=True, tc_split=4, tc_l1_maxnreg=72),
+    "fused-split8-cap72": dict(tc_fused=True, tc_split=8, tc_l1_maxnreg=72),
+    "fused-nopdl": dict(tc_fused=True, pdl=False),
 }
-KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
+KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "tc_fused_kernel",
+           "read_kernel")
 T0 = time.time()
 
 
@@ -127,6 +136,8 @@ def main() -> int:
     ap.add_argument("--check-split", type=int, nargs="*", default=[], help="also check these K splits at each --check "
                     "count up to 4 tokens")
     ap.add_argument("--check-route", action="store_true", help="also check L1 routing for itself at each --check count")
+    ap.add_argument("--check-fused", type=int, nargs="*", default=[], help="also check the one-launch step with L1's K "
+                    "in these parts at each --check count up to 4 tokens")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72, l2capNN, l1cap72-l2cap72: "
@@ -164,6 +175,7 @@ def main() -> int:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
                 extra = [dict(split=s) for s in (args.check_split if t <= 4 else [])]
+                extra += [dict(pack=True, split=s, fused=True) for s in (args.check_fused if t <= 4 else [])]
                 for kw in [{}] + extra + ([dict(route=True)] if args.check_route else []):
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", **kw)
                     r["passed"] = passed_tc(r)
@@ -207,7 +219,8 @@ def main() -> int:
                     buf.poison_()
                     differ += bool(first_mismatch(moe_decode(tw, buf, t, g.clamp, c3), y0))
                 row[f"tc_{name}"] = {**timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush),
-                                     "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}"}
+                                     "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}",
+                                     "counters_after": int(buf.counters.abs().sum())}
                 if args.sweep_clock:
                     row[f"tc_{name}_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, c3))
                 if args.timeline and t <= 2:

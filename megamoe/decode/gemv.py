@@ -60,6 +60,9 @@ class LaunchConfig:
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
+    # The tensor-core path in one launch (triton_tc_fused.py, up to 4 tokens): route, L1, L2 and the combine, an
+    # expert's L2 programs starting as soon as its own L1 tiles are done. Same bits.
+    tc_fused: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16
@@ -67,8 +70,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4):
             raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
-        if self.tc_split not in (1, 2, 4):
-            raise ValueError(f"tc_split must be 1, 2 or 4, got {self.tc_split}")
+        if self.tc_split not in (1, 2, 4, 8):
+            raise ValueError(f"tc_split must be 1, 2, 4 or 8, got {self.tc_split}")
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:

@@ -146,10 +146,14 @@ def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
 
 def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
-    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``) on
-    the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
+    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
+    with ``LaunchConfig.tc_fused``) on the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of
+    ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
+    if tensor_cores and cfg.tc_fused:  # route, L1, L2 and the combine in one launch
+        tc.fused_tc(dw, buf, num_tokens, clamp, cfg)
+        return buf.y[:num_tokens]
     if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
                       cfg.pdl, full=not tensor_cores)
