@@ -103,7 +103,11 @@ def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str |
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
     from megamoe.decode.timeline import stamp_buffer, summarize, table
 
-    buf.stamps = stamp_buffer(buf, (buf.max_work(t) + 1) * max(g.intermediate // 32 * 4, g.hidden // 64))
+    from megamoe.decode.timeline import split_fused
+
+    w = buf.max_work(t)
+    n1, n2 = w * (g.intermediate // 32) * cfg.tc_split, w * (g.hidden // 64)  # the one launch's L1 / L2 programs
+    buf.stamps = stamp_buffer(buf, (w + 1) * max(g.intermediate // 32 * 8, g.hidden // 64))
     try:
         tm = time_replays(lambda: moe_decode(tw, buf, t, g.clamp, cfg), 0.2, flush)
         gs, reps = tm.pop("graph"), []
@@ -112,7 +116,8 @@ def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str |
             flush()
             gs.replay(0)
             torch.cuda.synchronize()
-            reps.append((summarize(buf.stamps), buf.stamps.clone()))
+            st = split_fused(buf.stamps, n1, n2) if cfg.tc_fused else buf.stamps
+            reps.append((summarize(st), st.clone()))
     finally:
         buf.stamps = None
     reps.sort(key=lambda r: r[0]["launches"]["l2"]["at_us"]["exit"]["max"])
