@@ -74,6 +74,9 @@ VARIANTS = {
     "fused-split4-cap72": dict(tc_fused=True, tc_split=4, tc_l1_maxnreg=72),
     "fused-split8-cap72": dict(tc_fused=True, tc_split=8, tc_l1_maxnreg=72),
     "fused-nopdl": dict(tc_fused=True, pdl=False),
+    # ... and L2's K groups in 2 / 4 / 8 parts (triton_tc._l2_split)
+    **{f"fused-split{a}-l2split{b}": dict(tc_fused=True, tc_split=a, tc_l2_split=b)
+       for a in (1, 2, 4, 8) for b in (2, 4, 8)},
 }
 KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "tc_fused_kernel",
            "read_kernel")
@@ -141,8 +144,8 @@ def main() -> int:
     ap.add_argument("--check-split", type=int, nargs="*", default=[], help="also check these K splits at each --check "
                     "count up to 4 tokens")
     ap.add_argument("--check-route", action="store_true", help="also check L1 routing for itself at each --check count")
-    ap.add_argument("--check-fused", type=int, nargs="*", default=[], help="also check the one-launch step with L1's K "
-                    "in these parts at each --check count up to 4 tokens")
+    ap.add_argument("--check-fused", nargs="*", default=[], help="also check the one-launch step with L1's and L2's K "
+                    "in these parts ('4,2': L1 in 4, L2 in 2) at each --check count up to 4 tokens")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72, l2capNN, l1cap72-l2cap72: "
@@ -180,7 +183,8 @@ def main() -> int:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
                 extra = [dict(split=s) for s in (args.check_split if t <= 4 else [])]
-                extra += [dict(pack=True, split=s, fused=True) for s in (args.check_fused if t <= 4 else [])]
+                extra += [dict(pack=True, split=int(s.split(",")[0]), fused=True, l2_split=int(s.split(",")[1]))
+                          for s in (args.check_fused if t <= 4 else [])]
                 for kw in [{}] + extra + ([dict(route=True)] if args.check_route else []):
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", **kw)
                     r["passed"] = passed_tc(r)

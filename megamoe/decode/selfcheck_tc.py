@@ -65,7 +65,7 @@ def _exact_friendly(inp, seed: int):
 
 
 def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None,
-                route: bool | None = None, fused: bool | None = None) -> dict:
+                route: bool | None = None, fused: bool | None = None, l2_split: int | None = None) -> dict:
     """``pack``, ``split``, ``route`` and ``fused`` override the launch's packed passes, K parts, whether L1 routes
     for itself and whether the step is one launch (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``,
     ``tc_fused``; None: the backend's launch). With the one launch, route's and L1's outputs are the launch's
@@ -98,10 +98,14 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_route=route)
     if fused is not None:
         cfg = dataclasses.replace(cfg, tc_fused=fused)
+    if l2_split is not None:
+        cfg = dataclasses.replace(cfg, tc_l2_split=l2_split)
     suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}") + (
-        "" if route is None else f"-route{int(route)}") + ("" if fused is None else f"-fused{int(fused)}")
+        "" if route is None else f"-route{int(route)}") + ("" if fused is None else f"-fused{int(fused)}") + (
+        "" if l2_split is None else f"-l2split{l2_split}")
     row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
-           "route_in_l1": cfg.tc_route, "fused": cfg.tc_fused, **dataclasses.asdict(case)}
+           "route_in_l1": cfg.tc_route, "fused": cfg.tc_fused, "l2_split": cfg.tc_l2_split,
+           **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
@@ -145,10 +149,10 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     buf.poison_()
     row["repeat_identical"] = not first_mismatch(moe_decode(tw, buf, t, g.clamp, cfg), y)
     if cfg.tc_fused:
-        row["counters_clear"] = not bool(buf.counters.any() or buf.split_counts.any())
+        row["counters_clear"] = not bool(buf.counters.any() or buf.split_counts.any() or buf.split_counts2.any())
         buf.poison_()
         row["fused_vs_launches"] = first_mismatch(moe_decode(tw, buf, t, g.clamp, dataclasses.replace(
-            cfg, tc_fused=False)), y) or ""
+            cfg, tc_fused=False, tc_l2_split=1)), y) or ""
     row["interpreter"] = interp
     row["seconds"] = round(time.time() - t0, 2)
     return row

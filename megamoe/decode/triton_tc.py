@@ -265,22 +265,52 @@ def _l2_packed(start, count, tile, n, w_ptr, s_ptr, sf2_ptr, q_ptr, out_ptr, sta
 
 
 @triton.jit
+def _l2_split(start, count, tile, n, part, cnt_ptr, terms_ptr, w_ptr, s_ptr, sf2_ptr, q_ptr, out_ptr, H: tl.constexpr,
+              I: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, XC: tl.constexpr):
+    """``_l2_packed`` in SPLIT parts of its K groups (the one-launch step): part 0 keeps the running sum of its
+    groups (slot 0 of terms fp32 [S', I/32, H]), the others store each group's term; the last part to finish
+    (cnt_ptr: the tile's parts counter) replays the chain in ascending K (``_replay``: the same FP32 additions)
+    and stores the bf16 rows. -> whether this program did."""
+    NG: tl.constexpr = I // 32
+    NGP: tl.constexpr = NG // SPLIT
+    rows, valid = _pass(start, 0, count, 4)
+    cols = _packed_columns(rows, count)
+    slots = terms_ptr + rows[None, :] * (NG * H) + n[:, None]
+    zero = tl.zeros([64, 4], tl.float32)
+    if part == 0:
+        acc = _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True, XC, 0, NGP,
+                         slots, H, False)
+        tl.store(slots, acc, mask=valid[None, :])
+    else:
+        _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True, XC, part * NGP, NGP,
+                   slots, H, True)
+    last = _arrive_last(cnt_ptr, SPLIT)
+    if last:
+        acc = _replay(slots, valid, NGP, NG, H)
+        tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
+    return last
+
+
+@triton.jit
 def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
-               ASM: tl.constexpr, PACKED: tl.constexpr, XC: tl.constexpr):
+               ASM: tl.constexpr, PACKED: tl.constexpr, XC: tl.constexpr, lo=0, N: tl.constexpr = 0, slots=None,
+               H: tl.constexpr = 0, TERMS: tl.constexpr = False):
     """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
     iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead; XC: the
-    cache modifier of the L2-input loads (packed passes)."""
+    cache modifier of the L2-input loads (packed passes). A part of a split K (``_l2_split``): the N groups
+    from group lo (N = 0: all), and with TERMS each group's term stored in its slot (``_take``, stride H)."""
     NG: tl.constexpr = I // 32
+    NL: tl.constexpr = NG if N == 0 else N
     sp = s_ptr + tile * 16  # tile counts groups: its first 128-K block's 64 words
     cp = sf2_ptr + rows * NG
-    f0, f1, f2, f3 = _factors4(sp)
-    c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0, cache_modifier=XC),
-                      tl.load(cp + 1, mask=valid, other=0.0, cache_modifier=XC),
-                      tl.load(cp + 2, mask=valid, other=0.0, cache_modifier=XC),
-                      tl.load(cp + 3, mask=valid, other=0.0, cache_modifier=XC))
-    for it in range(NG // 4):
-        g = it * 4
-        nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
+    f0, f1, f2, f3 = _factors4(sp + lo * 16)
+    c0, c1, c2, c3 = (tl.load(cp + lo, mask=valid, other=0.0, cache_modifier=XC),
+                      tl.load(cp + lo + 1, mask=valid, other=0.0, cache_modifier=XC),
+                      tl.load(cp + lo + 2, mask=valid, other=0.0, cache_modifier=XC),
+                      tl.load(cp + lo + 3, mask=valid, other=0.0, cache_modifier=XC))
+    for it in range(NL // 4):
+        g = lo + it * 4
+        nx = lo + tl.minimum(it + 1, NL // 4 - 1) * 4  # the next iteration's first group (the last: its own)
         n0, n1, n2, n3 = _factors4(sp + nx * 16)
         o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0, cache_modifier=XC),
                           tl.load(cp + nx + 1, mask=valid, other=0.0, cache_modifier=XC),
@@ -295,10 +325,10 @@ def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl
             d1 = _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM)
             d2 = _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM)
             d3 = _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM)
-        acc = acc + _mul_rn(d0, c0[None, :], ASM)  # the promotion, group by group
-        acc = acc + _mul_rn(d1, c1[None, :], ASM)
-        acc = acc + _mul_rn(d2, c2[None, :], ASM)
-        acc = acc + _mul_rn(d3, c3[None, :], ASM)
+        acc = _take(acc, d0, c0, slots, g, valid, H, TERMS, ASM)  # the promotion, group by group
+        acc = _take(acc, d1, c1, slots, g + 1, valid, H, TERMS, ASM)
+        acc = _take(acc, d2, c2, slots, g + 2, valid, H, TERMS, ASM)
+        acc = _take(acc, d3, c3, slots, g + 3, valid, H, TERMS, ASM)
         f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
     return acc
 

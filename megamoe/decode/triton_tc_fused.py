@@ -4,10 +4,11 @@ waits for whom. A 1-D grid, W = the step's most work items, NT1 = I / 32, NT2 = 
 
     pid <  W NT1 SPLIT        L1 of work item j = pid // (NT1 SPLIT): channel tile t, K part p (``_l1_packed``);
                               the program that writes the tile's L2 input counts it in done[j] (release)
-    pid <  that + W NT2       L2 of work item j, output tile t: waits until done[j] == NT1 (acquire), streams
-                              its tile; then per pool row, tile_count[token, t] += 1 (acq_rel): the program that
-                              brings it to the token's routed slots combines that token's 64 columns (slots in
-                              ascending order, ``combine_tile``)
+    pid <  that + W NT2 SPLIT2   L2 of work item j, output tile t, K part p: waits until done[j] == NT1
+                              (acquire), streams its tile (``_l2_packed``, or its share of the K groups,
+                              ``_l2_split``); the program that stores the tile then, per pool row, adds 1 to
+                              tile_count[token, t] (acq_rel): the one that brings it to the token's routed slots
+                              combines that token's 64 columns (slots in ascending order, ``combine_tile``)
     the last pid              route's outputs (``routing.route_meta``) for whoever reads them after the step, and
                               zeros in y for the tokens with no local slot
 
@@ -34,7 +35,7 @@ from .routing import route_item, route_meta, route_rows, route_token_slots
 from .triton_combine import combine_tile
 from .triton_fused import _wait_at_least
 from .triton_pdl import pdl_wait
-from .triton_tc import _l1_packed, _l2_packed
+from .triton_tc import _l1_packed, _l2_packed, _l2_split
 from .triton_tc_ops import _stamp
 
 
@@ -46,11 +47,12 @@ def tc_fused_kernel(
     l1_ptr, q_ptr, q8_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1); L2's input: uint8 [S, I], its e4m3 view, fp32 [S, I/32]
     slot_out_ptr, y_ptr,  # int16 (bf16 bits) [S, H], [C, H]
     terms_ptr, parts_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W * NT1] (DecodeBuffers.split_*)
+    terms2_ptr, parts2_ptr,  # SPLIT2 > 1: fp32 [S', I/32, H] (DecodeBuffers.split_terms2), int32 [W * NT2]
     done_ptr, passed_ptr, tile_cnt_ptr, err_ptr,  # int32 [W], [W], [C, NT2], [1]: zero before and after a launch
     T, W, expert_lo, num_local, clamp, stamps_ptr,
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr,
     K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, BH: tl.constexpr, MAX_SPIN: tl.constexpr,
-    PDL: tl.constexpr = False, STAMP: tl.constexpr = False,
+    SPLIT2: tl.constexpr = 1, PDL: tl.constexpr = False, STAMP: tl.constexpr = False,
 ):
     NT1: tl.constexpr = I // 32
     NT2: tl.constexpr = H // 64
@@ -74,23 +76,31 @@ def tc_fused_kernel(
             if ran:  # the tile's L2 input is written: count it in (every thread's stores first)
                 tl.debug_barrier()
                 tl.atomic_add(done_ptr + j, 1, sem="release", scope="gpu")
-    elif pid < n1 + W * NT2:
-        j = (pid - n1) // NT2
-        t = (pid - n1) % NT2
+    elif pid < n1 + W * (NT2 * SPLIT2):
+        j = (pid - n1) // (NT2 * SPLIT2)
+        t = ((pid - n1) // SPLIT2) % NT2
         n_items, e, start, count, skey = route_item(j, idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
         if j < n_items:
             if not _wait_at_least(done_ptr + j, NT1, MAX_SPIN):
                 tl.store(err_ptr, 1)
-            if tl.atomic_add(passed_ptr + j, 1, sem="acq_rel", scope="gpu") == NT2 - 1:  # item j's last L2 program
-                tl.store(done_ptr + j, 0)  # past its wait: both counts back to zero for the next launch
+            if tl.atomic_add(passed_ptr + j, 1, sem="acq_rel", scope="gpu") == NT2 * SPLIT2 - 1:  # item j's last
+                tl.store(done_ptr + j, 0)  # L2 program is past its wait: both counts to zero for the next launch
                 tl.store(passed_ptr + j, 0)
             _stamp(stamps_ptr, 3, STAMP)
             n = t * 64 + tl.arange(0, 64)
-            _l2_packed(start, count, (e * NT2 + t) * NT1, n, w2_ptr, s2_ptr, sf2_ptr, q8_ptr, slot_out_ptr, stamps_ptr,
-                       H, I, ASM, False, STAMP, ".cg")
+            if SPLIT2 == 1:
+                _l2_packed(start, count, (e * NT2 + t) * NT1, n, w2_ptr, s2_ptr, sf2_ptr, q8_ptr, slot_out_ptr,
+                           stamps_ptr, H, I, ASM, False, STAMP, ".cg")
+                stored = True
+            else:
+                stored = _l2_split(start, count, (e * NT2 + t) * NT1, n, (pid - n1) % SPLIT2, parts2_ptr + j * NT2 + t,
+                                   terms2_ptr, w2_ptr, s2_ptr, sf2_ptr, q8_ptr, slot_out_ptr, H, I, ASM, SPLIT2, ".cg")
+                _stamp(stamps_ptr, 4, STAMP)
             tl.debug_barrier()  # every thread's slot_out stores before the counts
             tok4, _ = route_rows(skey, start, count, tw_ptr, K, S_PAD, 4)
             m = 0
+            if SPLIT2 > 1:
+                m = tl.where(stored, 0, count)  # only the part that stored the tile counts it in
             while m < count:  # a while loop: the interpreter cannot range() over a loaded scalar
                 tok = tl.sum(tl.where(tl.arange(0, 4) == m, tok4, 0), axis=0)
                 cnt = tile_cnt_ptr + tok * NT2 + t
