@@ -66,20 +66,8 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
-    # the whole step in one launch (megamoe/decode/triton_tc_fused.py), L1's K in 1 / 2 / 4 / 8 parts
-    "fused": dict(tc_fused=True),
-    "fused-split1": dict(tc_fused=True, tc_split=1),
-    "fused-split4": dict(tc_fused=True, tc_split=4),
-    "fused-split8": dict(tc_fused=True, tc_split=8),
-    "fused-split4-cap72": dict(tc_fused=True, tc_split=4, tc_l1_maxnreg=72),
-    "fused-split8-cap72": dict(tc_fused=True, tc_split=8, tc_l1_maxnreg=72),
-    "fused-nopdl": dict(tc_fused=True, pdl=False),
-    # ... and L2's K groups in 2 / 4 / 8 parts (triton_tc._l2_split)
-    **{f"fused-split{a}-l2split{b}": dict(tc_fused=True, tc_split=a, tc_l2_split=b)
-       for a in (1, 2, 4, 8) for b in (2, 4, 8)},
 }
-KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "tc_fused_kernel",
-           "read_kernel")
+KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 T0 = time.time()
 
 
@@ -106,11 +94,7 @@ def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str |
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
     from megamoe.decode.timeline import stamp_buffer, summarize, table
 
-    from megamoe.decode.timeline import split_fused
-
-    w = buf.max_work(t)
-    n1, n2 = w * (g.intermediate // 32) * cfg.tc_split, w * (g.hidden // 64)  # the one launch's L1 / L2 programs
-    buf.stamps = stamp_buffer(buf, (w + 1) * max(g.intermediate // 32 * 8, g.hidden // 64))
+    buf.stamps = stamp_buffer(buf, (buf.max_work(t) + 1) * max(g.intermediate // 32 * 4, g.hidden // 64))
     try:
         tm = time_replays(lambda: moe_decode(tw, buf, t, g.clamp, cfg), 0.2, flush)
         gs, reps = tm.pop("graph"), []
@@ -119,8 +103,7 @@ def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str |
             flush()
             gs.replay(0)
             torch.cuda.synchronize()
-            st = split_fused(buf.stamps, n1, n2) if cfg.tc_fused else buf.stamps
-            reps.append((summarize(st), st.clone()))
+            reps.append((summarize(buf.stamps), buf.stamps.clone()))
     finally:
         buf.stamps = None
     reps.sort(key=lambda r: r[0]["launches"]["l2"]["at_us"]["exit"]["max"])
@@ -144,8 +127,6 @@ def main() -> int:
     ap.add_argument("--check-split", type=int, nargs="*", default=[], help="also check these K splits at each --check "
                     "count up to 4 tokens")
     ap.add_argument("--check-route", action="store_true", help="also check L1 routing for itself at each --check count")
-    ap.add_argument("--check-fused", nargs="*", default=[], help="also check the one-launch step with L1's and L2's K "
-                    "in these parts ('4,2': L1 in 4, L2 in 2) at each --check count up to 4 tokens")
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72, l2capNN, l1cap72-l2cap72: "
@@ -183,8 +164,6 @@ def main() -> int:
         for routing in ("uniform", "masked") if t == 8 else ("uniform",):
             try:
                 extra = [dict(split=s) for s in (args.check_split if t <= 4 else [])]
-                extra += [dict(pack=True, split=int(s.split(",")[0]), fused=True, l2_split=int(s.split(",")[1]))
-                          for s in (args.check_fused if t <= 4 else [])]
                 for kw in [{}] + extra + ([dict(route=True)] if args.check_route else []):
                     r = run_tc_case(DecodeCase("dsv4-flash", t, routing=routing, seed=t), "cuda", **kw)
                     r["passed"] = passed_tc(r)
@@ -228,8 +207,7 @@ def main() -> int:
                     buf.poison_()
                     differ += bool(first_mismatch(moe_decode(tw, buf, t, g.clamp, c3), y0))
                 row[f"tc_{name}"] = {**timed(lambda: moe_decode(tw, buf, t, g.clamp, c3), 0.2, flush),
-                                     "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}",
-                                     "counters_after": int(buf.counters.abs().sum())}
+                                     "same_bits": differ == 0, "launches_differing": f"{differ} of {args.repeat}"}
                 if args.sweep_clock:
                     row[f"tc_{name}_sweep_clock"] = sweep_clock(lambda: moe_decode(tw, buf, t, g.clamp, c3))
                 if args.timeline and t <= 2:

@@ -60,12 +60,6 @@ class LaunchConfig:
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
-    # The tensor-core path in one launch (triton_tc_fused.py, up to 4 tokens): route, L1, L2 and the combine, an
-    # expert's L2 programs starting as soon as its own L1 tiles are done. Same bits.
-    tc_fused: bool = False
-    # The one-launch step's L2 K groups in tc_l2_split parts (as tc_split for L1: the last part replays the
-    # promotion chain from the others' stored terms, triton_tc._l2_split). Same bits. Only with tc_fused.
-    tc_l2_split: int = 1
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
     max_spin: int = 1 << 16
@@ -73,12 +67,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4):
             raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
-        for name in ("tc_split", "tc_l2_split"):
-            if getattr(self, name) not in (1, 2, 4, 8):
-                raise ValueError(f"{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
-        if self.tc_l2_split > 1 and not self.tc_fused:
-            raise ValueError(f"tc_l2_split={self.tc_l2_split} needs tc_fused=True (the separate L2 launch does not "
-                             "split its K)")
+        if self.tc_split not in (1, 2, 4):
+            raise ValueError(f"tc_split must be 1, 2 or 4, got {self.tc_split}")
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:

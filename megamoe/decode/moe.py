@@ -40,13 +40,10 @@ class DecodeBuffers:
         row_token int32 [S], row_weight fp32 [S], slot_row int32 [S]
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
-        counters int32 [2 W + C * H/32 + 1]  the fused launches' done[W] (and passed[W]: tensor cores), tile
-                                           counts [C, H/BN2] and error flag
+        counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
-        split_terms2 fp32 [S', I/32, H], split_counts2 int32 [W' * H/64]   the same for the one-launch step's
-                                           L2 (``LaunchConfig.tc_l2_split``)
         stamps int64 [2, P, 16] or None    set by a caller that wants the tensor-core L1's (0) and L2's (1)
                                            timeline, P >= each launch's programs (``timeline.stamp_buffer``)
     """
@@ -72,8 +69,6 @@ class DecodeBuffers:
     counters: torch.Tensor
     split_terms: torch.Tensor
     split_counts: torch.Tensor
-    split_terms2: torch.Tensor
-    split_counts2: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
     stamps: torch.Tensor | None = None
@@ -107,11 +102,9 @@ class DecodeBuffers:
             seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
             slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
             l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
-            counters=torch.zeros(2 * w + capacity * (h // 32) + 1, dtype=i32, device=device),
+            counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
-            split_terms2=e(s_split, i // 32, h),
-            split_counts2=torch.zeros(min(el, s_split) * (h // 64), dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 
@@ -137,7 +130,7 @@ class DecodeBuffers:
         for f in fields(self):
             t = getattr(self, f.name)
             if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters",
-                                                                 "split_counts", "split_counts2"):
+                                                                 "split_counts"):
                 if t.dtype.is_floating_point:
                     t.fill_(float("nan"))
                 else:
@@ -153,14 +146,10 @@ def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
 
 def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
-    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
-    with ``LaunchConfig.tc_fused``) on the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of
-    ``buf.y``). No host sync."""
+    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``) on
+    the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
-    if tensor_cores and cfg.tc_fused:  # route, L1, L2 and the combine in one launch
-        tc.fused_tc(dw, buf, num_tokens, clamp, cfg)
-        return buf.y[:num_tokens]
     if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
                       cfg.pdl, full=not tensor_cores)

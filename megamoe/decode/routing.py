@@ -146,21 +146,6 @@ def route_rows(skey, first_row, rows_left, tw_ptr, K: tl.constexpr, S_PAD: tl.co
     return tl.where(real, slot // K, 0).to(tl.int64), tl.load(tw_ptr + slot, mask=real, other=0.0)
 
 
-@triton.jit
-def route_slot_row(skey, slot, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """The pool row of flat slot ``slot`` (token * K + k), -1 when masked or not local: ``slot_row[slot]`` read from
-    the pool-order keys of ``route_item``."""
-    s = tl.arange(0, S_PAD)
-    hit = (skey % S_PAD == slot) & (skey < E_PAD * S_PAD)
-    return tl.max(tl.where(hit, s, -1), axis=0)
-
-
-@triton.jit
-def route_token_slots(skey, tok, K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """How many of token tok's K slots are routed here (local, not masked), from ``route_item``'s keys."""
-    return tl.sum((((skey % S_PAD) // K == tok) & (skey < E_PAD * S_PAD)).to(tl.int32), axis=0)
-
-
 X_BLOCK = 4096
 
 

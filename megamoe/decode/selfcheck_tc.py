@@ -65,12 +65,9 @@ def _exact_friendly(inp, seed: int):
 
 
 def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split: int | None = None,
-                route: bool | None = None, fused: bool | None = None, l2_split: int | None = None) -> dict:
-    """``pack``, ``split``, ``route`` and ``fused`` override the launch's packed passes, K parts, whether L1 routes
-    for itself and whether the step is one launch (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``,
-    ``tc_fused``; None: the backend's launch). With the one launch, route's and L1's outputs are the launch's
-    own (its L2 is checked through y), y must equal the separate launches' bit for bit and the counters must
-    be back at zero."""
+                route: bool | None = None) -> dict:
+    """``pack``, ``split`` and ``route`` override the launch's packed passes, K parts and whether L1 routes for
+    itself (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``; None: the backend's launch)."""
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -96,16 +93,10 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         cfg = dataclasses.replace(cfg, tc_split=split)
     if route is not None:
         cfg = dataclasses.replace(cfg, tc_route=route)
-    if fused is not None:
-        cfg = dataclasses.replace(cfg, tc_fused=fused)
-    if l2_split is not None:
-        cfg = dataclasses.replace(cfg, tc_l2_split=l2_split)
     suffix = ("" if pack is None else f"-pack{int(pack)}") + ("" if split is None else f"-split{split}") + (
-        "" if route is None else f"-route{int(route)}") + ("" if fused is None else f"-fused{int(fused)}") + (
-        "" if l2_split is None else f"-l2split{l2_split}")
+        "" if route is None else f"-route{int(route)}")
     row = {"case": case.id + suffix, "tc": True, "pack": cfg.tc_pack4, "split": cfg.tc_split,
-           "route_in_l1": cfg.tc_route, "fused": cfg.tc_fused, "l2_split": cfg.tc_l2_split,
-           **dataclasses.asdict(case)}
+           "route_in_l1": cfg.tc_route, **dataclasses.asdict(case)}
     ref = moe_forward(inp, w, recipe, g)
     if case.broken:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
@@ -116,16 +107,14 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     twin.poison_()
     # route as moe_decode runs it for this path (no x32, nothing zeroed; or inside L1's launch) against its twin,
     # on the metadata L1-L2 read
-    if cfg.tc_fused:  # the whole step: its last program writes route's outputs, its L1 programs L2's input
-        moe_decode(tw, buf, t, g.clamp, cfg)
-    elif cfg.tc_route:
+    if cfg.tc_route:
         tc.l1_tc(tw, buf, t, g.clamp, cfg)
     else:
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, full=False)
     routing.route_torch(twin.topk_idx, twin.topk_weights, twin.x_q, t, twin.expert_lo, twin.num_local, twin)
     row["route"] = "; ".join(f"{f}: {m}" for f in ROUTE_FIELDS if (m := first_mismatch(_written(buf, f, t),
                                                                                        _written(twin, f, t))))
-    if not (cfg.tc_route or cfg.tc_fused):
+    if not cfg.tc_route:
         tc.l1_tc(tw, buf, t, g.clamp, cfg)
     tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=recipe.mma)
     row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
@@ -148,11 +137,6 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     row["nan"] = int(torch.isnan(y.float()).sum())
     buf.poison_()
     row["repeat_identical"] = not first_mismatch(moe_decode(tw, buf, t, g.clamp, cfg), y)
-    if cfg.tc_fused:
-        row["counters_clear"] = not bool(buf.counters.any() or buf.split_counts.any() or buf.split_counts2.any())
-        buf.poison_()
-        row["fused_vs_launches"] = first_mismatch(moe_decode(tw, buf, t, g.clamp, dataclasses.replace(
-            cfg, tc_fused=False, tc_l2_split=1)), y) or ""
     row["interpreter"] = interp
     row["seconds"] = round(time.time() - t0, 2)
     return row
@@ -165,8 +149,7 @@ def passed_tc(row: dict) -> bool:
         return row["calc_diff"] > 1e-3
     whole = row["calc_diff"] < 1e-6 if row["interpreter"] else row["bitwise_frac"] == 1.0
     stages = not row["route"] and not row["l1"] and not row["l2"]
-    fused = row.get("counters_clear", True) and not row.get("fused_vs_launches")
-    return stages and whole and fused and row["repeat_identical"] and row["poison_kept"] and not row["nan"]
+    return stages and whole and row["repeat_identical"] and row["poison_kept"] and not row["nan"]
 
 
 def main(argv=None) -> int:

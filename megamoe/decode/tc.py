@@ -139,55 +139,6 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
     )
 
 
-FUSED_MAX_TOKENS = 4  # tc_fused: every expert then has at most 4 rows, one packed pass
-
-
-def fused_counters(buf, work: int) -> tuple:
-    """The one-launch step's counters in ``buf.counters`` (zero before and after a launch): done [W], passed [W],
-    tile counts [C, H/64] and the error flag (the last word, as the CUDA-core fused launch's)."""
-    nt2 = buf.slot_out.shape[1] // 64
-    c = buf.counters
-    if 2 * work + buf.capacity * nt2 + 1 > c.numel():
-        raise ValueError(f"DecodeBuffers.counters holds {c.numel()} words, the one-launch step needs "
-                         f"{2 * work + buf.capacity * nt2 + 1}")
-    return c[:work], c[work:2 * work], c[2 * work:2 * work + buf.capacity * nt2], c[-1:]
-
-
-def fused_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
-    """Route, L1, L2 and the combine in one launch (``triton_tc_fused.py``): the same outputs as ``route`` (without
-    x32), ``l1_tc``, ``l2_tc`` and the combine. Up to FUSED_MAX_TOKENS tokens, packed passes; L1's K in
-    ``cfg.tc_split`` parts, L2's in ``cfg.tc_l2_split``. ``buf.counters[-1]`` is 1 afterwards if a wait gave up (then zero the counters)."""
-    from .routing import route_pads
-    from .triton_tc_fused import tc_fused_kernel
-
-    if num_tokens == 0:
-        return
-    if num_tokens > FUSED_MAX_TOKENS or not cfg.tc_pack4:
-        raise ValueError(f"LaunchConfig.tc_fused runs up to {FUSED_MAX_TOKENS} tokens with tc_pack4=True (one packed "
-                         f"pass per expert), got num_tokens={num_tokens}, tc_pack4={cfg.tc_pack4}")
-    split = _split(tw, buf, num_tokens, cfg)
-    split2 = cfg.tc_l2_split
-    if split2 > 1 and (num_tokens > buf.split_tokens or (tw.intermediate // 32) % (4 * split2)):
-        raise ValueError(f"LaunchConfig.tc_l2_split={split2} needs num_tokens <= the buffers' split_tokens "
-                         f"({buf.split_tokens}) and parts of whole loop iterations (4 of L2's "
-                         f"{tw.intermediate // 32} K groups each), got num_tokens={num_tokens}")
-    w = buf.max_work(num_tokens)
-    grid = (w * (tw.intermediate // 32) * split + w * (tw.hidden // 64) * split2 + 1,)
-    stamps, stamp = _stamps(buf, 0, grid)
-    done, passed, tiles, err = fused_counters(buf, w)
-    tc_fused_kernel[grid](
-        tw.l1_codes, tw.l1_scales.view(torch.int32), tw.l2_codes, tw.l2_scales.view(torch.int32), buf.x_q, buf.x_sf,
-        buf.topk_idx, buf.topk_weights, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count, buf.row_token,
-        buf.row_weight, buf.slot_row, buf.l1_out, buf.l2_q, buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf,
-        buf.slot_out, buf.y.view(torch.int16), buf.split_terms, buf.split_counts, buf.split_terms2,
-        buf.split_counts2, done, passed, tiles, err,
-        num_tokens, w, buf.expert_lo, buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate,
-        STORE_L1=cfg.store_l1, ASM=not buf.interpret, SPLIT=split, **route_pads(num_tokens, buf.num_topk, buf.num_local),
-        BH=min(1024, 1 << (tw.hidden - 1).bit_length()), MAX_SPIN=cfg.max_spin, SPLIT2=split2,
-        **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl), STAMP=stamp,
-    )
-
-
 def l1_tc_torch(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig, mma: str | None = None) -> None:
     """``mma`` overrides the recipe's tensor-core model (``exact-block`` to match the interpreter)."""
     if num_tokens == 0:

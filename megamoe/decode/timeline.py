@@ -24,17 +24,6 @@ def stamp_buffer(buf, programs: int) -> torch.Tensor:
     return torch.full((len(LAUNCHES), programs, WORDS), -1, dtype=torch.int64, device=buf.x_q.device)
 
 
-def split_fused(stamps: torch.Tensor, l1_programs: int, l2_programs: int) -> torch.Tensor:
-    """The one-launch step's stamps (``LaunchConfig.tc_fused``: every program in ``stamps[0]``, L1's first, then
-    L2's, then route's) -> int64 [2, P, 16] as the separate launches have them, for ``summarize``. L2's point 3 is
-    then the end of its wait on its expert's L1 tiles, not the item lookup."""
-    s = stamps[0]
-    out = torch.full((len(LAUNCHES), max(l1_programs, l2_programs), WORDS), -1, dtype=s.dtype, device=s.device)
-    out[0, :l1_programs] = s[:l1_programs]
-    out[1, :l2_programs] = s[l1_programs:l1_programs + l2_programs]
-    return out
-
-
 def _quantiles(v: torch.Tensor) -> dict:
     if v.numel() == 0:
         return {}

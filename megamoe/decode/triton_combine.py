@@ -10,21 +10,15 @@ import triton
 import triton.language as tl
 
 from .triton_gemv import _bf16_bits
-from .routing import route_slot_row
 from .triton_pdl import pdl_enter
 
 
 @triton.jit
-def combine_tile(tok, cols, slot_out_ptr, slot_row_ptr, y_ptr, H: tl.constexpr, K: tl.constexpr, XC: tl.constexpr,
-                 skey=None, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, KEYS: tl.constexpr = False):
-    """y[tok, cols] = bf16(sum over slots k ascending of fp32(slot_out[slot_row[tok, k], cols])), masked skipped.
-    KEYS: each slot's pool row from the pool-order keys skey (``routing.route_slot_row``), not from slot_row."""
+def combine_tile(tok, cols, slot_out_ptr, slot_row_ptr, y_ptr, H: tl.constexpr, K: tl.constexpr, XC: tl.constexpr):
+    """y[tok, cols] = bf16(sum over slots k ascending of fp32(slot_out[slot_row[tok, k], cols])), masked skipped."""
     acc = tl.zeros(cols.shape, tl.float32)
     for k in tl.static_range(K):
-        if KEYS:
-            row = route_slot_row(skey, tok * K + k, S_PAD, E_PAD)
-        else:
-            row = tl.load(slot_row_ptr + tok * K + k)
+        row = tl.load(slot_row_ptr + tok * K + k)
         v = tl.load(slot_out_ptr + row.to(tl.int64) * H + cols, mask=(cols < H) & (row >= 0), other=0,
                     cache_modifier=XC)
         v32 = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)

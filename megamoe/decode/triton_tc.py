@@ -94,9 +94,31 @@ def l1_tc_kernel(
         sp = s_ptr + tile * NB * 64
         wp = w_ptr + tile * NB * 4096
         if PACK and count <= 4:  # one packed pass: a block's four groups in one MMA (_packed_mma)
-            _l1_packed(t, part, start, count, wp, sp, cnt_ptr + j * (I // 32) + t, skey, x_ptr, xsf_ptr, row_token_ptr,
-                       row_weight_ptr, tw_ptr, l1_ptr, q_ptr, sf2_ptr, terms_ptr, clamp, stamps_ptr, H, I, STORE_L1,
-                       ASM, PDL, SPLIT, ROUTE, K, S_PAD, STAMP)
+            rows, valid = _pass(start, 0, count, 4)
+            tok, weight = _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, 0, count, tw_ptr,
+                                     ROUTE, K, S_PAD, 4)
+            cols = _packed_columns(tok, count)
+            zero = tl.zeros([64, 4], tl.float32)
+            if SPLIT == 1:
+                acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
+                _stamp(stamps_ptr, 4, STAMP)
+                pdl_release(PDL)
+                _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
+            else:
+                NBP: tl.constexpr = NB // SPLIT
+                slots = _slots(terms_ptr, rows, t, NB, 2 * I)
+                if part == 0:  # the running sum of the first blocks, kept in slot 0
+                    acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NBP, slots, 2 * I, H, ASM,
+                                     True, False)
+                    tl.store(slots, acc, mask=valid[None, :])
+                else:  # each block's term in its own slot
+                    _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
+                               ASM, True, True)
+                _stamp(stamps_ptr, 4, STAMP)
+                pdl_release(PDL)
+                if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
+                    acc = _replay(slots, valid, NBP, NB, 2 * I)
+                    _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
         elif part == 0:  # passes of 16 rows, never split
             m0 = 0
             while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
@@ -125,45 +147,6 @@ def _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, m0, coun
 
 
 @triton.jit
-def _l1_packed(t, part, start, count, wp, sp, cnt_ptr, skey, x_ptr, xsf_ptr, row_token_ptr, row_weight_ptr, tw_ptr,
-               l1_ptr, q_ptr, sf2_ptr, terms_ptr, clamp, stamps_ptr, H: tl.constexpr, I: tl.constexpr,
-               STORE_L1: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
-               ROUTE: tl.constexpr, K: tl.constexpr, S_PAD: tl.constexpr, STAMP: tl.constexpr):
-    """Channel tile t of an expert with at most 4 rows (codes wp, scale words sp) in one packed pass, or part
-    ``part`` of its K blocks (SPLIT > 1; cnt_ptr: the tile's parts counter) -> whether this program ran the
-    epilogue, i.e. wrote the tile's L2 input (always without a split; the last part to finish with one)."""
-    NB: tl.constexpr = H // 128
-    rows, valid = _pass(start, 0, count, 4)
-    tok, weight = _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, 0, count, tw_ptr, ROUTE, K,
-                             S_PAD, 4)
-    cols = _packed_columns(tok, count)
-    zero = tl.zeros([64, 4], tl.float32)
-    if SPLIT == 1:
-        acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
-        _stamp(stamps_ptr, 4, STAMP)
-        pdl_release(PDL)
-        _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
-        ran = True
-    else:
-        NBP: tl.constexpr = NB // SPLIT
-        slots = _slots(terms_ptr, rows, t, NB, 2 * I)
-        if part == 0:  # the running sum of the first blocks, kept in slot 0
-            acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NBP, slots, 2 * I, H, ASM, True,
-                             False)
-            tl.store(slots, acc, mask=valid[None, :])
-        else:  # each block's term in its own slot
-            _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H, ASM, True,
-                       True)
-        _stamp(stamps_ptr, 4, STAMP)
-        pdl_release(PDL)
-        ran = _arrive_last(cnt_ptr, SPLIT)
-        if ran:  # the last part to finish: replay, epilogue
-            acc = _replay(slots, valid, NBP, NB, 2 * I)
-            _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
-    return ran
-
-
-@triton.jit
 def _l1_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexpr, slots,
                STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
     """L1's K loop for one pass (its tokens tok [W]) over the N 128-K blocks from block lo: acc fp32 [64, W]
@@ -181,7 +164,7 @@ def _l1_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexp
         n0, n1, n2, n3 = _factors4(sp + nb * 64)
         nxsf = tl.load(xsp + nb, mask=valid, other=0.0)
         if PACKED:
-            d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, cols, kb * 128, H, ASM, "")
+            d0, d1, d2, d3 = _packed_mma(wp + kb * 4096, f0, f1, f2, f3, x_ptr, cols, kb * 128, H, ASM)
             blk = ((d0 + d1) + d2) + d3
         else:
             blk = _block_sum(wp + kb * 4096, f0, f1, f2, f3, x_ptr, tok, valid, kb * 128, H, ASM)
@@ -237,13 +220,18 @@ def l2_tc_kernel(
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
         if PACK and count <= 4:  # one packed pass (as L1's)
-            _l2_packed(start, count, tile, n, w_ptr, s_ptr, sf2_ptr, q_ptr, out_ptr, stamps_ptr, H, I, ASM, PDL, STAMP, "")
+            rows, valid = _pass(start, 0, count, 4)
+            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
+                             w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
+            _stamp(stamps_ptr, 4, STAMP)
+            pdl_release(PDL)
+            tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
         else:
             m0 = 0
             while m0 < count:
                 rows, valid = _pass(start, m0, count)
                 acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
-                                 tile, I, ASM, False, "")
+                                 tile, I, ASM, False)
                 _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
@@ -252,83 +240,35 @@ def l2_tc_kernel(
 
 
 @triton.jit
-def _l2_packed(start, count, tile, n, w_ptr, s_ptr, sf2_ptr, q_ptr, out_ptr, stamps_ptr, H: tl.constexpr,
-               I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, STAMP: tl.constexpr, XC: tl.constexpr):
-    """Output rows n [64] of an expert with at most 4 rows (pool rows from start) in one packed pass -> bf16 in
-    out; XC: the cache modifier of the L2-input loads (".cg" where this launch wrote them)."""
-    rows, valid = _pass(start, 0, count, 4)
-    acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count), w_ptr, s_ptr, sf2_ptr,
-                     q_ptr, tile, I, ASM, True, XC)
-    _stamp(stamps_ptr, 4, STAMP)
-    pdl_release(PDL)
-    tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
-
-
-@triton.jit
-def _l2_split(start, count, tile, n, part, cnt_ptr, terms_ptr, w_ptr, s_ptr, sf2_ptr, q_ptr, out_ptr, H: tl.constexpr,
-              I: tl.constexpr, ASM: tl.constexpr, SPLIT: tl.constexpr, XC: tl.constexpr):
-    """``_l2_packed`` in SPLIT parts of its K groups (the one-launch step): part 0 keeps the running sum of its
-    groups (slot 0 of terms fp32 [S', I/32, H]), the others store each group's term; the last part to finish
-    (cnt_ptr: the tile's parts counter) replays the chain in ascending K (``_replay``: the same FP32 additions)
-    and stores the bf16 rows. -> whether this program did."""
-    NG: tl.constexpr = I // 32
-    NGP: tl.constexpr = NG // SPLIT
-    rows, valid = _pass(start, 0, count, 4)
-    cols = _packed_columns(rows, count)
-    slots = terms_ptr + rows[None, :] * (NG * H) + n[:, None]
-    zero = tl.zeros([64, 4], tl.float32)
-    if part == 0:
-        acc = _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True, XC, 0, NGP,
-                         slots, H, False)
-        tl.store(slots, acc, mask=valid[None, :])
-    else:
-        _l2_groups(zero, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True, XC, part * NGP, NGP,
-                   slots, H, True)
-    last = _arrive_last(cnt_ptr, SPLIT)
-    if last:
-        acc = _replay(slots, valid, NGP, NG, H)
-        tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
-    return last
-
-
-@triton.jit
 def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
-               ASM: tl.constexpr, PACKED: tl.constexpr, XC: tl.constexpr, lo=0, N: tl.constexpr = 0, slots=None,
-               H: tl.constexpr = 0, TERMS: tl.constexpr = False):
+               ASM: tl.constexpr, PACKED: tl.constexpr):
     """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
-    iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead; XC: the
-    cache modifier of the L2-input loads (packed passes). A part of a split K (``_l2_split``): the N groups
-    from group lo (N = 0: all), and with TERMS each group's term stored in its slot (``_take``, stride H)."""
+    iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead."""
     NG: tl.constexpr = I // 32
-    NL: tl.constexpr = NG if N == 0 else N
     sp = s_ptr + tile * 16  # tile counts groups: its first 128-K block's 64 words
     cp = sf2_ptr + rows * NG
-    f0, f1, f2, f3 = _factors4(sp + lo * 16)
-    c0, c1, c2, c3 = (tl.load(cp + lo, mask=valid, other=0.0, cache_modifier=XC),
-                      tl.load(cp + lo + 1, mask=valid, other=0.0, cache_modifier=XC),
-                      tl.load(cp + lo + 2, mask=valid, other=0.0, cache_modifier=XC),
-                      tl.load(cp + lo + 3, mask=valid, other=0.0, cache_modifier=XC))
-    for it in range(NL // 4):
-        g = lo + it * 4
-        nx = lo + tl.minimum(it + 1, NL // 4 - 1) * 4  # the next iteration's first group (the last: its own)
+    f0, f1, f2, f3 = _factors4(sp)
+    c0, c1, c2, c3 = (tl.load(cp, mask=valid, other=0.0), tl.load(cp + 1, mask=valid, other=0.0),
+                      tl.load(cp + 2, mask=valid, other=0.0), tl.load(cp + 3, mask=valid, other=0.0))
+    for it in range(NG // 4):
+        g = it * 4
+        nx = tl.minimum(it + 1, NG // 4 - 1) * 4  # the next iteration's first group (the last: its own)
         n0, n1, n2, n3 = _factors4(sp + nx * 16)
-        o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0, cache_modifier=XC),
-                          tl.load(cp + nx + 1, mask=valid, other=0.0, cache_modifier=XC),
-                          tl.load(cp + nx + 2, mask=valid, other=0.0, cache_modifier=XC),
-                          tl.load(cp + nx + 3, mask=valid, other=0.0, cache_modifier=XC))
+        o0, o1, o2, o3 = (tl.load(cp + nx, mask=valid, other=0.0), tl.load(cp + nx + 1, mask=valid, other=0.0),
+                          tl.load(cp + nx + 2, mask=valid, other=0.0), tl.load(cp + nx + 3, mask=valid, other=0.0))
         wp = w_ptr + (tile + g) * 1024
         if PACKED:
-            d0, d1, d2, d3 = _packed_mma(wp, f0, f1, f2, f3, q_ptr, cols, g * 32, I, ASM, XC)
+            d0, d1, d2, d3 = _packed_mma(wp, f0, f1, f2, f3, q_ptr, cols, g * 32, I, ASM)
         else:
             p0, p1, p2, p3 = _blocks4(wp)
             d0 = _mma(p0, f0, _x_group(q_ptr, rows, valid, g * 32, I), ASM)
             d1 = _mma(p1, f1, _x_group(q_ptr, rows, valid, g * 32 + 32, I), ASM)
             d2 = _mma(p2, f2, _x_group(q_ptr, rows, valid, g * 32 + 64, I), ASM)
             d3 = _mma(p3, f3, _x_group(q_ptr, rows, valid, g * 32 + 96, I), ASM)
-        acc = _take(acc, d0, c0, slots, g, valid, H, TERMS, ASM)  # the promotion, group by group
-        acc = _take(acc, d1, c1, slots, g + 1, valid, H, TERMS, ASM)
-        acc = _take(acc, d2, c2, slots, g + 2, valid, H, TERMS, ASM)
-        acc = _take(acc, d3, c3, slots, g + 3, valid, H, TERMS, ASM)
+        acc = acc + _mul_rn(d0, c0[None, :], ASM)  # the promotion, group by group
+        acc = acc + _mul_rn(d1, c1[None, :], ASM)
+        acc = acc + _mul_rn(d2, c2[None, :], ASM)
+        acc = acc + _mul_rn(d3, c3[None, :], ASM)
         f0, f1, f2, f3, c0, c1, c2, c3 = n0, n1, n2, n3, o0, o1, o2, o3
     return acc
 

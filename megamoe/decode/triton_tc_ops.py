@@ -160,24 +160,23 @@ def _packed_columns(xrow4, count):
 
 
 @triton.jit
-def _x_packed(x_ptr, xrow, grp, valid, k0, LD: tl.constexpr, XC: tl.constexpr):
+def _x_packed(x_ptr, xrow, grp, valid, k0, LD: tl.constexpr):
     """B of a packed pass, e4m3 [128, 16]: column c holds its token's x at its group's 32 K and zeros at the
-    other 96 (and zeros for columns past the pass); (xrow, grp, valid) from ``_packed_columns``; XC: the load's
-    cache modifier."""
+    other 96 (and zeros for columns past the pass); (xrow, grp, valid) from ``_packed_columns``."""
     k = tl.arange(0, 128)
     own = valid[:, None] & (k[None, :] // 32 == grp[:, None])
-    return tl.trans(tl.load(x_ptr + xrow[:, None] * LD + k0 + k[None, :], mask=own, other=0.0, cache_modifier=XC))
+    return tl.trans(tl.load(x_ptr + xrow[:, None] * LD + k0 + k[None, :], mask=own, other=0.0))
 
 
 @triton.jit
-def _packed_mma(wp, f0, f1, f2, f3, x_ptr, cols, k0, LD: tl.constexpr, ASM: tl.constexpr, XC: tl.constexpr):
+def _packed_mma(wp, f0, f1, f2, f3, x_ptr, cols, k0, LD: tl.constexpr, ASM: tl.constexpr):
     """Four 32-K groups of up to 4 tokens (columns ``cols``) in one m64n16k128 MMA -> d'_g fp32 [64, 4] for
     g = 0..3: group g's column collects its products at k32 step g and zeros at the other three, which leave an
     FP32 accumulator unchanged (all their terms are zero; checked bit for bit on the H200 with four groups per
     MMA in run 3), so it is group g's sum from a zero accumulator, as a fresh k32 MMA: the same bits as
-    ``_mma``, one wait. XC: the cache modifier of x's loads."""
+    ``_mma``, one wait."""
     xrow, grp, valid = cols  # _packed_columns
-    d = tl.dot(_decode4(wp, ASM), _x_packed(x_ptr, xrow, grp, valid, k0, LD, XC), out_dtype=tl.float32)
+    d = tl.dot(_decode4(wp, ASM), _x_packed(x_ptr, xrow, grp, valid, k0, LD), out_dtype=tl.float32)
     f = tl.permute(tl.join(tl.join(f0, f1), tl.join(f2, f3)), (0, 2, 1))  # [64, gh, gl]
     d = tl.permute(tl.reshape(d, (64, 2, 4, 2)) * f[:, :, None, :], (0, 2, 1, 3))  # (r, n, gh, gl)
     even, odd = tl.split(d)  # gl = 0, 1
