@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -92,9 +93,10 @@ def sweep_clock(fn) -> dict:
 def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str | None = None) -> dict:
     """The launch's timeline (megamoe.decode.timeline) over a few flushed graph replays with stamps on; the
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
+    from megamoe.decode.tc import launch_grids
     from megamoe.decode.timeline import stamp_buffer, summarize, table
 
-    buf.stamps = stamp_buffer(buf, (buf.max_work(t) + 1) * max(g.intermediate // 32 * 4, g.hidden // 64))
+    buf.stamps = stamp_buffer(buf, max(math.prod(grid) for grid in launch_grids(tw, buf, t, cfg)))
     try:
         tm = time_replays(lambda: moe_decode(tw, buf, t, g.clamp, cfg), 0.2, flush)
         gs, reps = tm.pop("graph"), []

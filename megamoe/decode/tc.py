@@ -100,6 +100,15 @@ def _stamps(buf, launch: int, grid: tuple) -> tuple:
     return buf.stamps[launch], True
 
 
+def launch_grids(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> tuple[tuple, tuple]:
+    """The grids ``l1_tc`` and ``l2_tc`` launch for this step, after their checks: L1 (W work items, one more
+    when it routes for itself; I / 32 channel tiles; its K parts), L2 (W, H / 64). A timeline's stamp buffer
+    holds the larger (``timeline.stamp_buffer``)."""
+    w = buf.max_work(num_tokens)
+    route = bool(_route_slots(buf, num_tokens, cfg))
+    return (w + route, tw.intermediate // 32, _split(tw, buf, num_tokens, cfg)), (w, tw.hidden // 64)
+
+
 def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
     """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
     from .routing import route_pads
@@ -107,11 +116,11 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
 
     if num_tokens == 0:
         return
-    split = _split(tw, buf, num_tokens, cfg)
+    grid, _ = launch_grids(tw, buf, num_tokens, cfg)
+    split = grid[2]
     route = {}
-    if _route_slots(buf, num_tokens, cfg):  # route's sort sizes, as route's launch has them
+    if grid[0] > buf.max_work(num_tokens):  # L1 routes for itself: route's sort sizes, as route's launch has them
         route = dict(ROUTE=True, **route_pads(num_tokens, buf.num_topk, buf.num_local))
-    grid = (buf.max_work(num_tokens) + bool(route), tw.intermediate // 32, split)
     stamps, stamp = _stamps(buf, 0, grid)
     l1_tc_kernel[grid](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
@@ -129,7 +138,7 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
 
     if num_tokens == 0:
         return
-    grid = (buf.max_work(num_tokens), tw.hidden // 64)
+    _, grid = launch_grids(tw, buf, num_tokens, cfg)
     stamps, stamp = _stamps(buf, 1, grid)
     l2_tc_kernel[grid](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
