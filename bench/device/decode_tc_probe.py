@@ -67,8 +67,12 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
+    # at 1 token: the whole step in one persistent CUDA launch (megamoe/decode/cuda_step1.py), or the Triton launches
+    "cuda1": dict(tc_cuda_step1=True),
+    "nocuda1": dict(tc_cuda_step1=False),
 }
-KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
+KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "step1_kernel",
+           "read_kernel")
 T0 = time.time()
 
 

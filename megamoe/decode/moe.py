@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..geometry import Geometry
-from . import gemv, routing, tc
+from . import cuda_step1, gemv, routing, tc
 from .gemv import LaunchConfig
 from .layout import DecodeWeights
 from .layout_tc import TCWeights
@@ -41,6 +41,7 @@ class DecodeBuffers:
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
         counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
+        step_sync int32 [2 + H/64]            the 1-token CUDA step's grid barrier and combine counts (cuda_step1.py)
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
@@ -69,6 +70,7 @@ class DecodeBuffers:
     counters: torch.Tensor
     split_terms: torch.Tensor
     split_counts: torch.Tensor
+    step_sync: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
     stamps: torch.Tensor | None = None
@@ -105,6 +107,7 @@ class DecodeBuffers:
             counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
+            step_sync=torch.zeros(2 + h // 64, dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 
@@ -130,7 +133,7 @@ class DecodeBuffers:
         for f in fields(self):
             t = getattr(self, f.name)
             if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters",
-                                                                 "split_counts"):
+                                                                 "split_counts", "step_sync"):
                 if t.dtype.is_floating_point:
                     t.fill_(float("nan"))
                 else:
@@ -150,6 +153,8 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
     the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
+    if tensor_cores and cfg.tc_cuda_step1 and cuda_step1.unsupported(dw, buf, num_tokens) is None:
+        return cuda_step1.step1(dw, buf, clamp)  # the whole 1-token step in one launch, the same bits
     if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
                       cfg.pdl, full=not tensor_cores)

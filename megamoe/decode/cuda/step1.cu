@@ -1,0 +1,542 @@
+// The 1-token decode step in one persistent launch (recipe megamoe-decode-tc, the same bits as the three Triton
+// launches of megamoe/decode/triton_tc.py). Python side: megamoe/decode/cuda_step1.py (build, checks, launch).
+//
+// One CTA per SM, 288 threads: warpgroups 0 and 1 compute, warp 8 loads. The CTA's work is a list of blocks
+// (one 128-K block of one 64-row tile: 4,096 code bytes and 256 scale bytes, contiguous in layout_tc.py):
+//   L1 tiles (item i, channel tile t) for tile = blockIdx.x, + gridDim.x, ...; then L2 tiles the same way.
+// Warp 8 streams the list through a ring of stages (cp.async.bulk, one mbarrier per stage each way), without
+// waiting on anything but free stages, so it runs on into L2's weights while L1 still computes: at the grid
+// barrier between L1 and L2 the ring already holds most of this CTA's L2 blocks.
+//
+// A tile's K blocks are split in halves: warpgroup 0 keeps the running promotion sum of the first half,
+// warpgroup 1 stores each term of the second half in shared memory, and warpgroup 0 replays them in order, the
+// same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs).
+//
+// Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
+// weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
+// (exact); L1: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; L2:
+// acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The L1 epilogue (SwiGLU, routing weight, FP8 requant per 32
+// channels) and the combine (slot-ordered FP32 sum, one bf16 rounding) are triton_tc._l1_epilogue's and
+// triton_combine.combine_tile's, operation for operation.
+//
+// B operand without a zero-filled tile: column 0 is all that is read back, so B is the token's codes themselves
+// with rows 16 bytes apart (LBO = 16): B[k][n] = codes[k0 + k + 16 n]. Columns 1..7 hold other codes and their
+// results are never used.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kStageBytes = 4096 + 256;  // one 128-K block of a tile: four 1,024-byte code blocks, 64 scale words
+constexpr int kComputeThreads = 256;     // warpgroups 0 and 1
+constexpr int kThreads = kComputeThreads + 32;
+constexpr int kMaxTerms = 32;            // terms of a tile's second half: L1 H/256 blocks, L2 I/64 groups
+constexpr int kMaxTopK = 8;
+constexpr int kPad = 160;                // B reads up to 143 bytes past a k32 step's start
+
+struct Params {
+  const uint8_t* l1_codes;   // [E, I/32, H/32, 1024]
+  const uint8_t* l1_scales;  // [E, I/32, H/128, 256]
+  const uint8_t* l2_codes;   // [E, H/64, I/32, 1024]
+  const uint8_t* l2_scales;  // [E, H/64, I/128, 256]
+  const uint8_t* x_q;        // e4m3 [H]      (token 0 of the staged buffers)
+  const float* x_sf;         // fp32 [H/128]
+  const int64_t* topk_idx;   // [K]
+  const float* topk_w;       // [K]
+  int32_t* num_touched;      // route's outputs (routing.route_torch), for L2-combine readers and checks
+  int32_t* touched;
+  int32_t* seg_start;
+  int32_t* seg_count;
+  int32_t* row_token;
+  float* row_weight;
+  int32_t* slot_row;
+  uint8_t* l2_q;       // [S, I]
+  float* l2_sf;        // [S, I/32]
+  uint16_t* slot_out;  // bf16 bits [S, H]
+  uint16_t* y;         // bf16 bits [H]
+  uint32_t* sync;      // [2 + H/64]: grid barrier count and generation, combine counts per 64 columns
+  float clamp;
+  int H, I, K, expert_lo, num_local, stages;
+};
+
+// ---- PTX wrappers ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+                   smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// B descriptor, K-major, no swizzle: start address, LBO (between the two 16-byte K halves of a row) = 16, SBO =
+// 128 (unused with N = 8).
+__device__ __forceinline__ uint64_t b_desc(const uint8_t* p) {
+  uint64_t addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(128 >> 4) << 32);
+}
+
+// D = A * B for one k32 step (scale-d 0: no accumulator), A in registers: four e4m3x4 words per thread.
+__device__ __forceinline__ void wgmma_k32(float d[4], const uint32_t a[4], uint64_t desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// ---- numerics shared with the Triton kernels -----------------------------------------------------------------------
+
+// A stored byte holds the codes of rows ri (lo) and ri + 8 (hi); -> e4m3 bytes worth e2m1 * 2**-6
+// (layout_tc.pack_pair), four bytes at once.
+__device__ __forceinline__ uint32_t decode_lo(uint32_t b) { return b & 0x9C9C9C9Cu; }
+__device__ __forceinline__ uint32_t decode_hi(uint32_t b) {
+  return ((b << 2) & 0x8C8C8C8Cu) | ((b >> 2) & 0x10101010u);
+}
+
+// Byte g of a scale word (s + 6) -> the factor 2**(s - 121): the byte is the FP32 exponent field.
+__device__ __forceinline__ float factor(uint32_t word, int g) {
+  return __uint_as_float(((word >> (8 * g)) & 0xFFu) << 23);
+}
+
+__device__ __forceinline__ uint16_t bf16_bits(float v) {  // triton_gemv._bf16_bits: RNE on the bits
+  int32_t b = __float_as_int(v);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+__device__ __forceinline__ uint8_t e4m3_rtne_bits(float q) {  // staging.triton_stage._e4m3_rtne_bits
+  int32_t b = __float_as_int(q);
+  int32_t sign = (b >> 24) & 0x80;
+  int32_t a = b & 0x7FFFFFFF;
+  int32_t normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960;
+  int32_t e = a >> 23;
+  int32_t s = min(141 - e, 31);
+  int32_t mant = (a & 0x7FFFFF) | 0x800000;
+  int32_t sub = (mant + ((1 << (s - 1)) - 1) + ((mant >> s) & 1)) >> s;
+  int32_t code = a >= 0x3C800000 ? normal : sub;
+  return static_cast<uint8_t>(code | sign);
+}
+
+// ---- the CTA's share of one tile's K blocks ------------------------------------------------------------------------
+
+struct Ring {
+  uint8_t* data;
+  uint64_t* full;
+  uint64_t* empty;
+  int stages;
+};
+
+// The four groups' tensor-core sums of the next block of this warpgroup (unit u of the CTA's list), each already
+// times its factor (exact), for rows r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8).
+// Valid in lanes with lane % 4 == 0 (column 0). bsrc: the B codes of the block's first k32 step.
+__device__ __forceinline__ void block_sums(const Ring& ring, uint32_t u, int tid, const uint8_t* bsrc,
+                                           float dg[4][2]) {
+  const int s = u % ring.stages;
+  mbar_wait(&ring.full[s], (u / ring.stages) & 1);
+  const uint8_t* blk = ring.data + size_t(s) * kStageBytes;
+  uint2 v[4];
+#pragma unroll
+  for (int g = 0; g < 4; ++g) v[g] = *reinterpret_cast<const uint2*>(blk + g * 1024 + 8 * tid);
+  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
+  const uint32_t w0 = *reinterpret_cast<const uint32_t*>(blk + 4096 + 4 * r0);
+  const uint32_t w1 = *reinterpret_cast<const uint32_t*>(blk + 4096 + 4 * (r0 + 8));
+  mbar_arrive(&ring.empty[s]);  // the stage's bytes are in registers
+  uint32_t a[4][4];
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    a[g][0] = decode_lo(v[g].x);  // row r0, K 4 lq .. 4 lq + 3
+    a[g][1] = decode_hi(v[g].x);  // row r0 + 8
+    a[g][2] = decode_lo(v[g].y);  // row r0, K 16 + 4 lq ..
+    a[g][3] = decode_hi(v[g].y);
+  }
+  float d[4][4];
+  wgmma_fence();
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    d[g][0] = d[g][1] = d[g][2] = d[g][3] = 0.f;
+    wgmma_k32(d[g], a[g], b_desc(bsrc + 32 * g));
+  }
+  wgmma_commit();
+  wgmma_wait0();
+#pragma unroll
+  for (int g = 0; g < 4; ++g)  // the results are read only after the wait
+    asm volatile("" : "+f"(d[g][0]), "+f"(d[g][1]), "+f"(d[g][2]), "+f"(d[g][3])::"memory");
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    dg[g][0] = __fmul_rn(d[g][0], factor(w0, g));
+    dg[g][1] = __fmul_rn(d[g][2], factor(w1, g));
+  }
+}
+
+struct Items {  // the step's valid slots in slot order: item i is slot item_slot[i] (T = 1: one row each)
+  int n;
+  int expert[kMaxTopK];
+  int row[kMaxTopK];
+  float weight[kMaxTopK];
+  int slot_row[kMaxTopK];  // per slot: its pool row or -1
+};
+
+__device__ void grid_barrier(uint32_t* count, uint32_t* gen, uint32_t ctas) {
+  // Count in; the last to arrive resets the count and bumps the generation (release); the others wait for it.
+  __threadfence();
+  volatile uint32_t* vgen = gen;
+  const uint32_t g0 = *vgen;
+  __threadfence();
+  if (atomicAdd(count, 1u) == ctas - 1) {
+    *count = 0;
+    __threadfence();
+    atomicAdd(gen, 1u);
+  } else {
+    while (*vgen == g0) {
+    }
+  }
+  __threadfence();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int H = p.H, I = p.I;
+  const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
+  const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
+  // shared memory: ring | x codes | h codes (one half per warpgroup) | terms x2 | epilogue | x_sf | sf2 | bars
+  uint8_t* ring_data = smem;
+  uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
+  uint8_t* hs = xs + H + kPad;
+  float* terms = reinterpret_cast<float*>(hs + 2 * (I / 2 + kPad));
+  float* ep = terms + 2 * kMaxTerms * 64;
+  float* xsf = ep + 64;
+  float* sf2 = xsf + nb1;
+  int* flag = reinterpret_cast<int*>(sf2 + I / 32);
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
+  Ring ring{ring_data, bars, bars + p.stages, p.stages};
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(&ring.full[s], 1);
+      mbar_init(&ring.empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The step's routing, computed by every thread (K <= 8 slots of one token): the valid slots in slot order, and
+  // each one's pool row as routing.route_torch numbers them (stable by expert).
+  Items it;
+  it.n = 0;
+  int ex[kMaxTopK];
+  for (int k = 0; k < p.K; ++k) {
+    const int64_t e = p.topk_idx[k] - p.expert_lo;
+    ex[k] = (e >= 0 && e < p.num_local) ? int(e) : -1;
+  }
+  for (int k = 0; k < p.K; ++k) {
+    int row = -1;
+    if (ex[k] >= 0) {
+      row = 0;
+      for (int j = 0; j < p.K; ++j) row += ex[j] >= 0 && (ex[j] < ex[k] || (ex[j] == ex[k] && j < k));
+      it.expert[it.n] = ex[k];
+      it.row[it.n] = row;
+      it.weight[it.n] = p.topk_w[k];
+      ++it.n;
+    }
+    it.slot_row[k] = row;
+  }
+  if (blockIdx.x == 0 && tid == 0) {  // route's outputs, as route_torch writes them
+    int nt = 0;
+    for (int k = 0; k < p.K; ++k) {
+      if (ex[k] < 0) continue;
+      p.slot_row[k] = it.slot_row[k];
+      p.row_token[it.slot_row[k]] = 0;
+      p.row_weight[it.slot_row[k]] = p.topk_w[k];
+    }
+    for (int k = 0; k < p.K; ++k) {
+      if (ex[k] >= 0) continue;
+      p.slot_row[k] = -1;
+    }
+    for (int k = 0; k < p.K; ++k) {  // distinct experts ascending, each with its first row and count
+      if (ex[k] < 0) continue;
+      bool first = true;
+      for (int j = 0; j < k; ++j) first &= ex[j] != ex[k];
+      if (!first) continue;
+      int below = 0, cnt = 0, rank = 0;
+      for (int j = 0; j < p.K; ++j) {
+        below += ex[j] >= 0 && ex[j] < ex[k];
+        cnt += ex[j] == ex[k];
+      }
+      for (int j = 0; j < p.K; ++j) {  // rank among distinct experts
+        bool firstj = ex[j] >= 0 && ex[j] < ex[k];
+        for (int m = 0; m < j && firstj; ++m) firstj &= ex[m] != ex[j];
+        rank += firstj;
+      }
+      p.touched[rank] = ex[k];
+      p.seg_start[rank] = below;
+      p.seg_count[rank] = cnt;
+      ++nt;
+    }
+    *p.num_touched = nt;
+    if (it.n == 0)
+      for (int c = 0; c < H; ++c) p.y[c] = 0;  // no slot routed here: y is zero (route_torch)
+  }
+  if (tid < kComputeThreads) {  // the token's codes and scales; pad past the end with zeros
+    for (int c = tid; c < H / 16; c += kComputeThreads)
+      reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
+    for (int c = tid; c < kPad; c += kComputeThreads) xs[H + c] = 0;
+    for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
+    for (int c = tid; c < 2 * (I / 2 + kPad); c += kComputeThreads) hs[c] = 0;
+    fence_async_smem();
+  }
+  __syncthreads();
+
+  const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
+  if (tid >= kComputeThreads) {                // ---- warp 8: the loads ----
+    if (tid == kComputeThreads) {
+      uint32_t u = 0;
+      auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
+        const int s = u % ring.stages;
+        mbar_wait(&ring.empty[s], ((u / ring.stages) & 1) ^ 1);
+        mbar_expect_tx(&ring.full[s], kStageBytes);
+        bulk_load(ring.data + size_t(s) * kStageBytes, codes, 4096, &ring.full[s]);
+        bulk_load(ring.data + size_t(s) * kStageBytes + 4096, scales, 256, &ring.full[s]);
+        ++u;
+      };
+      for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
+        const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
+        for (int b = 0; b < nb1 / 2; ++b)
+          for (int half = 0; half < 2; ++half) {
+            const size_t blk = base * nb1 + half * (nb1 / 2) + b;
+            issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
+          }
+      }
+      for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
+        const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
+        for (int b = 0; b < nb2 / 2; ++b)
+          for (int half = 0; half < 2; ++half) {
+            const size_t blk = base * nb2 + half * (nb2 / 2) + b;
+            issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
+          }
+      }
+    }
+    return;
+  }
+
+  // ---- warpgroups 0 and 1: decode, MMA, promotion ----
+  const int wg = tid / 128, t = tid % 128;
+  const int r0 = 16 * (t / 32) + (t % 32) / 4;
+  const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
+  uint32_t u = wg;                 // this warpgroup's units are wg, wg + 2, ... of the CTA's list
+  int tiles_done = 0;
+
+  for (int tile = blockIdx.x; tile < n1; tile += gridDim.x, ++tiles_done) {  // ---- L1 ----
+    const int item = tile / tpe1, ct = tile % tpe1;
+    float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int b = 0; b < nb1 / 2; ++b, u += 2) {
+      const int kb = wg * (nb1 / 2) + b;
+      float dg[4][2];
+      block_sums(ring, u, t, xs + kb * 128, dg);
+      const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
+      const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
+      const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
+      if (wg == 0) {
+        acc0 = __fadd_rn(acc0, term0);
+        acc1 = __fadd_rn(acc1, term1);
+      } else if (col0) {
+        tb[b * 64 + r0] = term0;
+        tb[b * 64 + r0 + 8] = term1;
+      }
+    }
+    named_sync(1, kComputeThreads);  // the second half's terms are in shared memory
+    if (wg == 0) {
+      for (int b = 0; b < nb1 / 2; ++b) {  // the chain goes on through the second half, in order
+        acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
+        acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
+      }
+      if (col0) {
+        ep[r0] = acc0;
+        ep[r0 + 8] = acc1;
+      }
+      named_sync(2, 128);
+      if (t < 32) {  // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31
+        const float gate = ep[t], up = ep[32 + t];
+        const float g = fminf(gate, p.clamp);
+        const float uu = fminf(fmaxf(up, -p.clamp), p.clamp);
+        const float e = static_cast<float>(exp(-static_cast<double>(g)));
+        const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, e));
+        const float vw = __fmul_rn(__fmul_rn(__fmul_rn(g, sig), uu), it.weight[item]);
+        float amax = fabsf(vw);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
+        const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
+        const int row = it.row[item];
+        p.l2_q[size_t(row) * I + 32 * ct + t] = e4m3_rtne_bits(qv);
+        if (t == 0) p.l2_sf[size_t(row) * (I / 32) + ct] = sf;
+      }
+    }
+  }
+
+  // ---- every CTA's L1 outputs written: one grid-wide barrier ----
+  named_sync(1, kComputeThreads);
+  if (tid == 0) grid_barrier(&p.sync[0], &p.sync[1], gridDim.x);
+  named_sync(1, kComputeThreads);
+
+  uint8_t* hw = hs + wg * (I / 2 + kPad);  // this warpgroup's half of the row's L2 input codes
+  float* sfw = sf2 + wg * (I / 64);
+  for (int tile = blockIdx.x; tile < n2; tile += gridDim.x, ++tiles_done) {  // ---- L2 ----
+    const int item = tile / tpe2, ot = tile % tpe2;
+    const int row = it.row[item];
+    // the row's codes and group scales for this half, written by other CTAs' L1: read through L2 (.cg)
+    named_sync(3 + wg, 128);  // every MMA of the last tile has read the old codes
+    for (int c = t; c < I / 32; c += 128)
+      reinterpret_cast<uint4*>(hw)[c] =
+          __ldcg(reinterpret_cast<const uint4*>(p.l2_q + size_t(row) * I + wg * (I / 2)) + c);
+    for (int c = t; c < I / 64; c += 128) sfw[c] = __ldcg(p.l2_sf + size_t(row) * (I / 32) + wg * (I / 64) + c);
+    fence_async_smem();
+    named_sync(3 + wg, 128);
+    float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int b = 0; b < nb2 / 2; ++b, u += 2) {
+      float dg[4][2];
+      block_sums(ring, u, t, hw + b * 128, dg);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const float c = sfw[4 * b + g];
+        const float term0 = __fmul_rn(dg[g][0], c), term1 = __fmul_rn(dg[g][1], c);
+        if (wg == 0) {
+          acc0 = __fadd_rn(acc0, term0);
+          acc1 = __fadd_rn(acc1, term1);
+        } else if (col0) {
+          tb[(4 * b + g) * 64 + r0] = term0;
+          tb[(4 * b + g) * 64 + r0 + 8] = term1;
+        }
+      }
+    }
+    named_sync(1, kComputeThreads);
+    if (wg == 0) {
+      for (int j = 0; j < 4 * (nb2 / 2); ++j) {
+        acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
+        acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
+      }
+      if (col0) {
+        p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
+        p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
+      }
+      // The combine of these 64 columns, by the CTA that writes the last of the step's rows for them.
+      named_sync(2, 128);
+      if (t == 0) {
+        __threadfence();
+        const bool last = atomicAdd(&p.sync[2 + ot], 1u) == uint32_t(it.n - 1);
+        if (last) {
+          p.sync[2 + ot] = 0;
+          __threadfence();
+        }
+        flag[0] = last;
+      }
+      named_sync(2, 128);
+      if (flag[0] && t < 64) {
+        const int col = 64 * ot + t;
+        float acc = 0.f;
+        for (int k = 0; k < p.K; ++k) {
+          const int r = it.slot_row[k];
+          if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * H + col)) << 16));
+        }
+        p.y[col] = bf16_bits(acc);
+      }
+      named_sync(2, 128);  // flag read before the next tile writes it
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory the kernel needs besides its ring, for the geometry (bytes).
+int megamoe_step1_fixed_smem(int H, int I) {
+  const int bytes = (H + kPad) + 2 * (I / 2 + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + I / 32 + 4);
+  return (bytes + 7) / 8 * 8;
+}
+
+int megamoe_step1_stage_bytes() { return kStageBytes + 16; }  // a stage and its two mbarriers
+
+int megamoe_step1_max_terms() { return kMaxTerms; }
+
+int megamoe_step1_threads() { return kThreads; }
+
+// The kernel's dynamic shared memory limit; once, before the first launch (and outside a CUDA graph capture).
+int megamoe_step1_prepare(int device, int smem_bytes) {
+  const cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return int(err);
+  return int(cudaFuncSetAttribute(step1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+}
+
+// Launch on `stream`; 0 or the CUDA error code. A cooperative launch: every CTA must be resident at once.
+int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void* l2_codes, const void* l2_scales,
+                         const void* x_q, const void* x_sf, const void* topk_idx, const void* topk_w,
+                         void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
+                         void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
+                         void* sync, float clamp, int H, int I, int K, int expert_lo, int num_local, int stages,
+                         int grid, int smem_bytes, int device, void* stream) {
+  Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
+           static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
+           static_cast<const uint8_t*>(x_q), static_cast<const float*>(x_sf),
+           static_cast<const int64_t*>(topk_idx), static_cast<const float*>(topk_w),
+           static_cast<int32_t*>(num_touched), static_cast<int32_t*>(touched), static_cast<int32_t*>(seg_start),
+           static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
+           static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
+           static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
+           clamp, H, I, K, expert_lo, num_local, stages};
+  const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
+  if (err != cudaSuccess) return int(err);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return int(cudaLaunchKernelEx(&cfg, step1_kernel, p));
+}
+
+}  // extern "C"

@@ -1,0 +1,139 @@
+"""The 1-token tensor-core step in one persistent CUDA launch (``cuda/step1.cu``): route, L1, L2 and the combine
+of ``moe_decode``'s three Triton launches, with the same outputs bit for bit (recipe megamoe-decode-tc).
+
+    step1(tw, buf, clamp)   buf's staged token 0 -> route's outputs, l2_q, l2_sf, slot_out, y[0]
+
+Why CUDA here: at one token the Triton launches stream each K loop close to a plain read of its bytes, but the
+step pays three ramps and tails around them (docs/decode-kernel-tc.md, "Where the time goes"). This kernel keeps
+one CTA per SM, streams the CTA's L1 and then L2 blocks through a ring of shared-memory stages
+(``cp.async.bulk`` with mbarriers, which Triton does not expose), and so loads L2's weights while L1 finishes;
+one grid barrier separates them.
+
+The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
+``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot
+take it (no SM90 GPU, no nvcc, more than one token, a geometry past its shared-memory budget); ``moe_decode`` then
+runs the Triton launches, which give the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
+NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
+
+
+def nvcc() -> str | None:
+    """The nvcc to build with: ``$CUDA_HOME/bin/nvcc``, else the one on PATH."""
+    home = os.environ.get("CUDA_HOME")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build(out_dir: str | os.PathLike | None = None) -> Path:
+    """Compile ``cuda/step1.cu`` into a shared library (once per source and flags) and return its path."""
+    exe = nvcc()
+    if exe is None:
+        raise RuntimeError("building the 1-token CUDA step needs nvcc (CUDA_HOME/bin or PATH)")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    root = Path(out_dir or os.environ.get("MEGAMOE_CACHE", Path.home() / ".cache" / "megamoe"))
+    lib = root / f"step1-{key}.so"
+    if not lib.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        run = subprocess.run([exe, *NVCC_FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"nvcc failed on {SOURCE.name}:\n{run.stderr[-4000:]}")
+        tmp.replace(lib)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.megamoe_step1_launch.argtypes = [p] * 20 + [f] + [i] * 9 + [p]
+    lib.megamoe_step1_launch.restype = i
+    lib.megamoe_step1_fixed_smem.argtypes = [i, i]
+    lib.megamoe_step1_prepare.argtypes = [i, i]
+    for name in ("megamoe_step1_prepare", "megamoe_step1_fixed_smem", "megamoe_step1_stage_bytes", "megamoe_step1_max_terms",
+                 "megamoe_step1_threads"):
+        getattr(lib, name).restype = i
+    return lib
+
+
+def geometry_limits(hidden: int, intermediate: int, num_topk: int, max_terms: int = 32) -> str | None:
+    """Why the kernel cannot take this geometry (None if it can): each warpgroup stores at most ``max_terms``
+    terms of a tile's second half (L1: hidden / 256 blocks; L2: intermediate / 64 groups), and the top-k fits in
+    its per-thread slot list."""
+    if hidden % 256 or intermediate % 256:
+        return f"hidden and intermediate must be multiples of 256, got {hidden}, {intermediate}"
+    if hidden // 256 > max_terms or intermediate // 64 > max_terms:
+        return (f"hidden <= {256 * max_terms} and intermediate <= {64 * max_terms}, got {hidden}, {intermediate}")
+    if num_topk > 8:
+        return f"top-k <= 8, got {num_topk}"
+    return None
+
+
+def unsupported(tw, buf, num_tokens: int) -> str | None:
+    """Why this step cannot run as one CUDA launch (None when it can). Host-side only: no sync, no launch."""
+    if num_tokens != 1:
+        return f"one token per step only, got {num_tokens}"
+    dev = tw.l1_codes.device
+    if dev.type != "cuda" or buf.interpret:
+        return "needs a CUDA device (not the interpreter)"
+    return _unsupported_here(dev.index or 0, tw.hidden, tw.intermediate, buf.num_topk)
+
+
+@functools.lru_cache(maxsize=None)
+def _unsupported_here(device_index: int, hidden: int, intermediate: int, num_topk: int) -> str | None:
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return "needs SM90 (compute capability 9.0: wgmma, cp.async.bulk)"
+    return geometry_limits(hidden, intermediate, num_topk) or (
+        "no nvcc to build it with (CUDA_HOME/bin or PATH)" if nvcc() is None else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
+    """(CTAs, ring stages, dynamic shared memory bytes): one CTA per SM, as many stages as the SM's shared memory
+    holds beside the kernel's fixed buffers, an even number (stages alternate between the two warpgroups)."""
+    lib = _library()
+    props = torch.cuda.get_device_properties(device_index)
+    budget = getattr(props, "shared_memory_per_block_optin", 232448)
+    fixed = lib.megamoe_step1_fixed_smem(hidden, intermediate) + 8
+    stages = (budget - fixed) // lib.megamoe_step1_stage_bytes() // 2 * 2
+    if stages < 4:
+        raise RuntimeError(f"the 1-token CUDA step needs 4 ring stages, the device's shared memory gives {stages}")
+    smem = fixed + stages * lib.megamoe_step1_stage_bytes()
+    err = lib.megamoe_step1_prepare(device_index, smem)
+    if err:
+        raise RuntimeError(f"the 1-token CUDA step cannot have {smem} bytes of shared memory: CUDA error {err}")
+    return props.multi_processor_count, stages, smem
+
+
+def step1(tw, buf, clamp: float) -> torch.Tensor:
+    """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first."""
+    lib = _library()
+    dev = tw.l1_codes.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    ctas, stages, smem = _launch_shape(index, tw.hidden, tw.intermediate)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    err = lib.megamoe_step1_launch(
+        ptr(tw.l1_codes), ptr(tw.l1_scales), ptr(tw.l2_codes), ptr(tw.l2_scales), ptr(buf.x_q), ptr(buf.x_sf),
+        ptr(buf.topk_idx), ptr(buf.topk_weights), ptr(buf.num_touched), ptr(buf.touched), ptr(buf.seg_start),
+        ptr(buf.seg_count), ptr(buf.row_token), ptr(buf.row_weight), ptr(buf.slot_row), ptr(buf.l2_q), ptr(buf.l2_sf),
+        ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync), ctypes.c_float(clamp), tw.hidden, tw.intermediate,
+        buf.num_topk, buf.expert_lo, buf.num_local, stages, ctas, smem, index, ctypes.c_void_p(stream))
+    if err:
+        raise RuntimeError(f"the 1-token CUDA step failed to launch: CUDA error {err}")
+    return buf.y[:1]

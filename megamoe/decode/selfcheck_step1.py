@@ -1,0 +1,105 @@
+"""Checks of the 1-token CUDA step (``cuda_step1.py``) on an SM90 GPU, against the three Triton launches it
+replaces and against the eager reference (recipe megamoe-decode-tc):
+
+    stages   route's outputs, l2_q, l2_sf and slot_out equal to the Triton launches' bit for bit, from the same
+             staged token (both buffers poisoned first)
+    whole    y equal to the Triton launches' and to the reference bit for bit (calc_diff 0); rows past the step
+             still poisoned; ``repeats`` poisoned relaunches bit-identical
+
+    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8]      (one H200) -> JSON rows; exit 1 on a failure
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from ..inputs import make_inputs
+from ..recipe import MEGAMOE_DECODE_TC
+from ..testing import calc_diff, first_mismatch
+from . import cuda_step1, tc
+from .layout_tc import prepare_tc_weights
+from .moe import DecodeBuffers, moe_decode
+from .selfcheck import _STAGE_FIELDS, DecodeCase, _copy_staged, _written, case_weights, geometry_of
+
+FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f not in ("x32", "y_unrouted")) + ("l2_q", "l2_sf", "slot_out",
+                                                                                        "y")
+CASES = (
+    DecodeCase("dsv4-flash", 1, seed=101),
+    DecodeCase("dsv4-flash", 1, seed=102),
+    DecodeCase("dsv4-flash", 1, routing="masked", seed=103),
+    DecodeCase("dsv4-flash", 1, routing="skewed", seed=104),
+    DecodeCase("dsv4-flash", 1, routing="allmasked", seed=105),
+)
+
+
+def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2) -> dict:
+    """One staged token through the Triton launches and through the CUDA step (buffers for ``capacity`` tokens,
+    so that a row past the step shows whether it kept its poison)."""
+    from ..reference import moe_forward
+    from ..staging import stage_into
+
+    t0 = time.time()
+    g = geometry_of(case.geometry)
+    w = case_weights(case.geometry, "cuda")
+    tw = prepare_tc_weights(w)
+    inp = make_inputs(g, 1, seed=3000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to("cuda")
+    bufs = [DecodeBuffers.allocate(g, capacity, "cuda", split_tokens=1) for _ in range(2)]
+    stage_into(inp.x, inp.topk_idx, inp.topk_weights, bufs[0].x_q, bufs[0].x_sf, bufs[0].topk_idx,
+               bufs[0].topk_weights, 1, num_experts=g.num_experts, backend="torch")
+    _copy_staged(bufs[0], bufs[1])
+    cuda_cfg = tc.tc_launch_config(1, g.num_topk)
+    triton_cfg = dataclasses.replace(cuda_cfg, tc_cuda_step1=False)
+    row = {"case": case.id, **dataclasses.asdict(case), "launch": cuda_cfg.tc_cuda_step1,
+           "unsupported": cuda_step1.unsupported(tw, bufs[1], 1)}
+    for b in bufs:
+        b.poison_()
+    moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
+    moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
+    torch.cuda.synchronize()
+    row["stages"] = "; ".join(f"{f}: {m}" for f in FIELDS
+                              if (m := first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1))))
+    n = int((bufs[1].slot_row[: g.num_topk] >= 0).sum())
+    row["rows"] = n
+    row["poison_kept"] = bool(torch.isnan(bufs[1].y[1:].float()).all() and (bufs[1].l2_q[n:] == 0x7F).all()
+                              and (bufs[1].slot_out[n:].view(torch.uint8) == 0x7F).all())
+    y = bufs[1].y[:1].clone()
+    ref = moe_forward(inp, w, MEGAMOE_DECODE_TC, g)
+    row["calc_diff"] = calc_diff(y, ref) if n else float((y.float() != 0).any())
+    row["bitwise_frac"] = float((y.view(torch.int16) == ref.view(torch.int16)).float().mean())
+    row["nan"] = int(torch.isnan(y.float()).sum())
+    differ = 0
+    for _ in range(repeats):
+        bufs[1].poison_()
+        moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
+        differ += any(first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1)) for f in FIELDS)
+    row["relaunches_differing"] = f"{differ} of {repeats}"
+    row["seconds"] = round(time.time() - t0, 2)
+    return row
+
+
+def passed_step1(row: dict) -> bool:
+    """The CUDA step ran (not the Triton fallback), every stage equal to the Triton launches', y bit-identical to
+    the reference, poison kept, no relaunch differing."""
+    return (row["launch"] and row["unsupported"] is None and not row["stages"] and row["bitwise_frac"] == 1.0
+            and row["poison_kept"] and not row["nan"] and row["relaunches_differing"].startswith("0 of"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=8)
+    args = ap.parse_args(argv)
+    rows = []
+    for case in CASES:
+        rows.append(run_step1_case(case, args.repeats))
+        rows[-1]["passed"] = passed_step1(rows[-1])
+        print(json.dumps(rows[-1]), flush=True)
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
