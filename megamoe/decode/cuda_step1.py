@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+STAMP_POINTS = ("set up", "last L1 block asked for", "last L2 block asked for", "L1 done", "every CTA's L1 done",
+                "L2 done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 
@@ -61,7 +63,7 @@ def build(out_dir: str | os.PathLike | None = None) -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.megamoe_step1_launch.argtypes = [p] * 20 + [f] + [i] * 9 + [p]
+    lib.megamoe_step1_launch.argtypes = [p] * 21 + [f] + [i] * 10 + [p]
     lib.megamoe_step1_launch.restype = i
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
@@ -120,20 +122,31 @@ def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[in
     return props.multi_processor_count, stages, smem
 
 
-def step1(tw, buf, clamp: float) -> torch.Tensor:
-    """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first."""
+def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Tensor | None = None,
+          bare: bool = False) -> torch.Tensor:
+    """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first.
+
+    For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
+    its points (``STAMP_POINTS``); ``bare`` streams the blocks without decoding or multiplying them (y is wrong)."""
     lib = _library()
     dev = tw.l1_codes.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    ctas, stages, smem = _launch_shape(index, tw.hidden, tw.intermediate)
+    ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
+    stages = most if stages is None else stages
+    if not (4 <= stages <= most and stages % 2 == 0):
+        raise ValueError(f"stages must be even, in [4, {most}], got {stages}")
+    if stamps is not None and (stamps.dtype != torch.int64 or tuple(stamps.shape) != (ctas, 8)):
+        raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     stream = torch.cuda.current_stream(dev).cuda_stream
     err = lib.megamoe_step1_launch(
         ptr(tw.l1_codes), ptr(tw.l1_scales), ptr(tw.l2_codes), ptr(tw.l2_scales), ptr(buf.x_q), ptr(buf.x_sf),
         ptr(buf.topk_idx), ptr(buf.topk_weights), ptr(buf.num_touched), ptr(buf.touched), ptr(buf.seg_start),
         ptr(buf.seg_count), ptr(buf.row_token), ptr(buf.row_weight), ptr(buf.slot_row), ptr(buf.l2_q), ptr(buf.l2_sf),
-        ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync), ctypes.c_float(clamp), tw.hidden, tw.intermediate,
-        buf.num_topk, buf.expert_lo, buf.num_local, stages, ctas, smem, index, ctypes.c_void_p(stream))
+        ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync),
+        ctypes.c_void_p(None if stamps is None else stamps.data_ptr()), ctypes.c_float(clamp), tw.hidden,
+        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(bare), ctas, smem, index,
+        ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"the 1-token CUDA step failed to launch: CUDA error {err}")
     return buf.y[:1]

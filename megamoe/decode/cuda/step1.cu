@@ -56,8 +56,10 @@ struct Params {
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
   uint32_t* sync;      // [2 + H/64]: grid barrier count and generation, combine counts per 64 columns
+  int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   float clamp;
   int H, I, K, expert_lo, num_local, stages;
+  int bare;            // a probe of the ring alone: stream every block, skip the decode and the MMAs (wrong y)
 };
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ struct Ring {
 // times its factor (exact), for rows r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8).
 // Valid in lanes with lane % 4 == 0 (column 0). bsrc: the B codes of the block's first k32 step.
 __device__ __forceinline__ void block_sums(const Ring& ring, uint32_t u, int tid, const uint8_t* bsrc,
-                                           float dg[4][2]) {
+                                           float dg[4][2], bool bare) {
   const int s = u % ring.stages;
   mbar_wait(&ring.full[s], (u / ring.stages) & 1);
   const uint8_t* blk = ring.data + size_t(s) * kStageBytes;
@@ -180,7 +182,13 @@ __device__ __forceinline__ void block_sums(const Ring& ring, uint32_t u, int tid
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
   const uint32_t w0 = *reinterpret_cast<const uint32_t*>(blk + 4096 + 4 * r0);
   const uint32_t w1 = *reinterpret_cast<const uint32_t*>(blk + 4096 + 4 * (r0 + 8));
-  mbar_arrive(&ring.empty[s]);  // the stage's bytes are in registers
+  __syncwarp();
+  if (tid % 32 == 0) mbar_arrive(&ring.empty[s]);  // the warp's share of the stage is in registers
+  if (bare) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) dg[g][0] = dg[g][1] = __uint_as_float(v[g].x ^ v[g].y ^ w0 ^ w1) * 0.f;
+    return;
+  }
   uint32_t a[4][4];
 #pragma unroll
   for (int g = 0; g < 4; ++g) {
@@ -215,6 +223,14 @@ struct Items {  // the step's valid slots in slot order: item i is slot item_slo
   float weight[kMaxTopK];
   int slot_row[kMaxTopK];  // per slot: its pool row or -1
 };
+
+__device__ __forceinline__ void stamp(const Params& p, int point) {
+  if (p.stamps != nullptr) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    p.stamps[blockIdx.x * 8 + point] = int64_t(t);
+  }
+}
 
 __device__ void grid_barrier(uint32_t* count, uint32_t* gen, uint32_t ctas) {
   // Count in; the last to arrive resets the count and bumps the generation (release); the others wait for it.
@@ -254,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], 128);
+      mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -326,6 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   __syncthreads();
 
   const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
+  if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {                // ---- warp 8: the loads ----
     if (tid == kComputeThreads) {
       uint32_t u = 0;
@@ -345,6 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
           }
       }
+      stamp(p, 1);  // the last L1 block asked for
       for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
         const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
         for (int b = 0; b < nb2 / 2; ++b)
@@ -353,6 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
           }
       }
+      stamp(p, 2);  // the last L2 block asked for
     }
     return;
   }
@@ -371,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     for (int b = 0; b < nb1 / 2; ++b, u += 2) {
       const int kb = wg * (nb1 / 2) + b;
       float dg[4][2];
-      block_sums(ring, u, t, xs + kb * 128, dg);
+      block_sums(ring, u, t, xs + kb * 128, dg, p.bare);
       const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
       const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
       const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
@@ -415,7 +434,11 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   // ---- every CTA's L1 outputs written: one grid-wide barrier ----
   named_sync(1, kComputeThreads);
-  if (tid == 0) grid_barrier(&p.sync[0], &p.sync[1], gridDim.x);
+  if (tid == 0) {
+    stamp(p, 3);  // this CTA's L1 done
+    grid_barrier(&p.sync[0], &p.sync[1], gridDim.x);
+    stamp(p, 4);  // every CTA's L1 done
+  }
   named_sync(1, kComputeThreads);
 
   uint8_t* hw = hs + wg * (I / 2 + kPad);  // this warpgroup's half of the row's L2 input codes
@@ -435,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / 2; ++b, u += 2) {
       float dg[4][2];
-      block_sums(ring, u, t, hw + b * 128, dg);
+      block_sums(ring, u, t, hw + b * 128, dg, p.bare);
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         const float c = sfw[4 * b + g];
@@ -483,6 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       named_sync(2, 128);  // flag read before the next tile writes it
     }
   }
+  if (tid == 0) stamp(p, 5);  // this CTA's L2 done (warpgroup 0)
 }
 
 }  // namespace
@@ -513,8 +537,8 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                          const void* x_q, const void* x_sf, const void* topk_idx, const void* topk_w,
                          void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
                          void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
-                         void* sync, float clamp, int H, int I, int K, int expert_lo, int num_local, int stages,
-                         int grid, int smem_bytes, int device, void* stream) {
+                         void* sync, void* stamps, float clamp, int H, int I, int K, int expert_lo, int num_local,
+                         int stages, int bare, int grid, int smem_bytes, int device, void* stream) {
   Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
            static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
            static_cast<const uint8_t*>(x_q), static_cast<const float*>(x_sf),
@@ -523,7 +547,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           clamp, H, I, K, expert_lo, num_local, stages};
+           static_cast<int64_t*>(stamps), clamp, H, I, K, expert_lo, num_local, stages, bare};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};

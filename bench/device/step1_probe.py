@@ -1,0 +1,111 @@
+"""The 1-token CUDA step (megamoe/decode/cuda_step1.py) on one H200, DeepSeek-V4-Flash, EP = 1: timed beside the
+Triton launches it replaces and a plain read of the same bytes, with ring-depth variants, a bare streaming run of
+the same ring (no decode, no MMA: what the loads alone take) and each CTA's timeline.
+
+    PYTHONPATH=$PWD python3 bench/device/step1_probe.py --out $OUT
+
+Each figure is the median of CUDA-graph replays, the L2 flushed before each (decode_probe.time_replays), with
+kineto's kernel time. Results: $OUT/step1_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode_probe import L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
+from megamoe.bench.meta import tree_commit  # noqa: E402
+from megamoe.decode import cuda_step1, moe_decode  # noqa: E402
+from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
+from megamoe.decode.selfcheck import case_weights  # noqa: E402
+from megamoe.decode.tc import tc_launch_config  # noqa: E402
+from megamoe.geometry import get_geometry  # noqa: E402
+
+KERNELS = ("step1_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
+
+
+def timeline(fn, stamps: torch.Tensor, flush, replays: int = 5) -> dict:
+    """Per stamp point (cuda_step1.STAMP_POINTS): min / median / max over CTAs, us from the first CTA's set-up, of
+    the replay with the median last point."""
+    reps = []
+    for _ in range(replays):
+        stamps.fill_(-1)
+        flush()
+        fn()
+        torch.cuda.synchronize()
+        reps.append(stamps.clone())
+    ends = [int(r[:, 5].max()) - int(r[:, 0].min()) for r in reps]
+    r = reps[sorted(range(replays), key=ends.__getitem__)[replays // 2]]
+    t0 = int(r[:, 0].min())
+    out = {}
+    for k, name in enumerate(cuda_step1.STAMP_POINTS):
+        col = r[:, k][r[:, k] >= 0].double().sub(t0).div(1e3)
+        if col.numel():
+            out[name] = {"min": round(col.min().item(), 2), "p50": round(col.median().item(), 2),
+                         "max": round(col.max().item(), 2)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "step1_out"))
+    ap.add_argument("--stages", type=int, nargs="*", default=[8, 16, 32])
+    ap.add_argument("--min-s", type=float, default=0.4)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+
+    g = get_geometry("dsv4-flash")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": tree_commit(), "geometry": g.name, "rows": {}}
+    dev = torch.device("cuda")
+    tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+    inp, buf, touched, slots = staged_buffers(g, 1, dev, split_tokens=1, capacity=64)
+    cfg = tc_launch_config(1, g.num_topk)
+    why = cuda_step1.unsupported(tw, buf, 1)
+    res["unsupported"] = why
+    flush = L2Flusher(dev)
+    ctas, most, smem = cuda_step1._launch_shape(dev.index or 0, tw.hidden, tw.intermediate)
+    res.update(ctas=ctas, stages=most, smem=smem)
+
+    def run(name, fn):
+        tm = time_replays(fn, args.min_s, flush)
+        tm["kineto_us"] = kineto_us(tm.pop("graph"), flush, 20, KERNELS)
+        res["rows"][name] = tm
+        print(f"[step1] {name}: {tm['median_us']:.1f} us (p10 {tm['p10_us']:.1f}, p90 {tm['p90_us']:.1f}) kineto "
+              f"{ {k: round(v, 1) for k, v in tm['kineto_us'].items()} }", flush=True)
+
+    y_triton = moe_decode(tw, buf, 1, g.clamp, dataclasses.replace(cfg, tc_cuda_step1=False)).clone()
+    y_cuda = cuda_step1.step1(tw, buf, g.clamp).clone()
+    res["same_y"] = bool(torch.equal(y_triton.view(torch.int16), y_cuda.view(torch.int16)))
+    run("triton", lambda: moe_decode(tw, buf, 1, g.clamp, dataclasses.replace(cfg, tc_cuda_step1=False)))
+    run("cuda", lambda: cuda_step1.step1(tw, buf, g.clamp))
+    for st in args.stages:
+        if st < most:
+            run(f"cuda_stages{st}", lambda: cuda_step1.step1(tw, buf, g.clamp, stages=st))
+    run("bare", lambda: cuda_step1.step1(tw, buf, g.clamp, bare=True))
+    nbytes = touched * tw.nbytes_per_expert()
+    src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
+    run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
+    stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
+    for name, kw in (("cuda", {}), ("bare", {"bare": True})):
+        res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
+                                           flush)
+        print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
+    res.update(touched=touched, weight_mb=nbytes / 1e6)
+    with open(os.path.join(args.out, "step1_probe.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
