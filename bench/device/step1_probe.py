@@ -92,15 +92,24 @@ def main() -> int:
     for st in args.stages:
         if st < most:
             run(f"cuda_stages{st}", lambda: cuda_step1.step1(tw, buf, g.clamp, stages=st))
-    run("bare", lambda: cuda_step1.step1(tw, buf, g.clamp, bare=True))
+    M = cuda_step1.MODES
+    modes = {"bare": M["bare"], "bare_noscales": M["bare"] | M["no-scales"], "bare_rotate": M["bare"] | M["rotate"],
+             "bare_cpasync": M["bare"] | M["cp-async"], "cpasync": M["cp-async"]}
+    for name, mode in modes.items():
+        run(name, lambda: cuda_step1.step1(tw, buf, g.clamp, mode=mode))
+    y_cp = cuda_step1.step1(tw, buf, g.clamp, mode=M["cp-async"]).clone()
+    res["same_y_cpasync"] = bool(torch.equal(y_triton.view(torch.int16), y_cp.view(torch.int16)))
+    print(f"[step1] same y: tma {res['same_y']}, cp.async {res['same_y_cpasync']}", flush=True)
     nbytes = touched * tw.nbytes_per_expert()
     src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
     run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
-    for name, kw in (("cuda", {}), ("bare", {"bare": True})):
+    for name, kw in (("cuda", {}), ("bare", {"mode": M["bare"]}), ("cpasync", {"mode": M["cp-async"]}),
+                     ("bare_cpasync", {"mode": M["bare"] | M["cp-async"]})):
         res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
                                            flush)
         print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
+        torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
     res.update(touched=touched, weight_mb=nbytes / 1e6)
     with open(os.path.join(args.out, "step1_probe.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -59,8 +59,12 @@ struct Params {
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   float clamp;
   int H, I, K, expert_lo, num_local, stages;
-  int bare;            // a probe of the ring alone: stream every block, skip the decode and the MMAs (wrong y)
+  int mode;            // kMode* flags (0: the step itself)
 };
+
+// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales and
+// rotate (bare only): leave out the 256-byte scale copies, or start each CTA's tiles at its own block.
+constexpr int kModeBare = 1, kModeNoScales = 2, kModeRotate = 4, kModeCpAsync = 8;
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
 
@@ -99,6 +103,15 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
           smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// Arrive on bar once this thread's earlier cp.async copies have landed (the barrier counts it as one arrival).
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
 __device__ __forceinline__ void named_sync(int id, int count) {
@@ -269,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
-      mbar_init(&ring.full[s], 1);
+      mbar_init(&ring.full[s], (p.mode & kModeCpAsync) ? 32 : 1);  // the loading lanes, or one expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -343,36 +356,46 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
   if (tid == 0) stamp(p, 0);  // set up
-  if (tid >= kComputeThreads) {                // ---- warp 8: the loads ----
-    if (tid == kComputeThreads) {
-      uint32_t u = 0;
-      auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
-        const int s = u % ring.stages;
-        mbar_wait(&ring.empty[s], ((u / ring.stages) & 1) ^ 1);
-        mbar_expect_tx(&ring.full[s], kStageBytes);
-        bulk_load(ring.data + size_t(s) * kStageBytes, codes, 4096, &ring.full[s]);
-        bulk_load(ring.data + size_t(s) * kStageBytes + 4096, scales, 256, &ring.full[s]);
-        ++u;
-      };
-      for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
-        const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
-        for (int b = 0; b < nb1 / 2; ++b)
-          for (int half = 0; half < 2; ++half) {
-            const size_t blk = base * nb1 + half * (nb1 / 2) + b;
-            issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
-          }
+  if (tid >= kComputeThreads) {  // ---- warp 8: the loads ----
+    const int lane = tid - kComputeThreads;
+    const bool cp_async = p.mode & kModeCpAsync;
+    uint32_t u = 0;
+    auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
+      const int s = u % ring.stages;
+      uint8_t* dst = ring.data + size_t(s) * kStageBytes;
+      if (lane == 0) mbar_wait(&ring.empty[s], ((u / ring.stages) & 1) ^ 1);
+      __syncwarp();
+      if (cp_async) {  // 16 bytes per lane and copy; each lane's arrival fires once its copies have landed
+        for (int c = lane; c < kStageBytes / 16; c += 32)
+          cp_async16(dst + 16 * c, c < 256 ? codes + 16 * c : scales + 16 * (c - 256));
+        cp_async_arrive(&ring.full[s]);
+      } else if (lane == 0) {
+        const bool scales_too = !(p.mode & kModeNoScales);
+        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : 4096);
+        bulk_load(dst, codes, 4096, &ring.full[s]);
+        if (scales_too) bulk_load(dst + 4096, scales, 256, &ring.full[s]);
       }
-      stamp(p, 1);  // the last L1 block asked for
-      for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
-        const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
-        for (int b = 0; b < nb2 / 2; ++b)
-          for (int half = 0; half < 2; ++half) {
-            const size_t blk = base * nb2 + half * (nb2 / 2) + b;
-            issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
-          }
-      }
-      stamp(p, 2);  // the last L2 block asked for
+      ++u;
+    };
+    const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
+    for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
+      const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
+      for (int b = 0; b < nb1 / 2; ++b)
+        for (int half = 0; half < 2; ++half) {
+          const size_t blk = base * nb1 + half * (nb1 / 2) + (b + rot) % (nb1 / 2);
+          issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
+        }
     }
+    if (lane == 0) stamp(p, 1);  // the last L1 block asked for
+    for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
+      const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
+      for (int b = 0; b < nb2 / 2; ++b)
+        for (int half = 0; half < 2; ++half) {
+          const size_t blk = base * nb2 + half * (nb2 / 2) + (b + rot) % (nb2 / 2);
+          issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
+        }
+    }
+    if (lane == 0) stamp(p, 2);  // the last L2 block asked for
     return;
   }
 
@@ -390,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     for (int b = 0; b < nb1 / 2; ++b, u += 2) {
       const int kb = wg * (nb1 / 2) + b;
       float dg[4][2];
-      block_sums(ring, u, t, xs + kb * 128, dg, p.bare);
+      block_sums(ring, u, t, xs + kb * 128, dg, (p.mode & kModeBare));
       const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
       const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
       const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
@@ -458,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / 2; ++b, u += 2) {
       float dg[4][2];
-      block_sums(ring, u, t, hw + b * 128, dg, p.bare);
+      block_sums(ring, u, t, hw + b * 128, dg, (p.mode & kModeBare));
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         const float c = sfw[4 * b + g];
@@ -538,7 +561,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                          void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
                          void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
                          void* sync, void* stamps, float clamp, int H, int I, int K, int expert_lo, int num_local,
-                         int stages, int bare, int grid, int smem_bytes, int device, void* stream) {
+                         int stages, int mode, int grid, int smem_bytes, int device, void* stream) {
   Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
            static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
            static_cast<const uint8_t*>(x_q), static_cast<const float*>(x_sf),
@@ -547,7 +570,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           static_cast<int64_t*>(stamps), clamp, H, I, K, expert_lo, num_local, stages, bare};
+           static_cast<int64_t*>(stamps), clamp, H, I, K, expert_lo, num_local, stages, mode};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};
