@@ -181,13 +181,26 @@ struct Ring {
   int stages;
 };
 
-// The four groups' tensor-core sums of the next block of this warpgroup (unit u of the CTA's list), each already
+struct Cursor {  // a stage of the ring and the parity of its current round
+  int stage;
+  uint32_t phase;
+  __device__ __forceinline__ void advance(int step, int stages) {
+    stage += step;
+    if (stage >= stages) {
+      stage -= stages;
+      phase ^= 1;
+    }
+  }
+};
+
+// The four groups' tensor-core sums of the next block of this warpgroup (stage ``cur``, then advanced), each already
 // times its factor (exact), for rows r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8).
 // Valid in lanes with lane % 4 == 0 (column 0). bsrc: the B codes of the block's first k32 step.
-__device__ __forceinline__ void block_sums(const Ring& ring, uint32_t u, int tid, const uint8_t* bsrc,
+__device__ __forceinline__ void block_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* bsrc,
                                            float dg[4][2], bool bare) {
-  const int s = u % ring.stages;
-  mbar_wait(&ring.full[s], (u / ring.stages) & 1);
+  const int s = cur.stage;
+  mbar_wait(&ring.full[s], cur.phase);
+  cur.advance(2, ring.stages);  // this warpgroup's next stage
   const uint8_t* blk = ring.data + size_t(s) * kStageBytes;
   uint2 v[4];
 #pragma unroll
@@ -262,20 +275,58 @@ __device__ void grid_barrier(uint32_t* count, uint32_t* gen, uint32_t ctas) {
   __threadfence();
 }
 
+// Route's outputs for the step (routing.route_torch's, bit for bit), and y = 0 when no slot is routed here.
+__device__ void write_route(const Params& p, const int* ex, const Items& it) {
+  int nt = 0;
+  for (int k = 0; k < p.K; ++k) {
+    if (ex[k] < 0) continue;
+    p.slot_row[k] = it.slot_row[k];
+    p.row_token[it.slot_row[k]] = 0;
+    p.row_weight[it.slot_row[k]] = p.topk_w[k];
+  }
+  for (int k = 0; k < p.K; ++k) {
+    if (ex[k] >= 0) continue;
+    p.slot_row[k] = -1;
+  }
+  for (int k = 0; k < p.K; ++k) {  // distinct experts ascending, each with its first row and count
+    if (ex[k] < 0) continue;
+    bool first = true;
+    for (int j = 0; j < k; ++j) first &= ex[j] != ex[k];
+    if (!first) continue;
+    int below = 0, cnt = 0, rank = 0;
+    for (int j = 0; j < p.K; ++j) {
+      below += ex[j] >= 0 && ex[j] < ex[k];
+      cnt += ex[j] == ex[k];
+    }
+    for (int j = 0; j < p.K; ++j) {  // rank among distinct experts
+      bool firstj = ex[j] >= 0 && ex[j] < ex[k];
+      for (int m = 0; m < j && firstj; ++m) firstj &= ex[m] != ex[j];
+      rank += firstj;
+    }
+    p.touched[rank] = ex[k];
+    p.seg_start[rank] = below;
+    p.seg_count[rank] = cnt;
+    ++nt;
+  }
+  *p.num_touched = nt;
+  if (it.n == 0)
+    for (int c = 0; c < p.H; ++c) p.y[c] = 0;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int H = p.H, I = p.I;
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
-  // shared memory: ring | x codes | h codes (one half per warpgroup) | terms x2 | epilogue | x_sf | sf2 | bars
+  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | bars
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
-  float* terms = reinterpret_cast<float*>(hs + 2 * (I / 2 + kPad));
+  float* terms = reinterpret_cast<float*>(hs + kMaxTopK * (I + kPad));
   float* ep = terms + 2 * kMaxTerms * 64;
   float* xsf = ep + 64;
   float* sf2 = xsf + nb1;
-  int* flag = reinterpret_cast<int*>(sf2 + I / 32);
+  int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
 
@@ -308,48 +359,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     it.slot_row[k] = row;
   }
-  if (blockIdx.x == 0 && tid == 0) {  // route's outputs, as route_torch writes them
-    int nt = 0;
-    for (int k = 0; k < p.K; ++k) {
-      if (ex[k] < 0) continue;
-      p.slot_row[k] = it.slot_row[k];
-      p.row_token[it.slot_row[k]] = 0;
-      p.row_weight[it.slot_row[k]] = p.topk_w[k];
-    }
-    for (int k = 0; k < p.K; ++k) {
-      if (ex[k] >= 0) continue;
-      p.slot_row[k] = -1;
-    }
-    for (int k = 0; k < p.K; ++k) {  // distinct experts ascending, each with its first row and count
-      if (ex[k] < 0) continue;
-      bool first = true;
-      for (int j = 0; j < k; ++j) first &= ex[j] != ex[k];
-      if (!first) continue;
-      int below = 0, cnt = 0, rank = 0;
-      for (int j = 0; j < p.K; ++j) {
-        below += ex[j] >= 0 && ex[j] < ex[k];
-        cnt += ex[j] == ex[k];
-      }
-      for (int j = 0; j < p.K; ++j) {  // rank among distinct experts
-        bool firstj = ex[j] >= 0 && ex[j] < ex[k];
-        for (int m = 0; m < j && firstj; ++m) firstj &= ex[m] != ex[j];
-        rank += firstj;
-      }
-      p.touched[rank] = ex[k];
-      p.seg_start[rank] = below;
-      p.seg_count[rank] = cnt;
-      ++nt;
-    }
-    *p.num_touched = nt;
-    if (it.n == 0)
-      for (int c = 0; c < H; ++c) p.y[c] = 0;  // no slot routed here: y is zero (route_torch)
-  }
   if (tid < kComputeThreads) {  // the token's codes and scales; pad past the end with zeros
     for (int c = tid; c < H / 16; c += kComputeThreads)
       reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
     for (int c = tid; c < kPad; c += kComputeThreads) xs[H + c] = 0;
     for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
-    for (int c = tid; c < 2 * (I / 2 + kPad); c += kComputeThreads) hs[c] = 0;
+    for (int c = tid; c < kMaxTopK * (I + kPad); c += kComputeThreads) hs[c] = 0;  // the pads stay zero
     fence_async_smem();
   }
   __syncthreads();
@@ -359,12 +374,17 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid >= kComputeThreads) {  // ---- warp 8: the loads ----
     const int lane = tid - kComputeThreads;
     const bool cp_async = p.mode & kModeCpAsync;
-    uint32_t u = 0;
+    if (!cp_async && lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
+      if (lane == 1 && blockIdx.x == 0) write_route(p, ex, it);
+      return;
+    }
+    if (cp_async && lane == 0 && blockIdx.x == 0) write_route(p, ex, it);
+    Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
     auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
-      const int s = u % ring.stages;
+      const int s = cur.stage;
       uint8_t* dst = ring.data + size_t(s) * kStageBytes;
-      if (lane == 0) mbar_wait(&ring.empty[s], ((u / ring.stages) & 1) ^ 1);
-      __syncwarp();
+      if (lane == 0) mbar_wait(&ring.empty[s], cur.phase);
+      if (cp_async) __syncwarp();
       if (cp_async) {  // 16 bytes per lane and copy; each lane's arrival fires once its copies have landed
         for (int c = lane; c < kStageBytes / 16; c += 32)
           cp_async16(dst + 16 * c, c < 256 ? codes + 16 * c : scales + 16 * (c - 256));
@@ -375,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         bulk_load(dst, codes, 4096, &ring.full[s]);
         if (scales_too) bulk_load(dst + 4096, scales, 256, &ring.full[s]);
       }
-      ++u;
+      cur.advance(1, ring.stages);
     };
     const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
     for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
@@ -403,17 +423,17 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
-  uint32_t u = wg;                 // this warpgroup's units are wg, wg + 2, ... of the CTA's list
+  Cursor cur{wg, 0};               // this warpgroup's blocks are the CTA's list's wg, wg + 2, ...
   int tiles_done = 0;
 
   for (int tile = blockIdx.x; tile < n1; tile += gridDim.x, ++tiles_done) {  // ---- L1 ----
     const int item = tile / tpe1, ct = tile % tpe1;
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
-    for (int b = 0; b < nb1 / 2; ++b, u += 2) {
+    for (int b = 0; b < nb1 / 2; ++b) {
       const int kb = wg * (nb1 / 2) + b;
       float dg[4][2];
-      block_sums(ring, u, t, xs + kb * 128, dg, (p.mode & kModeBare));
+      block_sums(ring, cur, t, xs + kb * 128, dg, p.mode & kModeBare);
       const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
       const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
       const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
@@ -464,24 +484,26 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
   named_sync(1, kComputeThreads);
 
-  uint8_t* hw = hs + wg * (I / 2 + kPad);  // this warpgroup's half of the row's L2 input codes
-  float* sfw = sf2 + wg * (I / 64);
-  for (int tile = blockIdx.x; tile < n2; tile += gridDim.x, ++tiles_done) {  // ---- L2 ----
+  // Every routed row's L2 input codes and group scales, written by other CTAs' L1: read through L2 (.cg), all at once
+  const int hrow = I + kPad;
+  for (int c = tid; c < it.n * (I / 16); c += kComputeThreads) {
+    const int i = c / (I / 16), j = c % (I / 16);
+    reinterpret_cast<uint4*>(hs + i * hrow)[j] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + size_t(it.row[i]) * I) + j);
+  }
+  for (int c = tid; c < it.n * (I / 32); c += kComputeThreads)
+    sf2[c] = __ldcg(p.l2_sf + size_t(it.row[c / (I / 32)]) * (I / 32) + c % (I / 32));
+  fence_async_smem();
+  named_sync(1, kComputeThreads);
+  int mine = 0;  // this CTA's L2 tiles
+  for (int tile = blockIdx.x; tile < n2; tile += gridDim.x, ++tiles_done, ++mine) {  // ---- L2 ----
     const int item = tile / tpe2, ot = tile % tpe2;
-    const int row = it.row[item];
-    // the row's codes and group scales for this half, written by other CTAs' L1: read through L2 (.cg)
-    named_sync(3 + wg, 128);  // every MMA of the last tile has read the old codes
-    for (int c = t; c < I / 32; c += 128)
-      reinterpret_cast<uint4*>(hw)[c] =
-          __ldcg(reinterpret_cast<const uint4*>(p.l2_q + size_t(row) * I + wg * (I / 2)) + c);
-    for (int c = t; c < I / 64; c += 128) sfw[c] = __ldcg(p.l2_sf + size_t(row) * (I / 32) + wg * (I / 64) + c);
-    fence_async_smem();
-    named_sync(3 + wg, 128);
+    const uint8_t* hw = hs + item * hrow + wg * (I / 2);  // this warpgroup's half of the row's codes
+    const float* sfw = sf2 + item * (I / 32) + wg * (I / 64);
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
-    for (int b = 0; b < nb2 / 2; ++b, u += 2) {
+    for (int b = 0; b < nb2 / 2; ++b) {
       float dg[4][2];
-      block_sums(ring, u, t, hw + b * 128, dg, (p.mode & kModeBare));
+      block_sums(ring, cur, t, hw + b * 128, dg, p.mode & kModeBare);
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         const float c = sfw[4 * b + g];
@@ -502,31 +524,39 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
       }
       if (col0) {
+        const int row = it.row[item];
         p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
         p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
       }
-      // The combine of these 64 columns, by the CTA that writes the last of the step's rows for them.
-      named_sync(2, 128);
-      if (t == 0) {
-        __threadfence();
-        const bool last = atomicAdd(&p.sync[2 + ot], 1u) == uint32_t(it.n - 1);
-        if (last) {
-          p.sync[2 + ot] = 0;
-          __threadfence();
-        }
-        flag[0] = last;
+    }
+  }
+  // The combine of each of this CTA's 64-column tiles, by the CTA that writes the last of the step's rows for it:
+  // one count per tile, all counted at once, then the last writer's slot-ordered sums.
+  if (wg == 0) {
+    named_sync(2, 128);
+    if (t == 0) {
+      __threadfence();
+      uint32_t last = 0;
+      for (int i = 0; i < mine; ++i) {
+        const int ot = (blockIdx.x + i * gridDim.x) % tpe2;
+        last |= uint32_t(atomicAdd(&p.sync[2 + ot], 1u) == uint32_t(it.n - 1)) << i;
       }
-      named_sync(2, 128);
-      if (flag[0] && t < 64) {
-        const int col = 64 * ot + t;
-        float acc = 0.f;
-        for (int k = 0; k < p.K; ++k) {
-          const int r = it.slot_row[k];
-          if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * H + col)) << 16));
-        }
-        p.y[col] = bf16_bits(acc);
+      for (int i = 0; i < mine; ++i)
+        if (last >> i & 1) p.sync[2 + (blockIdx.x + i * gridDim.x) % tpe2] = 0;
+      if (last) __threadfence();
+      flag[0] = int(last);
+    }
+    named_sync(2, 128);
+    const uint32_t last = uint32_t(flag[0]);
+    for (int c = t; c < mine * 64; c += 128) {
+      if (!(last >> (c / 64) & 1)) continue;
+      const int col = 64 * ((blockIdx.x + (c / 64) * gridDim.x) % tpe2) + c % 64;
+      float acc = 0.f;
+      for (int k = 0; k < p.K; ++k) {
+        const int r = it.slot_row[k];
+        if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * H + col)) << 16));
       }
-      named_sync(2, 128);  // flag read before the next tile writes it
+      p.y[col] = bf16_bits(acc);
     }
   }
   if (tid == 0) stamp(p, 5);  // this CTA's L2 done (warpgroup 0)
@@ -538,7 +568,8 @@ extern "C" {
 
 // Shared memory the kernel needs besides its ring, for the geometry (bytes).
 int megamoe_step1_fixed_smem(int H, int I) {
-  const int bytes = (H + kPad) + 2 * (I / 2 + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + I / 32 + 4);
+  const int bytes =
+      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
   return (bytes + 7) / 8 * 8;
 }
 

@@ -1,0 +1,109 @@
+// How fast one CTA per SM streams global memory into a shared-memory ring with cp.async.bulk (one thread
+// issuing), against the copy size, the ring's depth and CTAs per SM; beside a plain load-and-xor read. The
+// question behind it: the 1-token CUDA step (megamoe/decode/cuda/step1.cu) streamed its 80 MB at ~1.5 TB/s.
+//
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o ring bench/device/stream_ring_bench.cu && ./ring
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+__device__ __forceinline__ uint32_t sa(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__global__ void ring_kernel(const uint8_t* src, size_t bytes, int chunk, int depth, unsigned long long* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(depth) * chunk);
+  uint64_t* empty = full + depth;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < depth; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(sa(&empty[s])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const size_t per_cta = bytes / gridDim.x / chunk * chunk;
+  const uint8_t* base = src + per_cta * blockIdx.x;
+  const int n = int(per_cta / chunk);
+  if (threadIdx.x == 128) {  // producer
+    for (int u = 0; u < n; ++u) {
+      const int s = u % depth;
+      const uint32_t ph = ((u / depth) & 1) ^ 1;
+      asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
+                   ::"r"(sa(&empty[s])), "r"(ph) : "memory");
+      asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                   ::"r"(sa(&full[s])), "r"(chunk) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(sa(smem + size_t(s) * chunk)), "l"(base + size_t(u) * chunk), "r"(chunk), "r"(sa(&full[s]))
+                   : "memory");
+    }
+  } else if (threadIdx.x < 128) {  // one consumer warpgroup: wait, read a word, release
+    unsigned long long x = 0;
+    for (int u = 0; u < n; ++u) {
+      const int s = u % depth;
+      asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
+                   ::"r"(sa(&full[s])), "r"((u / depth) & 1) : "memory");
+      x ^= reinterpret_cast<const uint32_t*>(smem + size_t(s) * chunk)[threadIdx.x];
+      __syncwarp();
+      if (threadIdx.x % 32 == 0)
+        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(sa(&empty[s])) : "memory");
+    }
+    if (x == 0x12345) sink[0] = x;
+  }
+}
+
+__global__ void read_kernel(const uint4* src, size_t n16, unsigned long long* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(src + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x12345) sink[0] = x;
+}
+
+int main() {
+  const size_t bytes = 80u << 20, flush_bytes = 256u << 20;
+  uint8_t *src, *flush;
+  unsigned long long* sink;
+  cudaMalloc(&src, bytes);
+  cudaMalloc(&flush, flush_bytes);
+  cudaMalloc(&sink, 8);
+  cudaMemset(src, 1, bytes);
+  int sms;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  auto time = [&](auto launch) {
+    float best = 1e9, sum = 0;
+    for (int r = 0; r < 12; ++r) {
+      cudaMemsetAsync(flush, r, flush_bytes);
+      cudaEventRecord(a);
+      launch();
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      float ms;
+      cudaEventElapsedTime(&ms, a, b);
+      if (r >= 2) { best = ms < best ? ms : best; sum += ms; }
+    }
+    return sum / 10 * 1e3f;
+  };
+  printf("plain read (LDG.128, 4 x SMs x 512 threads): %.1f us\n",
+         time([&] { read_kernel<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, sink); }));
+  const int chunks[] = {4096, 8192, 16384, 32768};
+  const int ring_kb[] = {32, 64, 128, 192};
+  for (int per_sm = 1; per_sm <= 2; ++per_sm)
+    for (int chunk : chunks)
+      for (int kb : ring_kb) {
+        const int depth = kb * 1024 / chunk / per_sm;
+        if (depth < 2) continue;
+        const int smem = depth * chunk + 16 * depth;
+        if (smem > 227 * 1024 / per_sm) continue;
+        const float us = time([&] { ring_kernel<<<sms * per_sm, 160, smem>>>(src, bytes, chunk, depth, sink); });
+        printf("ring: %d CTA/SM, chunk %5d B, depth %3d (%3d KB per SM in flight): %.1f us, %.2f TB/s\n", per_sm,
+               chunk, depth, depth * chunk * per_sm / 1024, us, bytes / us / 1e6);
+      }
+  cudaError_t err = cudaDeviceSynchronize();
+  printf("%s\n", cudaGetErrorString(err));
+  return 0;
+}
