@@ -29,6 +29,7 @@ import torch
 
 STAMP_POINTS = ("set up", "last L1 block asked for", "last L2 block asked for", "L1 done", "every CTA's L1 done",
                 "L2 done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
+INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 MODES = {"bare": 1, "no-scales": 2, "rotate": 4, "cp-async": 8}  # step1(mode=...): cuda/step1.cu's kMode* flags
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
@@ -64,7 +65,7 @@ def build(out_dir: str | os.PathLike | None = None) -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.megamoe_step1_launch.argtypes = [p] * 21 + [f] + [i] * 10 + [p]
+    lib.megamoe_step1_launch.argtypes = [p] * 21 + [f] + [i] * 11 + [p]
     lib.megamoe_step1_launch.restype = i
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
@@ -124,7 +125,7 @@ def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[in
 
 
 def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Tensor | None = None,
-          mode: int = 0) -> torch.Tensor:
+          mode: int = 0, inflight: int | None = None) -> torch.Tensor:
     """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first.
 
     For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
@@ -146,7 +147,7 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
         ptr(buf.seg_count), ptr(buf.row_token), ptr(buf.row_weight), ptr(buf.slot_row), ptr(buf.l2_q), ptr(buf.l2_sf),
         ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync),
         ctypes.c_void_p(None if stamps is None else stamps.data_ptr()), ctypes.c_float(clamp), tw.hidden,
-        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode), ctas, smem, index,
+        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode), INFLIGHT if inflight is None else inflight, ctas, smem, index,
         ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"the 1-token CUDA step failed to launch: CUDA error {err}")

@@ -55,11 +55,12 @@ struct Params {
   float* l2_sf;        // [S, I/32]
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
-  uint32_t* sync;      // [2 + H/64]: grid barrier count and generation, combine counts per 64 columns
+  uint32_t* sync;      // [2 + H/64]: the grid barrier's 64-bit count, combine counts per 64 columns
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   float clamp;
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
+  int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
 };
 
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales and
@@ -258,21 +259,22 @@ __device__ __forceinline__ void stamp(const Params& p, int point) {
   }
 }
 
-__device__ void grid_barrier(uint32_t* count, uint32_t* gen, uint32_t ctas) {
-  // Count in; the last to arrive resets the count and bumps the generation (release); the others wait for it.
-  __threadfence();
-  volatile uint32_t* vgen = gen;
-  const uint32_t g0 = *vgen;
-  __threadfence();
-  if (atomicAdd(count, 1u) == ctas - 1) {
-    *count = 0;
-    __threadfence();
-    atomicAdd(gen, 1u);
-  } else {
-    while (*vgen == g0) {
-    }
-  }
-  __threadfence();
+// One grid-wide barrier: each CTA adds one to a 64-bit count (release) and waits until the count reaches the end
+// of its round of gridDim.x arrivals (acquire). The count only grows (2**64 arrivals never wrap), so no reset.
+__device__ void grid_barrier(unsigned long long* count) {
+  unsigned long long old;
+  asm volatile("atom.add.release.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
+  const unsigned long long target = (old / gridDim.x + 1) * gridDim.x;
+  unsigned long long now;
+  do {
+    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
+  } while (now < target);
+}
+
+__device__ __forceinline__ uint32_t atomic_add_acq_rel(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 
 // Route's outputs for the step (routing.route_torch's, bit for bit), and y = 0 when no slot is routed here.
@@ -380,10 +382,19 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     if (cp_async && lane == 0 && blockIdx.x == 0) write_route(p, ex, it);
     Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
+    Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
+    uint32_t issued = 0;
     auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
       const int s = cur.stage;
       uint8_t* dst = ring.data + size_t(s) * kStageBytes;
-      if (lane == 0) mbar_wait(&ring.empty[s], cur.phase);
+      if (lane == 0) {
+        mbar_wait(&ring.empty[s], cur.phase);
+        if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
+          mbar_wait(&ring.full[lag.stage], lag.phase);
+          lag.advance(1, ring.stages);
+        }
+      }
+      ++issued;
       if (cp_async) __syncwarp();
       if (cp_async) {  // 16 bytes per lane and copy; each lane's arrival fires once its copies have landed
         for (int c = lane; c < kStageBytes / 16; c += 32)
@@ -479,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   named_sync(1, kComputeThreads);
   if (tid == 0) {
     stamp(p, 3);  // this CTA's L1 done
-    grid_barrier(&p.sync[0], &p.sync[1], gridDim.x);
+    grid_barrier(reinterpret_cast<unsigned long long*>(p.sync));
     stamp(p, 4);  // every CTA's L1 done
   }
   named_sync(1, kComputeThreads);
@@ -534,17 +545,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   // one count per tile, all counted at once, then the last writer's slot-ordered sums.
   if (wg == 0) {
     named_sync(2, 128);
-    if (t == 0) {
-      __threadfence();
-      uint32_t last = 0;
-      for (int i = 0; i < mine; ++i) {
-        const int ot = (blockIdx.x + i * gridDim.x) % tpe2;
-        last |= uint32_t(atomicAdd(&p.sync[2 + ot], 1u) == uint32_t(it.n - 1)) << i;
-      }
-      for (int i = 0; i < mine; ++i)
-        if (last >> i & 1) p.sync[2 + (blockIdx.x + i * gridDim.x) % tpe2] = 0;
-      if (last) __threadfence();
-      flag[0] = int(last);
+    if (t < mine) {  // lane i counts tile i in (acq_rel: the warpgroup's slot_out stores before, the sums after)
+      const int ot = (blockIdx.x + t * gridDim.x) % tpe2;
+      const bool last = atomic_add_acq_rel(&p.sync[2 + ot], 1u) == uint32_t(it.n - 1);
+      if (last) p.sync[2 + ot] = 0;  // for the next launch
+      const uint32_t mask = __ballot_sync(0xFFFFFFFFu >> (32 - mine), last);
+      if (t == 0) flag[0] = int(mask);
     }
     named_sync(2, 128);
     const uint32_t last = uint32_t(flag[0]);
@@ -592,7 +598,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                          void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
                          void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
                          void* sync, void* stamps, float clamp, int H, int I, int K, int expert_lo, int num_local,
-                         int stages, int mode, int grid, int smem_bytes, int device, void* stream) {
+                         int stages, int mode, int inflight, int grid, int smem_bytes, int device, void* stream) {
   Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
            static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
            static_cast<const uint8_t*>(x_q), static_cast<const float*>(x_sf),
@@ -601,7 +607,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           static_cast<int64_t*>(stamps), clamp, H, I, K, expert_lo, num_local, stages, mode};
+           static_cast<int64_t*>(stamps), clamp, H, I, K, expert_lo, num_local, stages, mode, inflight};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};
