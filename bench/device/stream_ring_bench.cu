@@ -51,6 +51,62 @@ __global__ void ring_kernel(const uint8_t* src, size_t bytes, int chunk, int dep
   }
 }
 
+// The same ring shaped like the 1-token step: each CTA's slice as 128 KB tiles, each tile's two 64 KB halves
+// interleaved 4 KB at a time (SPLIT), a 256-byte side copy per 4 KB from a second buffer (SIDE), and the
+// stages alternating between two consumer warpgroups (TWO).
+__global__ void shaped_kernel(const uint8_t* src, const uint8_t* side, size_t bytes, int depth, int split, int use_side,
+                              int two, unsigned long long* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int chunk = 4096 + 256;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(depth) * chunk);
+  uint64_t* empty = full + depth;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < depth; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(sa(&empty[s])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const size_t per_cta = bytes / gridDim.x / (128 << 10) * (128 << 10);
+  const uint8_t* base = src + per_cta * blockIdx.x;
+  const uint8_t* sbase = side + per_cta / 16 * blockIdx.x;
+  const int n = int(per_cta / 4096);
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 256) {  // producer
+    for (int u = 0; u < n; ++u) {
+      const int s = u % depth;
+      const uint32_t ph = ((u / depth) & 1) ^ 1;
+      int blk = u;
+      if (split) blk = (u / 32) * 32 + (u % 2) * 16 + (u % 32) / 2;  // tile, half, block
+      asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
+                   ::"r"(sa(&empty[s])), "r"(ph) : "memory");
+      asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                   ::"r"(sa(&full[s])), "r"(use_side ? chunk : 4096) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(sa(smem + size_t(s) * chunk)), "l"(base + size_t(blk) * 4096), "r"(4096), "r"(sa(&full[s]))
+                   : "memory");
+      if (use_side)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(sa(smem + size_t(s) * chunk + 4096)), "l"(sbase + size_t(blk) * 256), "r"(256),
+                     "r"(sa(&full[s])) : "memory");
+    }
+  } else if (threadIdx.x < 256 && (two || wg == 0)) {
+    unsigned long long x = 0;
+    const int t = threadIdx.x % 128;
+    for (int u = two ? wg : 0; u < n; u += two ? 2 : 1) {
+      const int s = u % depth;
+      asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
+                   ::"r"(sa(&full[s])), "r"((u / depth) & 1) : "memory");
+      x ^= reinterpret_cast<const uint32_t*>(smem + size_t(s) * chunk)[t];
+      __syncwarp();
+      if (t % 32 == 0)
+        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(sa(&empty[s])) : "memory");
+    }
+    if (x == 0x12345) sink[0] = x;
+  }
+}
+
 __global__ void read_kernel(const uint4* src, size_t n16, unsigned long long* sink) {
   uint32_t x = 0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x) {
@@ -90,8 +146,8 @@ int main() {
   };
   printf("plain read (LDG.128, 4 x SMs x 512 threads): %.1f us\n",
          time([&] { read_kernel<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, sink); }));
-  const int chunks[] = {4096, 8192, 16384, 32768};
-  const int ring_kb[] = {32, 64, 128, 192};
+  const int chunks[] = {4096, 16384};
+  const int ring_kb[] = {64, 192};
   for (int per_sm = 1; per_sm <= 2; ++per_sm)
     for (int chunk : chunks)
       for (int kb : ring_kb) {
@@ -103,6 +159,21 @@ int main() {
         printf("ring: %d CTA/SM, chunk %5d B, depth %3d (%3d KB per SM in flight): %.1f us, %.2f TB/s\n", per_sm,
                chunk, depth, depth * chunk * per_sm / 1024, us, bytes / us / 1e6);
       }
+  cudaFuncSetAttribute(shaped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
+  uint8_t* side;
+  cudaMalloc(&side, bytes / 16 + (1 << 20));
+  for (int depth : {16, 42})
+    for (int split = 0; split < 2; ++split)
+      for (int use_side = 0; use_side < 2; ++use_side)
+        for (int two = 0; two < 2; ++two) {
+          const int smem = depth * (4096 + 256) + 16 * depth;
+          const float us = time([&] {
+            shaped_kernel<<<sms, 288, smem>>>(src, side, bytes, depth, split, use_side, two, sink);
+          });
+          const double moved = double(bytes / sms / (128 << 10) * (128 << 10)) * sms * (use_side ? 17.0 / 16 : 1.0);
+          printf("shaped: depth %2d, halves interleaved %d, 256 B side copies %d, two consumer warpgroups %d: %.1f us "
+                 "for %.1f MB, %.2f TB/s\n", depth, split, use_side, two, us, moved / 1e6, moved / us / 1e6);
+        }
   cudaError_t err = cudaDeviceSynchronize();
   printf("%s\n", cudaGetErrorString(err));
   return 0;
