@@ -116,6 +116,14 @@ __global__ void read_kernel(const uint4* src, size_t n16, unsigned long long* si
   if (x == 0x12345) sink[0] = x;
 }
 
+__global__ void fill_random(uint32_t* p, size_t n) {  // random words: no compressible pattern for the memory system
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ uint32_t(i >> 32) * 40503u;
+    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13; x *= 3266489917u; x ^= x >> 16;
+    p[i] = x;
+  }
+}
+
 int main() {
   const size_t bytes = 80u << 20, flush_bytes = 256u << 20;
   uint8_t *src, *flush;
@@ -123,7 +131,7 @@ int main() {
   cudaMalloc(&src, bytes);
   cudaMalloc(&flush, flush_bytes);
   cudaMalloc(&sink, 8);
-  cudaMemset(src, 1, bytes);
+  fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(src), bytes / 4);
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
@@ -146,7 +154,7 @@ int main() {
   };
   printf("plain read (LDG.128, 4 x SMs x 512 threads): %.1f us\n",
          time([&] { read_kernel<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, sink); }));
-  const int chunks[] = {4096, 16384};
+  const int chunks[] = {4096, 16384, 32768};
   const int ring_kb[] = {64, 192};
   for (int per_sm = 1; per_sm <= 2; ++per_sm)
     for (int chunk : chunks)
@@ -162,10 +170,11 @@ int main() {
   cudaFuncSetAttribute(shaped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
   uint8_t* side;
   cudaMalloc(&side, bytes / 16 + (1 << 20));
+  fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(side), (bytes / 16 + (1 << 20)) / 4);
   for (int depth : {16, 42})
-    for (int split = 0; split < 2; ++split)
+    for (int split = 1; split < 2; ++split)
       for (int use_side = 0; use_side < 2; ++use_side)
-        for (int two = 0; two < 2; ++two) {
+        for (int two = 1; two < 2; ++two) {
           const int smem = depth * (4096 + 256) + 16 * depth;
           const float us = time([&] {
             shaped_kernel<<<sms, 288, smem>>>(src, side, bytes, depth, split, use_side, two, sink);
