@@ -225,12 +225,15 @@ __device__ __forceinline__ void block_sums(const Ring& ring, Cursor& cur, int ti
     a[g][3] = decode_hi(v[g].y);
   }
   float d[4][4];
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {  // every operand ready before the fence: no MMA waits on a late decode
+    d[g][0] = d[g][1] = d[g][2] = d[g][3] = 0.f;
+    asm volatile("" : "+r"(a[g][0]), "+r"(a[g][1]), "+r"(a[g][2]), "+r"(a[g][3]), "+f"(d[g][0]), "+f"(d[g][1]),
+                 "+f"(d[g][2]), "+f"(d[g][3])::"memory");
+  }
   wgmma_fence();
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    d[g][0] = d[g][1] = d[g][2] = d[g][3] = 0.f;
-    wgmma_k32(d[g], a[g], b_desc(bsrc + 32 * g));
-  }
+  for (int g = 0; g < 4; ++g) wgmma_k32(d[g], a[g], b_desc(bsrc + 32 * g));
   wgmma_commit();
   wgmma_wait0();
 #pragma unroll
@@ -340,14 +343,18 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __syncthreads();  // the barriers: the load warp starts as soon as it knows the step's experts
   // The step's routing, computed by every thread (K <= 8 slots of one token): the valid slots in slot order, and
   // each one's pool row as routing.route_torch numbers them (stable by expert).
   Items it;
   it.n = 0;
   int ex[kMaxTopK];
-  for (int k = 0; k < p.K; ++k) {
-    const int64_t e = p.topk_idx[k] - p.expert_lo;
+  float tw[kMaxTopK];
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {  // unrolled: the slots' loads go out together
+    const int64_t e = k < p.K ? p.topk_idx[k] - p.expert_lo : -1;
     ex[k] = (e >= 0 && e < p.num_local) ? int(e) : -1;
+    tw[k] = k < p.K ? p.topk_w[k] : 0.f;
   }
   for (int k = 0; k < p.K; ++k) {
     int row = -1;
@@ -356,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       for (int j = 0; j < p.K; ++j) row += ex[j] >= 0 && (ex[j] < ex[k] || (ex[j] == ex[k] && j < k));
       it.expert[it.n] = ex[k];
       it.row[it.n] = row;
-      it.weight[it.n] = p.topk_w[k];
+      it.weight[it.n] = tw[k];
       ++it.n;
     }
     it.slot_row[k] = row;
@@ -364,12 +371,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid < kComputeThreads) {  // the token's codes and scales; pad past the end with zeros
     for (int c = tid; c < H / 16; c += kComputeThreads)
       reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
-    for (int c = tid; c < kPad; c += kComputeThreads) xs[H + c] = 0;
+    for (int c = tid; c < kPad / 16; c += kComputeThreads) reinterpret_cast<uint4*>(xs + H)[c] = uint4{0, 0, 0, 0};
     for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
-    for (int c = tid; c < kMaxTopK * (I + kPad); c += kComputeThreads) hs[c] = 0;  // the pads stay zero
+    for (int c = tid; c < kMaxTopK * (I + kPad) / 16; c += kComputeThreads)  // the pads stay zero
+      reinterpret_cast<uint4*>(hs)[c] = uint4{0, 0, 0, 0};
     fence_async_smem();
   }
-  __syncthreads();
 
   const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
   if (tid == 0) stamp(p, 0);  // set up
@@ -431,6 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
 
   // ---- warpgroups 0 and 1: decode, MMA, promotion ----
+  named_sync(1, kComputeThreads);  // the token's codes in shared memory
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
