@@ -118,6 +118,13 @@ def main() -> int:
                                            flush)
         print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
         torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
+    tr = torch.full((ctas, 3, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
+    for name, kw in (("cuda", {}), ("bare", {"mode": M["bare"]})):  # every block's landing, one flushed launch
+        tr.fill_(-1)
+        flush()
+        cuda_step1.step1(tw, buf, g.clamp, trace=tr, **kw)
+        torch.cuda.synchronize()
+        torch.save(tr.cpu(), os.path.join(args.out, f"trace-{name}.pt"))
     res.update(touched=touched, weight_mb=nbytes / 1e6)
     with open(os.path.join(args.out, "step1_probe.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -29,6 +29,7 @@ import torch
 
 STAMP_POINTS = ("set up", "last L1 block asked for", "last L2 block asked for", "L1 done", "every CTA's L1 done",
                 "L2 done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
+TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 MODES = {"bare": 1, "no-scales": 2, "rotate": 4, "cp-async": 8}  # step1(mode=...): cuda/step1.cu's kMode* flags
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
@@ -65,7 +66,7 @@ def build(out_dir: str | os.PathLike | None = None) -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.megamoe_step1_launch.argtypes = [p] * 21 + [f] + [i] * 11 + [p]
+    lib.megamoe_step1_launch.argtypes = [p] * 22 + [f] + [i] * 11 + [p]
     lib.megamoe_step1_launch.restype = i
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
@@ -125,11 +126,12 @@ def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[in
 
 
 def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Tensor | None = None,
-          mode: int = 0, inflight: int | None = None) -> torch.Tensor:
+          mode: int = 0, inflight: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first.
 
     For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
-    its points (``STAMP_POINTS``); ``mode`` (``MODES``) other ways to stream, and streaming alone (y then wrong)."""
+    its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 3, ``TRACE_SLOTS``] when the load warp issued each
+    stage (row 0) and when warpgroup 0 / 1 found each of its blocks landed (rows 1, 2); ``mode`` (``MODES``) other ways to stream, and streaming alone (y then wrong)."""
     lib = _library()
     dev = tw.l1_codes.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -137,6 +139,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     stages = most if stages is None else stages
     if not (4 <= stages <= most and stages % 2 == 0):
         raise ValueError(f"stages must be even, in [4, {most}], got {stages}")
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 3, TRACE_SLOTS)):
+        raise ValueError(f"trace must be int64 [{ctas}, 3, {TRACE_SLOTS}], got {trace.dtype} {tuple(trace.shape)}")
     if stamps is not None and (stamps.dtype != torch.int64 or tuple(stamps.shape) != (ctas, 8)):
         raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
@@ -146,7 +150,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
         ptr(buf.topk_idx), ptr(buf.topk_weights), ptr(buf.num_touched), ptr(buf.touched), ptr(buf.seg_start),
         ptr(buf.seg_count), ptr(buf.row_token), ptr(buf.row_weight), ptr(buf.slot_row), ptr(buf.l2_q), ptr(buf.l2_sf),
         ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync),
-        ctypes.c_void_p(None if stamps is None else stamps.data_ptr()), ctypes.c_float(clamp), tw.hidden,
+        ctypes.c_void_p(None if stamps is None else stamps.data_ptr()),
+        ctypes.c_void_p(None if trace is None else trace.data_ptr()), ctypes.c_float(clamp), tw.hidden,
         tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode), INFLIGHT if inflight is None else inflight, ctas, smem, index,
         ctypes.c_void_p(stream))
     if err:

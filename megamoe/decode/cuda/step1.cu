@@ -33,7 +33,8 @@ constexpr int kComputeThreads = 256;     // warpgroups 0 and 1
 constexpr int kThreads = kComputeThreads + 32;
 constexpr int kMaxTerms = 32;            // terms of a tile's second half: L1 H/256 blocks, L2 I/64 groups
 constexpr int kMaxTopK = 8;
-constexpr int kPad = 160;                // B reads up to 143 bytes past a k32 step's start
+constexpr int kPad = 160;
+constexpr int kTraceSlots = 160;                // B reads up to 143 bytes past a k32 step's start
 
 struct Params {
   const uint8_t* l1_codes;   // [E, I/32, H/32, 1024]
@@ -57,6 +58,8 @@ struct Params {
   uint16_t* y;         // bf16 bits [H]
   uint32_t* sync;      // [2 + H/64]: the grid barrier's 64-bit count, combine counts per 64 columns
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
+  int64_t* trace;      // [gridDim.x, 3, kTraceSlots] or null: when the load warp issued each stage (row 0) and
+                       // when warpgroup 0 / 1 found each of its blocks landed (rows 1, 2)
   float clamp;
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
@@ -194,13 +197,23 @@ struct Cursor {  // a stage of the ring and the parity of its current round
   }
 };
 
+__device__ __forceinline__ void trace(int64_t* tr, int row, int& n) {
+  if (tr != nullptr) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    tr[(blockIdx.x * 3 + row) * kTraceSlots + min(n, kTraceSlots - 1)] = int64_t(t);
+  }
+  ++n;
+}
+
 // The four groups' tensor-core sums of the next block of this warpgroup (stage ``cur``, then advanced), each already
 // times its factor (exact), for rows r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8).
 // Valid in lanes with lane % 4 == 0 (column 0). bsrc: the B codes of the block's first k32 step.
 __device__ __forceinline__ void block_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* bsrc,
-                                           float dg[4][2], bool bare) {
+                                           float dg[4][2], bool bare, int64_t* tr, int row, int& n) {
   const int s = cur.stage;
   mbar_wait(&ring.full[s], cur.phase);
+  if (tid == 0) trace(tr, row, n);
   cur.advance(2, ring.stages);  // this warpgroup's next stage
   const uint8_t* blk = ring.data + size_t(s) * kStageBytes;
   uint2 v[4];
@@ -390,6 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     if (cp_async && lane == 0 && blockIdx.x == 0) write_route(p, ex, it);
     Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
     Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
+    int traced = 0;
     uint32_t issued = 0;
     auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
       const int s = cur.stage;
@@ -414,6 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         if (scales_too) bulk_load(dst + 4096, scales, 256, &ring.full[s]);
       }
       cur.advance(1, ring.stages);
+      if (lane == 0) trace(p.trace, 0, traced);
     };
     const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
     for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
@@ -443,6 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
   Cursor cur{wg, 0};               // this warpgroup's blocks are the CTA's list's wg, wg + 2, ...
+  int traced = 0;
   int tiles_done = 0;
 
   for (int tile = blockIdx.x; tile < n1; tile += gridDim.x, ++tiles_done) {  // ---- L1 ----
@@ -452,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     for (int b = 0; b < nb1 / 2; ++b) {
       const int kb = wg * (nb1 / 2) + b;
       float dg[4][2];
-      block_sums(ring, cur, t, xs + kb * 128, dg, p.mode & kModeBare);
+      block_sums(ring, cur, t, xs + kb * 128, dg, p.mode & kModeBare, p.trace, 1 + wg, traced);
       const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
       const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
       const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
@@ -522,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / 2; ++b) {
       float dg[4][2];
-      block_sums(ring, cur, t, hw + b * 128, dg, p.mode & kModeBare);
+      block_sums(ring, cur, t, hw + b * 128, dg, p.mode & kModeBare, p.trace, 1 + wg, traced);
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         const float c = sfw[4 * b + g];
@@ -605,7 +621,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                          const void* x_q, const void* x_sf, const void* topk_idx, const void* topk_w,
                          void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
                          void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
-                         void* sync, void* stamps, float clamp, int H, int I, int K, int expert_lo, int num_local,
+                         void* sync, void* stamps, void* trace, float clamp, int H, int I, int K, int expert_lo, int num_local,
                          int stages, int mode, int inflight, int grid, int smem_bytes, int device, void* stream) {
   Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
            static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
@@ -615,7 +631,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           static_cast<int64_t*>(stamps), clamp, H, I, K, expert_lo, num_local, stages, mode, inflight};
+           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages, mode, inflight};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};
