@@ -80,8 +80,8 @@ def geometry_limits(hidden: int, intermediate: int, num_topk: int, max_terms: in
     """Why the kernel cannot take this geometry (None if it can): each warpgroup stores at most ``max_terms``
     terms of a tile's second half (L1: hidden / 256 blocks; L2: intermediate / 64 groups), and the top-k fits in
     its per-thread slot list."""
-    if hidden % 256 or intermediate % 256:
-        return f"hidden and intermediate must be multiples of 256, got {hidden}, {intermediate}"
+    if hidden % 1024 or intermediate % 1024:  # a warpgroup's half of a tile is whole stages of 4 blocks of 128 K
+        return f"hidden and intermediate must be multiples of 1024, got {hidden}, {intermediate}"
     if hidden // 256 > max_terms or intermediate // 64 > max_terms:
         return (f"hidden <= {256 * max_terms} and intermediate <= {64 * max_terms}, got {hidden}, {intermediate}")
     if num_topk > 8:

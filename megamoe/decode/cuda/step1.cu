@@ -28,7 +28,12 @@
 
 namespace {
 
-constexpr int kStageBytes = 4096 + 256;  // one 128-K block of a tile: four 1,024-byte code blocks, 64 scale words
+// A stage: four consecutive 128-K blocks of a tile (each four 1,024-byte code blocks), then their scale words (64 per
+// block). Both runs are contiguous in layout_tc.py, so a stage is two bulk copies: fewer, larger copies stream
+// faster (bench/device/stream_ring_bench.cu: one copy costs the issuing thread about as much as 4 KB takes to land).
+constexpr int kBlocks = 4;
+constexpr int kCodeBytes = kBlocks * 4096;
+constexpr int kStageBytes = kCodeBytes + kBlocks * 256;
 constexpr int kComputeThreads = 256;     // warpgroups 0 and 1
 constexpr int kThreads = kComputeThreads + 32;
 constexpr int kMaxTerms = 32;            // terms of a tile's second half: L1 H/256 blocks, L2 I/64 groups
@@ -206,24 +211,34 @@ __device__ __forceinline__ void trace(int64_t* tr, int row, int& n) {
   ++n;
 }
 
-// The four groups' tensor-core sums of the next block of this warpgroup (stage ``cur``, then advanced), each already
-// times its factor (exact), for rows r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8).
-// Valid in lanes with lane % 4 == 0 (column 0). bsrc: the B codes of the block's first k32 step.
-__device__ __forceinline__ void block_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* bsrc,
-                                           float dg[4][2], bool bare, int64_t* tr, int row, int& n) {
-  const int s = cur.stage;
-  mbar_wait(&ring.full[s], cur.phase);
+// Wait for this warpgroup's next stage (``cur``) -> its bytes.
+__device__ __forceinline__ const uint8_t* stage_wait(const Ring& ring, const Cursor& cur, int tid, int64_t* tr, int row,
+                                                     int& n) {
+  mbar_wait(&ring.full[cur.stage], cur.phase);
   if (tid == 0) trace(tr, row, n);
-  cur.advance(2, ring.stages);  // this warpgroup's next stage
-  const uint8_t* blk = ring.data + size_t(s) * kStageBytes;
+  return ring.data + size_t(cur.stage) * kStageBytes;
+}
+
+// The warpgroup is done with its stage: one arrival per warp frees it; on to the next (stages alternate).
+__device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int tid) {
+  __syncwarp();
+  if (tid % 32 == 0) mbar_arrive(&ring.empty[cur.stage]);
+  cur.advance(2, ring.stages);
+}
+
+// The four groups' tensor-core sums of block j of a stage, each already times its factor (exact), for rows
+// r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8). Valid in lanes with lane % 4 == 0
+// (column 0). bsrc: the B codes of the block's first k32 step.
+__device__ __forceinline__ void block_sums(const uint8_t* stage, int j, int tid, const uint8_t* bsrc, float dg[4][2],
+                                           bool bare) {
+  const uint8_t* blk = stage + j * 4096;
   uint2 v[4];
 #pragma unroll
   for (int g = 0; g < 4; ++g) v[g] = *reinterpret_cast<const uint2*>(blk + g * 1024 + 8 * tid);
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
-  const uint32_t w0 = *reinterpret_cast<const uint32_t*>(blk + 4096 + 4 * r0);
-  const uint32_t w1 = *reinterpret_cast<const uint32_t*>(blk + 4096 + 4 * (r0 + 8));
-  __syncwarp();
-  if (tid % 32 == 0) mbar_arrive(&ring.empty[s]);  // the warp's share of the stage is in registers
+  const uint8_t* words = stage + kCodeBytes + j * 256;
+  const uint32_t w0 = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
+  const uint32_t w1 = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
   if (bare) {
 #pragma unroll
     for (int g = 0; g < 4; ++g) dg[g][0] = dg[g][1] = __uint_as_float(v[g].x ^ v[g].y ^ w0 ^ w1) * 0.f;
@@ -419,13 +434,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       if (cp_async) __syncwarp();
       if (cp_async) {  // 16 bytes per lane and copy; each lane's arrival fires once its copies have landed
         for (int c = lane; c < kStageBytes / 16; c += 32)
-          cp_async16(dst + 16 * c, c < 256 ? codes + 16 * c : scales + 16 * (c - 256));
+          cp_async16(dst + 16 * c, c < kCodeBytes / 16 ? codes + 16 * c : scales + 16 * (c - kCodeBytes / 16));
         cp_async_arrive(&ring.full[s]);
       } else if (lane == 0) {
         const bool scales_too = !(p.mode & kModeNoScales);
-        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : 4096);
-        bulk_load(dst, codes, 4096, &ring.full[s]);
-        if (scales_too) bulk_load(dst + 4096, scales, 256, &ring.full[s]);
+        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
+        bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
+        if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
       }
       cur.advance(1, ring.stages);
       if (lane == 0) trace(p.trace, 0, traced);
@@ -433,18 +448,18 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
     for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
       const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
-      for (int b = 0; b < nb1 / 2; ++b)
+      for (int b = 0; b < nb1 / 2; b += kBlocks)
         for (int half = 0; half < 2; ++half) {
-          const size_t blk = base * nb1 + half * (nb1 / 2) + (b + rot) % (nb1 / 2);
+          const size_t blk = base * nb1 + half * (nb1 / 2) + (b + rot * kBlocks) % (nb1 / 2);
           issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
         }
     }
     if (lane == 0) stamp(p, 1);  // the last L1 block asked for
     for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
       const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
-      for (int b = 0; b < nb2 / 2; ++b)
+      for (int b = 0; b < nb2 / 2; b += kBlocks)
         for (int half = 0; half < 2; ++half) {
-          const size_t blk = base * nb2 + half * (nb2 / 2) + (b + rot) % (nb2 / 2);
+          const size_t blk = base * nb2 + half * (nb2 / 2) + (b + rot * kBlocks) % (nb2 / 2);
           issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
         }
     }
@@ -465,10 +480,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     const int item = tile / tpe1, ct = tile % tpe1;
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
+    const uint8_t* stage = nullptr;
     for (int b = 0; b < nb1 / 2; ++b) {
       const int kb = wg * (nb1 / 2) + b;
+      if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[4][2];
-      block_sums(ring, cur, t, xs + kb * 128, dg, p.mode & kModeBare, p.trace, 1 + wg, traced);
+      block_sums(stage, b % kBlocks, t, xs + kb * 128, dg, p.mode & kModeBare);
+      if (b % kBlocks == kBlocks - 1) stage_release(ring, cur, t);
       const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
       const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
       const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
@@ -536,9 +554,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     const float* sfw = sf2 + item * (I / 32) + wg * (I / 64);
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
+    const uint8_t* stage = nullptr;
     for (int b = 0; b < nb2 / 2; ++b) {
+      if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[4][2];
-      block_sums(ring, cur, t, hw + b * 128, dg, p.mode & kModeBare, p.trace, 1 + wg, traced);
+      block_sums(stage, b % kBlocks, t, hw + b * 128, dg, p.mode & kModeBare);
+      if (b % kBlocks == kBlocks - 1) stage_release(ring, cur, t);
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         const float c = sfw[4 * b + g];
