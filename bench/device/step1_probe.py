@@ -118,7 +118,7 @@ def main() -> int:
                                            flush)
         print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
         torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
-    tr = torch.full((ctas, 3, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
+    tr = torch.full((ctas, 1 + cuda_step1.PARTS, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
     for name, kw in (("cuda", {}), ("bare", {"mode": M["bare"]})):  # every block's landing, one flushed launch
         tr.fill_(-1)
         flush()

@@ -71,19 +71,23 @@ def _library() -> ctypes.CDLL:
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
     for name in ("megamoe_step1_prepare", "megamoe_step1_fixed_smem", "megamoe_step1_stage_bytes", "megamoe_step1_max_terms",
-                 "megamoe_step1_threads"):
+                 "megamoe_step1_threads", "megamoe_step1_parts"):
         getattr(lib, name).restype = i
     return lib
 
 
-def geometry_limits(hidden: int, intermediate: int, num_topk: int, max_terms: int = 32) -> str | None:
-    """Why the kernel cannot take this geometry (None if it can): each warpgroup stores at most ``max_terms``
-    terms of a tile's second half (L1: hidden / 256 blocks; L2: intermediate / 64 groups), and the top-k fits in
-    its per-thread slot list."""
-    if hidden % 1024 or intermediate % 1024:  # a warpgroup's half of a tile is whole stages of 4 blocks of 128 K
+PARTS = 4  # computing warpgroups per CTA, each a quarter of every tile's K (cuda/step1.cu's kParts)
+MAX_TERMS = 48  # terms of a tile's last three quarters the kernel keeps in shared memory (kMaxTerms)
+
+
+def geometry_limits(hidden: int, intermediate: int, num_topk: int) -> str | None:
+    """Why the kernel cannot take this geometry (None if it can): a quarter of a tile's K is whole stages of two
+    128-K blocks; the last three quarters' terms fit in ``MAX_TERMS`` (L1: 3 hidden / 512 blocks; L2: 3
+    intermediate / 128 groups); the top-k fits in the kernel's per-thread slot list."""
+    if hidden % 1024 or intermediate % 1024:
         return f"hidden and intermediate must be multiples of 1024, got {hidden}, {intermediate}"
-    if hidden // 256 > max_terms or intermediate // 64 > max_terms:
-        return (f"hidden <= {256 * max_terms} and intermediate <= {64 * max_terms}, got {hidden}, {intermediate}")
+    if 3 * hidden // 512 > MAX_TERMS or 3 * intermediate // 128 > MAX_TERMS:
+        return f"hidden <= {512 * MAX_TERMS // 3} and intermediate <= {128 * MAX_TERMS // 3}, got {hidden}, {intermediate}"
     if num_topk > 8:
         return f"top-k <= 8, got {num_topk}"
     return None
@@ -110,14 +114,17 @@ def _unsupported_here(device_index: int, hidden: int, intermediate: int, num_top
 @functools.lru_cache(maxsize=None)
 def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
     """(CTAs, ring stages, dynamic shared memory bytes): one CTA per SM, as many stages as the SM's shared memory
-    holds beside the kernel's fixed buffers, an even number (stages alternate between the two warpgroups)."""
+    holds beside the kernel's fixed buffers, a multiple of the computing warpgroups (stages go round them)."""
     lib = _library()
     props = torch.cuda.get_device_properties(device_index)
     budget = getattr(props, "shared_memory_per_block_optin", 232448)
     fixed = lib.megamoe_step1_fixed_smem(hidden, intermediate) + 8
-    stages = (budget - fixed) // lib.megamoe_step1_stage_bytes() // 2 * 2
-    if stages < 4:
-        raise RuntimeError(f"the 1-token CUDA step needs 4 ring stages, the device's shared memory gives {stages}")
+    stages = (budget - fixed) // lib.megamoe_step1_stage_bytes() // PARTS * PARTS
+    if stages < 2 * PARTS:
+        raise RuntimeError(f"the 1-token CUDA step needs {2 * PARTS} ring stages, the device's shared memory gives "
+                           f"{stages}")
+    if (lib.megamoe_step1_parts(), lib.megamoe_step1_max_terms()) != (PARTS, MAX_TERMS):
+        raise RuntimeError("cuda_step1.PARTS / MAX_TERMS disagree with the built kernel's kParts / kMaxTerms")
     smem = fixed + stages * lib.megamoe_step1_stage_bytes()
     err = lib.megamoe_step1_prepare(device_index, smem)
     if err:
@@ -130,17 +137,18 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first.
 
     For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
-    its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 3, ``TRACE_SLOTS``] when the load warp issued each
-    stage (row 0) and when warpgroup 0 / 1 found each of its blocks landed (rows 1, 2); ``mode`` (``MODES``) other ways to stream, and streaming alone (y then wrong)."""
+    its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 1 + ``PARTS``, ``TRACE_SLOTS``] when the load warp
+    issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode`` (``MODES``) other ways to stream, and streaming alone (y then wrong)."""
     lib = _library()
     dev = tw.l1_codes.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
     stages = most if stages is None else stages
-    if not (4 <= stages <= most and stages % 2 == 0):
-        raise ValueError(f"stages must be even, in [4, {most}], got {stages}")
-    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 3, TRACE_SLOTS)):
-        raise ValueError(f"trace must be int64 [{ctas}, 3, {TRACE_SLOTS}], got {trace.dtype} {tuple(trace.shape)}")
+    if not (2 * PARTS <= stages <= most and stages % PARTS == 0):
+        raise ValueError(f"stages must be a multiple of {PARTS} in [{2 * PARTS}, {most}], got {stages}")
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 1 + PARTS, TRACE_SLOTS)):
+        raise ValueError(f"trace must be int64 [{ctas}, {1 + PARTS}, {TRACE_SLOTS}], got {trace.dtype} "
+                         f"{tuple(trace.shape)}")
     if stamps is not None and (stamps.dtype != torch.int64 or tuple(stamps.shape) != (ctas, 8)):
         raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731

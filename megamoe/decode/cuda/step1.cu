@@ -1,15 +1,15 @@
 // The 1-token decode step in one persistent launch (recipe megamoe-decode-tc, the same bits as the three Triton
 // launches of megamoe/decode/triton_tc.py). Python side: megamoe/decode/cuda_step1.py (build, checks, launch).
 //
-// One CTA per SM, 288 threads: warpgroups 0 and 1 compute, warp 8 loads. The CTA's work is a list of blocks
-// (one 128-K block of one 64-row tile: 4,096 code bytes and 256 scale bytes, contiguous in layout_tc.py):
-//   L1 tiles (item i, channel tile t) for tile = blockIdx.x, + gridDim.x, ...; then L2 tiles the same way.
-// Warp 8 streams the list through a ring of stages (cp.async.bulk, one mbarrier per stage each way), without
-// waiting on anything but free stages, so it runs on into L2's weights while L1 still computes: at the grid
-// barrier between L1 and L2 the ring already holds most of this CTA's L2 blocks.
+// One CTA per SM, 544 threads: four warpgroups compute, the last warp loads. The CTA's work is a list of stages
+// (two 128-K blocks of one 64-row tile each: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in
+// layout_tc.py): L1 tiles (item i, channel tile t) for tile = blockIdx.x, + gridDim.x, ...; then L2 tiles the same
+// way. The load warp streams the list through a ring of stages (cp.async.bulk, one mbarrier per stage each way),
+// waiting on nothing but free stages, so it runs on into L2's weights while L1 still computes: at the grid barrier
+// between L1 and L2 the ring already holds the first of this CTA's L2 stages.
 //
-// A tile's K blocks are split in halves: warpgroup 0 keeps the running promotion sum of the first half,
-// warpgroup 1 stores each term of the second half in shared memory, and warpgroup 0 replays them in order, the
+// A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
+// quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
 // same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs).
 //
 // Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
@@ -28,15 +28,16 @@
 
 namespace {
 
-// A stage: four consecutive 128-K blocks of a tile (each four 1,024-byte code blocks), then their scale words (64 per
+// A stage: two consecutive 128-K blocks of a tile (each four 1,024-byte code blocks), then their scale words (64 per
 // block). Both runs are contiguous in layout_tc.py, so a stage is two bulk copies: fewer, larger copies stream
 // faster (bench/device/stream_ring_bench.cu: one copy costs the issuing thread about as much as 4 KB takes to land).
-constexpr int kBlocks = 4;
+constexpr int kBlocks = 2;
 constexpr int kCodeBytes = kBlocks * 4096;
 constexpr int kStageBytes = kCodeBytes + kBlocks * 256;
-constexpr int kComputeThreads = 256;     // warpgroups 0 and 1
-constexpr int kThreads = kComputeThreads + 32;
-constexpr int kMaxTerms = 32;            // terms of a tile's second half: L1 H/256 blocks, L2 I/64 groups
+constexpr int kParts = 4;                         // computing warpgroups, each a quarter of every tile's K
+constexpr int kComputeThreads = 128 * kParts;
+constexpr int kThreads = kComputeThreads + 32;    // and one load warp
+constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;
 constexpr int kTraceSlots = 160;                // B reads up to 143 bytes past a k32 step's start
@@ -63,8 +64,8 @@ struct Params {
   uint16_t* y;         // bf16 bits [H]
   uint32_t* sync;      // [2 + H/64]: the grid barrier's 64-bit count, combine counts per 64 columns
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
-  int64_t* trace;      // [gridDim.x, 3, kTraceSlots] or null: when the load warp issued each stage (row 0) and
-                       // when warpgroup 0 / 1 found each of its blocks landed (rows 1, 2)
+  int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
+                       // 0) and when warpgroup w found each of its stages landed (row 1 + w)
   float clamp;
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
@@ -206,7 +207,7 @@ __device__ __forceinline__ void trace(int64_t* tr, int row, int& n) {
   if (tr != nullptr) {
     uint64_t t;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    tr[(blockIdx.x * 3 + row) * kTraceSlots + min(n, kTraceSlots - 1)] = int64_t(t);
+    tr[(blockIdx.x * (1 + kParts) + row) * kTraceSlots + min(n, kTraceSlots - 1)] = int64_t(t);
   }
   ++n;
 }
@@ -219,11 +220,11 @@ __device__ __forceinline__ const uint8_t* stage_wait(const Ring& ring, const Cur
   return ring.data + size_t(cur.stage) * kStageBytes;
 }
 
-// The warpgroup is done with its stage: one arrival per warp frees it; on to the next (stages alternate).
+// The warpgroup is done with its stage: one arrival per warp frees it; on to its next (stages go round the parts).
 __device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int tid) {
   __syncwarp();
   if (tid % 32 == 0) mbar_arrive(&ring.empty[cur.stage]);
-  cur.advance(2, ring.stages);
+  cur.advance(kParts, ring.stages);
 }
 
 // The four groups' tensor-core sums of block j of a stage, each already times its factor (exact), for rows
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
   if (tid == 0) stamp(p, 0);  // set up
-  if (tid >= kComputeThreads) {  // ---- warp 8: the loads ----
+  if (tid >= kComputeThreads) {  // ---- the last warp: the loads ----
     const int lane = tid - kComputeThreads;
     const bool cp_async = p.mode & kModeCpAsync;
     if (!cp_async && lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
@@ -448,18 +449,18 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
     for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
       const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
-      for (int b = 0; b < nb1 / 2; b += kBlocks)
-        for (int half = 0; half < 2; ++half) {
-          const size_t blk = base * nb1 + half * (nb1 / 2) + (b + rot * kBlocks) % (nb1 / 2);
+      for (int b = 0; b < nb1 / kParts; b += kBlocks)
+        for (int q = 0; q < kParts; ++q) {
+          const size_t blk = base * nb1 + q * (nb1 / kParts) + (b + rot * kBlocks) % (nb1 / kParts);
           issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
         }
     }
     if (lane == 0) stamp(p, 1);  // the last L1 block asked for
     for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
       const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
-      for (int b = 0; b < nb2 / 2; b += kBlocks)
-        for (int half = 0; half < 2; ++half) {
-          const size_t blk = base * nb2 + half * (nb2 / 2) + (b + rot * kBlocks) % (nb2 / 2);
+      for (int b = 0; b < nb2 / kParts; b += kBlocks)
+        for (int q = 0; q < kParts; ++q) {
+          const size_t blk = base * nb2 + q * (nb2 / kParts) + (b + rot * kBlocks) % (nb2 / kParts);
           issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
         }
     }
@@ -467,12 +468,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     return;
   }
 
-  // ---- warpgroups 0 and 1: decode, MMA, promotion ----
+  // ---- the computing warpgroups: decode, MMA, promotion ----
   named_sync(1, kComputeThreads);  // the token's codes in shared memory
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
-  Cursor cur{wg, 0};               // this warpgroup's blocks are the CTA's list's wg, wg + 2, ...
+  Cursor cur{wg, 0};               // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
   int tiles_done = 0;
 
@@ -481,8 +482,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     const uint8_t* stage = nullptr;
-    for (int b = 0; b < nb1 / 2; ++b) {
-      const int kb = wg * (nb1 / 2) + b;
+    for (int b = 0; b < nb1 / kParts; ++b) {
+      const int kb = wg * (nb1 / kParts) + b;
       if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[4][2];
       block_sums(stage, b % kBlocks, t, xs + kb * 128, dg, p.mode & kModeBare);
@@ -494,13 +495,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         acc0 = __fadd_rn(acc0, term0);
         acc1 = __fadd_rn(acc1, term1);
       } else if (col0) {
-        tb[b * 64 + r0] = term0;
-        tb[b * 64 + r0 + 8] = term1;
+        tb[(kb - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
+        tb[(kb - nb1 / kParts) * 64 + r0 + 8] = term1;
       }
     }
-    named_sync(1, kComputeThreads);  // the second half's terms are in shared memory
+    named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
     if (wg == 0) {
-      for (int b = 0; b < nb1 / 2; ++b) {  // the chain goes on through the second half, in order
+      for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
         acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
         acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
       }
@@ -550,12 +551,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   int mine = 0;  // this CTA's L2 tiles
   for (int tile = blockIdx.x; tile < n2; tile += gridDim.x, ++tiles_done, ++mine) {  // ---- L2 ----
     const int item = tile / tpe2, ot = tile % tpe2;
-    const uint8_t* hw = hs + item * hrow + wg * (I / 2);  // this warpgroup's half of the row's codes
-    const float* sfw = sf2 + item * (I / 32) + wg * (I / 64);
+    const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
+    const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     const uint8_t* stage = nullptr;
-    for (int b = 0; b < nb2 / 2; ++b) {
+    for (int b = 0; b < nb2 / kParts; ++b) {
       if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[4][2];
       block_sums(stage, b % kBlocks, t, hw + b * 128, dg, p.mode & kModeBare);
@@ -568,14 +569,15 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
           acc0 = __fadd_rn(acc0, term0);
           acc1 = __fadd_rn(acc1, term1);
         } else if (col0) {
-          tb[(4 * b + g) * 64 + r0] = term0;
-          tb[(4 * b + g) * 64 + r0 + 8] = term1;
+          const int j = 4 * ((wg - 1) * (nb2 / kParts) + b) + g;  // the later quarters' groups, in ascending K
+          tb[j * 64 + r0] = term0;
+          tb[j * 64 + r0 + 8] = term1;
         }
       }
     }
     named_sync(1, kComputeThreads);
     if (wg == 0) {
-      for (int j = 0; j < 4 * (nb2 / 2); ++j) {
+      for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
         acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
         acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
       }
@@ -629,6 +631,8 @@ int megamoe_step1_stage_bytes() { return kStageBytes + 16; }  // a stage and its
 int megamoe_step1_max_terms() { return kMaxTerms; }
 
 int megamoe_step1_threads() { return kThreads; }
+
+int megamoe_step1_parts() { return kParts; }
 
 // The kernel's dynamic shared memory limit; once, before the first launch (and outside a CUDA graph capture).
 int megamoe_step1_prepare(int device, int smem_bytes) {
