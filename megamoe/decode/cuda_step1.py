@@ -31,7 +31,7 @@ STAMP_POINTS = ("set up", "last L1 block asked for", "last L2 block asked for", 
                 "L2 done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
 TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
-MODES = {"bare": 1, "no-scales": 2}  # step1(mode=...): cuda/step1.cu's kMode* flags
+MODES = {"bare": 1, "no-scales": 2, "rotate": 4, "cp-async": 8}  # step1(mode=...): cuda/step1.cu's kMode* flags
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 
@@ -66,7 +66,7 @@ def build(out_dir: str | os.PathLike | None = None) -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.megamoe_step1_launch.argtypes = [p] * 22 + [f] + [i] * 12 + [p]
+    lib.megamoe_step1_launch.argtypes = [p] * 22 + [f] + [i] * 11 + [p]
     lib.megamoe_step1_launch.restype = i
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
@@ -111,46 +111,41 @@ def _unsupported_here(device_index: int, hidden: int, intermediate: int, num_top
         "no nvcc to build it with (CUDA_HOME/bin or PATH)" if nvcc() is None else None)
 
 
-RING = 8  # stages going round (a multiple of PARTS); the rest of the shared memory preloads L2 stages
-
-
 @functools.lru_cache(maxsize=None)
-def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int, int]:
-    """(CTAs, ring stages, preload stages, dynamic shared memory bytes): one CTA per SM; ``RING`` stages going round,
-    and as many preload stages (a multiple of ``PARTS``) as the SM's shared memory holds beside them and the
-    kernel's fixed buffers."""
+def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
+    """(CTAs, ring stages, dynamic shared memory bytes): one CTA per SM, as many stages as the SM's shared memory
+    holds beside the kernel's fixed buffers, a multiple of the computing warpgroups (stages go round them)."""
     lib = _library()
     props = torch.cuda.get_device_properties(device_index)
     budget = getattr(props, "shared_memory_per_block_optin", 232448)
     fixed = lib.megamoe_step1_fixed_smem(hidden, intermediate) + 8
-    stage = lib.megamoe_step1_stage_bytes()
-    preload = (budget - fixed - RING * stage) // stage // PARTS * PARTS
-    if preload < 0:
-        raise RuntimeError(f"the 1-token CUDA step needs {RING} ring stages, the device's shared memory holds "
-                           f"{(budget - fixed) // stage}")
+    stages = (budget - fixed) // lib.megamoe_step1_stage_bytes() // PARTS * PARTS
+    if stages < 2 * PARTS:
+        raise RuntimeError(f"the 1-token CUDA step needs {2 * PARTS} ring stages, the device's shared memory gives "
+                           f"{stages}")
     if (lib.megamoe_step1_parts(), lib.megamoe_step1_max_terms()) != (PARTS, MAX_TERMS):
         raise RuntimeError("cuda_step1.PARTS / MAX_TERMS disagree with the built kernel's kParts / kMaxTerms")
-    smem = fixed + (RING + preload) * stage
+    smem = fixed + stages * lib.megamoe_step1_stage_bytes()
     err = lib.megamoe_step1_prepare(device_index, smem)
     if err:
         raise RuntimeError(f"the 1-token CUDA step cannot have {smem} bytes of shared memory: CUDA error {err}")
-    return props.multi_processor_count, RING, preload, smem
+    return props.multi_processor_count, stages, smem
 
 
-def step1(tw, buf, clamp: float, *, preload: int | None = None, stamps: torch.Tensor | None = None,
+def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Tensor | None = None,
           mode: int = 0, inflight: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first.
 
-    For probes only: ``preload`` fewer preloaded L2 stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
+    For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
     its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 1 + ``PARTS``, ``TRACE_SLOTS``] when the load warp
     issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode`` (``MODES``) other ways to stream, and streaming alone (y then wrong)."""
     lib = _library()
     dev = tw.l1_codes.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    ctas, ring, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
-    preload = most if preload is None else preload
-    if not (0 <= preload <= most and preload % PARTS == 0):
-        raise ValueError(f"preload must be a multiple of {PARTS} in [0, {most}], got {preload}")
+    ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
+    stages = most if stages is None else stages
+    if not (2 * PARTS <= stages <= most and stages % PARTS == 0):
+        raise ValueError(f"stages must be a multiple of {PARTS} in [{2 * PARTS}, {most}], got {stages}")
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 1 + PARTS, TRACE_SLOTS)):
         raise ValueError(f"trace must be int64 [{ctas}, {1 + PARTS}, {TRACE_SLOTS}], got {trace.dtype} "
                          f"{tuple(trace.shape)}")
@@ -165,7 +160,7 @@ def step1(tw, buf, clamp: float, *, preload: int | None = None, stamps: torch.Te
         ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync),
         ctypes.c_void_p(None if stamps is None else stamps.data_ptr()),
         ctypes.c_void_p(None if trace is None else trace.data_ptr()), ctypes.c_float(clamp), tw.hidden,
-        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, ring, preload, int(mode), INFLIGHT if inflight is None else inflight, ctas, smem, index,
+        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode), INFLIGHT if inflight is None else inflight, ctas, smem, index,
         ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"the 1-token CUDA step failed to launch: CUDA error {err}")

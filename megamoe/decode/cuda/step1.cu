@@ -70,12 +70,11 @@ struct Params {
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
   int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
-  int preload;         // stages of a CTA's first L2 stages loaded while L1 runs (a multiple of kParts)
 };
 
-// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
-// only): leave out the scale words' copies.
-constexpr int kModeBare = 1, kModeNoScales = 2;
+// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales and
+// rotate (bare only): leave out the 256-byte scale copies, or start each CTA's tiles at its own block.
+constexpr int kModeBare = 1, kModeNoScales = 2, kModeRotate = 4, kModeCpAsync = 8;
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
 
@@ -114,6 +113,15 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
           smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// Arrive on bar once this thread's earlier cp.async copies have landed (the barrier counts it as one arrival).
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
 __device__ __forceinline__ void named_sync(int id, int count) {
@@ -177,12 +185,10 @@ __device__ __forceinline__ uint8_t e4m3_rtne_bits(float q) {  // staging.triton_
 // ---- the CTA's share of one tile's K blocks ------------------------------------------------------------------------
 
 struct Ring {
-  uint8_t* data;        // [stages] stages going round
+  uint8_t* data;
   uint64_t* full;
   uint64_t* empty;
   int stages;
-  uint8_t* pre;         // [preload] stages each loaded once, while L1 runs: a CTA's first L2 stages
-  uint64_t* pre_full;
 };
 
 struct Cursor {  // a stage of the ring and the parity of its current round
@@ -348,8 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
   // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | bars
   uint8_t* ring_data = smem;
-  uint8_t* pre_data = ring_data + size_t(p.stages) * kStageBytes;
-  uint8_t* xs = pre_data + size_t(p.preload) * kStageBytes;
+  uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
   float* terms = reinterpret_cast<float*>(hs + kMaxTopK * (I + kPad));
   float* ep = terms + 2 * kMaxTerms * 64;
@@ -357,15 +362,14 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   float* sf2 = xsf + nb1;
   int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
-  Ring ring{ring_data, bars, bars + p.stages, p.stages, pre_data, bars + 2 * p.stages};
+  Ring ring{ring_data, bars, bars + p.stages, p.stages};
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
-      mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
+      mbar_init(&ring.full[s], (p.mode & kModeCpAsync) ? 32 : 1);  // the loading lanes, or one expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
-    for (int s = 0; s < p.preload; ++s) mbar_init(&ring.pre_full[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the barriers: the load warp starts as soon as it knows the step's experts
@@ -405,63 +409,62 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
   if (tid == 0) stamp(p, 0);  // set up
-  const int l1_stages = nb1 / kBlocks, l2_stages = nb2 / kBlocks;  // stages per tile
-  const int mine1 = n1 > int(blockIdx.x) ? (n1 - 1 - blockIdx.x) / gridDim.x + 1 : 0;  // this CTA's L1 tiles
-  const int mine2 = n2 > int(blockIdx.x) ? (n2 - 1 - blockIdx.x) / gridDim.x + 1 : 0;  // and L2 tiles
-  const int pre = min(p.preload, mine2 * l2_stages);  // this CTA's first L2 stages, loaded during L1
   if (tid >= kComputeThreads) {  // ---- the last warp: the loads ----
     const int lane = tid - kComputeThreads;
-    if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
+    const bool cp_async = p.mode & kModeCpAsync;
+    if (!cp_async && lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
       if (lane == 1 && blockIdx.x == 0) write_route(p, ex, it);
       return;
     }
-    // Stage k of a tile: blocks q K / kParts + kBlocks j .. + kBlocks - 1 for quarter q = k % kParts, j = k / kParts
-    auto source = [&](int level, int stage, const uint8_t*& codes, const uint8_t*& scales) {
-      const int per = level == 1 ? l1_stages : l2_stages, nb = level == 1 ? nb1 : nb2;
-      const int tpe = level == 1 ? tpe1 : tpe2;
-      const int tile = blockIdx.x + (stage / per) * gridDim.x, k = stage % per;
-      const size_t blk = (size_t(it.expert[tile / tpe]) * tpe + tile % tpe) * nb + (k % kParts) * (nb / kParts) +
-                         (k / kParts) * kBlocks;
-      codes = (level == 1 ? p.l1_codes : p.l2_codes) + blk * 4096;
-      scales = (level == 1 ? p.l1_scales : p.l2_scales) + blk * 256;
-    };
-    auto load = [&](uint8_t* dst, uint64_t* bar, const uint8_t* codes, const uint8_t* scales) {
-      const bool scales_too = !(p.mode & kModeNoScales);
-      mbar_expect_tx(bar, scales_too ? kStageBytes : kCodeBytes);
-      bulk_load(dst, codes, kCodeBytes, bar);
-      if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, bar);
-    };
+    if (cp_async && lane == 0 && blockIdx.x == 0) write_route(p, ex, it);
     Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
     Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
-    int traced = 0, issued = 0, preloaded = 0;
-    auto ring_issue = [&](int level, int stage) {
-      const uint8_t *codes, *scales;
-      source(level, stage, codes, scales);
-      mbar_wait(&ring.empty[cur.stage], cur.phase);
-      if (p.inflight && issued >= p.inflight) {  // at most `inflight` ring stages still on their way
-        mbar_wait(&ring.full[lag.stage], lag.phase);
-        lag.advance(1, ring.stages);
+    int traced = 0;
+    uint32_t issued = 0;
+    auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
+      const int s = cur.stage;
+      uint8_t* dst = ring.data + size_t(s) * kStageBytes;
+      if (lane == 0) {
+        mbar_wait(&ring.empty[s], cur.phase);
+        if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
+          mbar_wait(&ring.full[lag.stage], lag.phase);
+          lag.advance(1, ring.stages);
+        }
       }
       ++issued;
-      load(ring.data + size_t(cur.stage) * kStageBytes, &ring.full[cur.stage], codes, scales);
+      if (cp_async) __syncwarp();
+      if (cp_async) {  // 16 bytes per lane and copy; each lane's arrival fires once its copies have landed
+        for (int c = lane; c < kStageBytes / 16; c += 32)
+          cp_async16(dst + 16 * c, c < kCodeBytes / 16 ? codes + 16 * c : scales + 16 * (c - kCodeBytes / 16));
+        cp_async_arrive(&ring.full[s]);
+      } else if (lane == 0) {
+        const bool scales_too = !(p.mode & kModeNoScales);
+        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
+        bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
+        if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
+      }
       cur.advance(1, ring.stages);
-      trace(p.trace, 0, traced);
+      if (lane == 0) trace(p.trace, 0, traced);
     };
-    auto preload_next = [&]() {
-      const uint8_t *codes, *scales;
-      source(2, preloaded, codes, scales);
-      load(ring.pre + size_t(preloaded) * kStageBytes, &ring.pre_full[preloaded], codes, scales);
-      ++preloaded;
-    };
-    const int total1 = mine1 * l1_stages;
-    for (int k = 0; k < total1; ++k) {  // L1's stages through the ring, one preload after every few
-      ring_issue(1, k);
-      if (preloaded < pre && (k + 1) * pre >= (preloaded + 1) * total1) preload_next();
+    const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
+    for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
+      const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
+      for (int b = 0; b < nb1 / kParts; b += kBlocks)
+        for (int q = 0; q < kParts; ++q) {
+          const size_t blk = base * nb1 + q * (nb1 / kParts) + (b + rot * kBlocks) % (nb1 / kParts);
+          issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
+        }
     }
-    while (preloaded < pre) preload_next();
-    stamp(p, 1);  // the last L1 stage asked for
-    for (int k = pre; k < mine2 * l2_stages; ++k) ring_issue(2, k);  // the rest of L2 through the ring
-    stamp(p, 2);  // the last L2 stage asked for
+    if (lane == 0) stamp(p, 1);  // the last L1 block asked for
+    for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
+      const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
+      for (int b = 0; b < nb2 / kParts; b += kBlocks)
+        for (int q = 0; q < kParts; ++q) {
+          const size_t blk = base * nb2 + q * (nb2 / kParts) + (b + rot * kBlocks) % (nb2 / kParts);
+          issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
+        }
+    }
+    if (lane == 0) stamp(p, 2);  // the last L2 block asked for
     return;
   }
 
@@ -553,22 +556,11 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     const uint8_t* stage = nullptr;
-    bool preloaded = false;
     for (int b = 0; b < nb2 / kParts; ++b) {
-      if (b % kBlocks == 0) {  // this CTA's L2 stage k: one of the first, loaded during L1, or the ring's next
-        const int k = mine * l2_stages + (b / kBlocks) * kParts + wg;
-        preloaded = k < pre;
-        if (preloaded) {
-          mbar_wait(&ring.pre_full[k], 0);
-          if (t == 0) trace(p.trace, 1 + wg, traced);
-          stage = ring.pre + size_t(k) * kStageBytes;
-        } else {
-          stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
-        }
-      }
+      if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[4][2];
       block_sums(stage, b % kBlocks, t, hw + b * 128, dg, p.mode & kModeBare);
-      if (b % kBlocks == kBlocks - 1 && !preloaded) stage_release(ring, cur, t);
+      if (b % kBlocks == kBlocks - 1) stage_release(ring, cur, t);
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         const float c = sfw[4 * b + g];
@@ -628,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 extern "C" {
 
 // Shared memory the kernel needs besides its ring, for the geometry (bytes).
-int megamoe_step1_fixed_smem(int H, int I) {  // (a preload stage also needs 8 bytes of barrier: stage_bytes' 16)
+int megamoe_step1_fixed_smem(int H, int I) {
   const int bytes =
       (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
   return (bytes + 7) / 8 * 8;
@@ -655,7 +647,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                          void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
                          void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
                          void* sync, void* stamps, void* trace, float clamp, int H, int I, int K, int expert_lo, int num_local,
-                         int stages, int preload, int mode, int inflight, int grid, int smem_bytes, int device, void* stream) {
+                         int stages, int mode, int inflight, int grid, int smem_bytes, int device, void* stream) {
   Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
            static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
            static_cast<const uint8_t*>(x_q), static_cast<const float*>(x_sf),
@@ -664,7 +656,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages, mode, inflight, preload};
+           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages, mode, inflight};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};
