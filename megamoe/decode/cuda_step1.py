@@ -31,7 +31,7 @@ STAMP_POINTS = ("set up", "last L1 block asked for", "last L2 block asked for", 
                 "L2 done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
 TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
-MODES = {"bare": 1, "no-scales": 2, "rotate": 4, "cp-async": 8}  # step1(mode=...): cuda/step1.cu's kMode* flags
+MODES = {"bare": 1, "no-scales": 2}  # step1(mode=...): cuda/step1.cu's kMode* flags
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 
@@ -49,7 +49,8 @@ def build(out_dir: str | os.PathLike | None = None) -> Path:
     exe = nvcc()
     if exe is None:
         raise RuntimeError("building the 1-token CUDA step needs nvcc (CUDA_HOME/bin or PATH)")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    parts = sorted(SOURCE.parent.glob("step1*.cu*"))  # the kernel and the headers it includes
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in parts) + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
     root = Path(out_dir or os.environ.get("MEGAMOE_CACHE", Path.home() / ".cache" / "megamoe"))
     lib = root / f"step1-{key}.so"
     if not lib.exists():

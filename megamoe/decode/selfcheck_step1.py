@@ -52,8 +52,8 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2) -> dic
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, bufs[0].x_q, bufs[0].x_sf, bufs[0].topk_idx,
                bufs[0].topk_weights, 1, num_experts=g.num_experts, backend="torch")
     _copy_staged(bufs[0], bufs[1])
-    cuda_cfg = tc.tc_launch_config(1, g.num_topk)
-    triton_cfg = dataclasses.replace(cuda_cfg, tc_cuda_step1=False)
+    triton_cfg = tc.tc_launch_config(1, g.num_topk)  # the backend's launch
+    cuda_cfg = dataclasses.replace(triton_cfg, tc_cuda_step1=True)
     row = {"case": case.id, **dataclasses.asdict(case), "launch": cuda_cfg.tc_cuda_step1,
            "unsupported": cuda_step1.unsupported(tw, bufs[1], 1)}
     for b in bufs:

@@ -23,329 +23,9 @@
 // with rows 16 bytes apart (LBO = 16): B[k][n] = codes[k0 + k + 16 n]. Columns 1..7 hold other codes and their
 // results are never used.
 
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "step1_params.cuh"
 
 namespace {
-
-// A stage: two consecutive 128-K blocks of a tile (each four 1,024-byte code blocks), then their scale words (64 per
-// block). Both runs are contiguous in layout_tc.py, so a stage is two bulk copies: fewer, larger copies stream
-// faster (bench/device/stream_ring_bench.cu: one copy costs the issuing thread about as much as 4 KB takes to land).
-constexpr int kBlocks = 2;
-constexpr int kCodeBytes = kBlocks * 4096;
-constexpr int kStageBytes = kCodeBytes + kBlocks * 256;
-constexpr int kParts = 4;                         // computing warpgroups, each a quarter of every tile's K
-constexpr int kComputeThreads = 128 * kParts;
-constexpr int kThreads = kComputeThreads + 32;    // and one load warp
-constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
-constexpr int kMaxTopK = 8;
-constexpr int kPad = 160;
-constexpr int kTraceSlots = 160;                // B reads up to 143 bytes past a k32 step's start
-
-struct Params {
-  const uint8_t* l1_codes;   // [E, I/32, H/32, 1024]
-  const uint8_t* l1_scales;  // [E, I/32, H/128, 256]
-  const uint8_t* l2_codes;   // [E, H/64, I/32, 1024]
-  const uint8_t* l2_scales;  // [E, H/64, I/128, 256]
-  const uint8_t* x_q;        // e4m3 [H]      (token 0 of the staged buffers)
-  const float* x_sf;         // fp32 [H/128]
-  const int64_t* topk_idx;   // [K]
-  const float* topk_w;       // [K]
-  int32_t* num_touched;      // route's outputs (routing.route_torch), for L2-combine readers and checks
-  int32_t* touched;
-  int32_t* seg_start;
-  int32_t* seg_count;
-  int32_t* row_token;
-  float* row_weight;
-  int32_t* slot_row;
-  uint8_t* l2_q;       // [S, I]
-  float* l2_sf;        // [S, I/32]
-  uint16_t* slot_out;  // bf16 bits [S, H]
-  uint16_t* y;         // bf16 bits [H]
-  uint32_t* sync;      // [2 + H/64]: the grid barrier's 64-bit count, combine counts per 64 columns
-  int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
-  int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
-                       // 0) and when warpgroup w found each of its stages landed (row 1 + w)
-  float clamp;
-  int H, I, K, expert_lo, num_local, stages;
-  int mode;            // kMode* flags (0: the step itself)
-  int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
-};
-
-// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales and
-// rotate (bare only): leave out the 256-byte scale copies, or start each CTA's tiles at its own block.
-constexpr int kModeBare = 1, kModeNoScales = 2, kModeRotate = 4, kModeCpAsync = 8;
-
-// ---- PTX wrappers ------------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
-                   smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-// Arrive on bar once this thread's earlier cp.async copies have landed (the barrier counts it as one arrival).
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// B descriptor, K-major, no swizzle: start address, LBO (between the two 16-byte K halves of a row) = 16, SBO =
-// 128 (unused with N = 8).
-__device__ __forceinline__ uint64_t b_desc(const uint8_t* p) {
-  uint64_t addr = smem_addr(p);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(128 >> 4) << 32);
-}
-
-// D = A * B for one k32 step (scale-d 0: no accumulator), A in registers: four e4m3x4 words per thread.
-__device__ __forceinline__ void wgmma_k32(float d[4], const uint32_t a[4], uint64_t desc) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-
-// ---- numerics shared with the Triton kernels -----------------------------------------------------------------------
-
-// A stored byte holds the codes of rows ri (lo) and ri + 8 (hi); -> e4m3 bytes worth e2m1 * 2**-6
-// (layout_tc.pack_pair), four bytes at once.
-__device__ __forceinline__ uint32_t decode_lo(uint32_t b) { return b & 0x9C9C9C9Cu; }
-__device__ __forceinline__ uint32_t decode_hi(uint32_t b) {
-  return ((b << 2) & 0x8C8C8C8Cu) | ((b >> 2) & 0x10101010u);
-}
-
-// Byte g of a scale word (s + 6) -> the factor 2**(s - 121): the byte is the FP32 exponent field.
-__device__ __forceinline__ float factor(uint32_t word, int g) {
-  return __uint_as_float(((word >> (8 * g)) & 0xFFu) << 23);
-}
-
-__device__ __forceinline__ uint16_t bf16_bits(float v) {  // triton_gemv._bf16_bits: RNE on the bits
-  int32_t b = __float_as_int(v);
-  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
-
-__device__ __forceinline__ uint8_t e4m3_rtne_bits(float q) {  // staging.triton_stage._e4m3_rtne_bits
-  int32_t b = __float_as_int(q);
-  int32_t sign = (b >> 24) & 0x80;
-  int32_t a = b & 0x7FFFFFFF;
-  int32_t normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960;
-  int32_t e = a >> 23;
-  int32_t s = min(141 - e, 31);
-  int32_t mant = (a & 0x7FFFFF) | 0x800000;
-  int32_t sub = (mant + ((1 << (s - 1)) - 1) + ((mant >> s) & 1)) >> s;
-  int32_t code = a >= 0x3C800000 ? normal : sub;
-  return static_cast<uint8_t>(code | sign);
-}
-
-// ---- the CTA's share of one tile's K blocks ------------------------------------------------------------------------
-
-struct Ring {
-  uint8_t* data;
-  uint64_t* full;
-  uint64_t* empty;
-  int stages;
-};
-
-struct Cursor {  // a stage of the ring and the parity of its current round
-  int stage;
-  uint32_t phase;
-  __device__ __forceinline__ void advance(int step, int stages) {
-    stage += step;
-    if (stage >= stages) {
-      stage -= stages;
-      phase ^= 1;
-    }
-  }
-};
-
-__device__ __forceinline__ void trace(int64_t* tr, int row, int& n) {
-  if (tr != nullptr) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    tr[(blockIdx.x * (1 + kParts) + row) * kTraceSlots + min(n, kTraceSlots - 1)] = int64_t(t);
-  }
-  ++n;
-}
-
-// Wait for this warpgroup's next stage (``cur``) -> its bytes.
-__device__ __forceinline__ const uint8_t* stage_wait(const Ring& ring, const Cursor& cur, int tid, int64_t* tr, int row,
-                                                     int& n) {
-  mbar_wait(&ring.full[cur.stage], cur.phase);
-  if (tid == 0) trace(tr, row, n);
-  return ring.data + size_t(cur.stage) * kStageBytes;
-}
-
-// The warpgroup is done with its stage: one arrival per warp frees it; on to its next (stages go round the parts).
-__device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int tid) {
-  __syncwarp();
-  if (tid % 32 == 0) mbar_arrive(&ring.empty[cur.stage]);
-  cur.advance(kParts, ring.stages);
-}
-
-// The four groups' tensor-core sums of block j of a stage, each already times its factor (exact), for rows
-// r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8). Valid in lanes with lane % 4 == 0
-// (column 0). bsrc: the B codes of the block's first k32 step.
-__device__ __forceinline__ void block_sums(const uint8_t* stage, int j, int tid, const uint8_t* bsrc, float dg[4][2],
-                                           bool bare) {
-  const uint8_t* blk = stage + j * 4096;
-  uint2 v[4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) v[g] = *reinterpret_cast<const uint2*>(blk + g * 1024 + 8 * tid);
-  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
-  const uint8_t* words = stage + kCodeBytes + j * 256;
-  const uint32_t w0 = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
-  const uint32_t w1 = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
-  if (bare) {
-#pragma unroll
-    for (int g = 0; g < 4; ++g) dg[g][0] = dg[g][1] = __uint_as_float(v[g].x ^ v[g].y ^ w0 ^ w1) * 0.f;
-    return;
-  }
-  uint32_t a[4][4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    a[g][0] = decode_lo(v[g].x);  // row r0, K 4 lq .. 4 lq + 3
-    a[g][1] = decode_hi(v[g].x);  // row r0 + 8
-    a[g][2] = decode_lo(v[g].y);  // row r0, K 16 + 4 lq ..
-    a[g][3] = decode_hi(v[g].y);
-  }
-  float d[4][4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {  // every operand ready before the fence: no MMA waits on a late decode
-    d[g][0] = d[g][1] = d[g][2] = d[g][3] = 0.f;
-    asm volatile("" : "+r"(a[g][0]), "+r"(a[g][1]), "+r"(a[g][2]), "+r"(a[g][3]), "+f"(d[g][0]), "+f"(d[g][1]),
-                 "+f"(d[g][2]), "+f"(d[g][3])::"memory");
-  }
-  wgmma_fence();
-#pragma unroll
-  for (int g = 0; g < 4; ++g) wgmma_k32(d[g], a[g], b_desc(bsrc + 32 * g));
-  wgmma_commit();
-  wgmma_wait0();
-#pragma unroll
-  for (int g = 0; g < 4; ++g)  // the results are read only after the wait
-    asm volatile("" : "+f"(d[g][0]), "+f"(d[g][1]), "+f"(d[g][2]), "+f"(d[g][3])::"memory");
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    dg[g][0] = __fmul_rn(d[g][0], factor(w0, g));
-    dg[g][1] = __fmul_rn(d[g][2], factor(w1, g));
-  }
-}
-
-struct Items {  // the step's valid slots in slot order: item i is slot item_slot[i] (T = 1: one row each)
-  int n;
-  int expert[kMaxTopK];
-  int row[kMaxTopK];
-  float weight[kMaxTopK];
-  int slot_row[kMaxTopK];  // per slot: its pool row or -1
-};
-
-__device__ __forceinline__ void stamp(const Params& p, int point) {
-  if (p.stamps != nullptr) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    p.stamps[blockIdx.x * 8 + point] = int64_t(t);
-  }
-}
-
-// One grid-wide barrier: each CTA adds one to a 64-bit count (release) and waits until the count reaches the end
-// of its round of gridDim.x arrivals (acquire). The count only grows (2**64 arrivals never wrap), so no reset.
-__device__ void grid_barrier(unsigned long long* count) {
-  unsigned long long old;
-  asm volatile("atom.add.release.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
-  const unsigned long long target = (old / gridDim.x + 1) * gridDim.x;
-  unsigned long long now;
-  do {
-    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
-  } while (now < target);
-}
-
-__device__ __forceinline__ uint32_t atomic_add_acq_rel(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
-// Route's outputs for the step (routing.route_torch's, bit for bit), and y = 0 when no slot is routed here.
-__device__ void write_route(const Params& p, const int* ex, const Items& it) {
-  int nt = 0;
-  for (int k = 0; k < p.K; ++k) {
-    if (ex[k] < 0) continue;
-    p.slot_row[k] = it.slot_row[k];
-    p.row_token[it.slot_row[k]] = 0;
-    p.row_weight[it.slot_row[k]] = p.topk_w[k];
-  }
-  for (int k = 0; k < p.K; ++k) {
-    if (ex[k] >= 0) continue;
-    p.slot_row[k] = -1;
-  }
-  for (int k = 0; k < p.K; ++k) {  // distinct experts ascending, each with its first row and count
-    if (ex[k] < 0) continue;
-    bool first = true;
-    for (int j = 0; j < k; ++j) first &= ex[j] != ex[k];
-    if (!first) continue;
-    int below = 0, cnt = 0, rank = 0;
-    for (int j = 0; j < p.K; ++j) {
-      below += ex[j] >= 0 && ex[j] < ex[k];
-      cnt += ex[j] == ex[k];
-    }
-    for (int j = 0; j < p.K; ++j) {  // rank among distinct experts
-      bool firstj = ex[j] >= 0 && ex[j] < ex[k];
-      for (int m = 0; m < j && firstj; ++m) firstj &= ex[m] != ex[j];
-      rank += firstj;
-    }
-    p.touched[rank] = ex[k];
-    p.seg_start[rank] = below;
-    p.seg_count[rank] = cnt;
-    ++nt;
-  }
-  *p.num_touched = nt;
-  if (it.n == 0)
-    for (int c = 0; c < p.H; ++c) p.y[c] = 0;
-}
 
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -367,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
-      mbar_init(&ring.full[s], (p.mode & kModeCpAsync) ? 32 : 1);  // the loading lanes, or one expect_tx
+      mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -411,12 +91,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warp: the loads ----
     const int lane = tid - kComputeThreads;
-    const bool cp_async = p.mode & kModeCpAsync;
-    if (!cp_async && lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
+    if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
       if (lane == 1 && blockIdx.x == 0) write_route(p, ex, it);
       return;
     }
-    if (cp_async && lane == 0 && blockIdx.x == 0) write_route(p, ex, it);
     Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
     Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
     int traced = 0;
@@ -424,47 +102,37 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
       const int s = cur.stage;
       uint8_t* dst = ring.data + size_t(s) * kStageBytes;
-      if (lane == 0) {
-        mbar_wait(&ring.empty[s], cur.phase);
-        if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
-          mbar_wait(&ring.full[lag.stage], lag.phase);
-          lag.advance(1, ring.stages);
-        }
+      mbar_wait(&ring.empty[s], cur.phase);
+      if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
+        mbar_wait(&ring.full[lag.stage], lag.phase);
+        lag.advance(1, ring.stages);
       }
       ++issued;
-      if (cp_async) __syncwarp();
-      if (cp_async) {  // 16 bytes per lane and copy; each lane's arrival fires once its copies have landed
-        for (int c = lane; c < kStageBytes / 16; c += 32)
-          cp_async16(dst + 16 * c, c < kCodeBytes / 16 ? codes + 16 * c : scales + 16 * (c - kCodeBytes / 16));
-        cp_async_arrive(&ring.full[s]);
-      } else if (lane == 0) {
-        const bool scales_too = !(p.mode & kModeNoScales);
-        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
-        bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
-        if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
-      }
+      const bool scales_too = !(p.mode & kModeNoScales);
+      mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
+      bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
+      if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
       cur.advance(1, ring.stages);
-      if (lane == 0) trace(p.trace, 0, traced);
+      trace(p.trace, 0, traced);
     };
-    const int rot = (p.mode & kModeRotate) ? blockIdx.x : 0;  // (bare probes) each CTA starts at its own block
     for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
       const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
       for (int b = 0; b < nb1 / kParts; b += kBlocks)
         for (int q = 0; q < kParts; ++q) {
-          const size_t blk = base * nb1 + q * (nb1 / kParts) + (b + rot * kBlocks) % (nb1 / kParts);
+          const size_t blk = base * nb1 + q * (nb1 / kParts) + b;
           issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
         }
     }
-    if (lane == 0) stamp(p, 1);  // the last L1 block asked for
+    stamp(p, 1);  // the last L1 block asked for
     for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
       const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
       for (int b = 0; b < nb2 / kParts; b += kBlocks)
         for (int q = 0; q < kParts; ++q) {
-          const size_t blk = base * nb2 + q * (nb2 / kParts) + (b + rot * kBlocks) % (nb2 / kParts);
+          const size_t blk = base * nb2 + q * (nb2 / kParts) + b;
           issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
         }
     }
-    if (lane == 0) stamp(p, 2);  // the last L2 block asked for
+    stamp(p, 2);  // the last L2 block asked for
     return;
   }
 

@@ -1,0 +1,97 @@
+// The 1-token CUDA step's parameters (step1.cu), its routing of the step's slots and route's outputs.
+#pragma once
+
+#include "step1_ops.cuh"
+
+namespace {
+
+struct Params {
+  const uint8_t* l1_codes;   // [E, I/32, H/32, 1024]
+  const uint8_t* l1_scales;  // [E, I/32, H/128, 256]
+  const uint8_t* l2_codes;   // [E, H/64, I/32, 1024]
+  const uint8_t* l2_scales;  // [E, H/64, I/128, 256]
+  const uint8_t* x_q;        // e4m3 [H]      (token 0 of the staged buffers)
+  const float* x_sf;         // fp32 [H/128]
+  const int64_t* topk_idx;   // [K]
+  const float* topk_w;       // [K]
+  int32_t* num_touched;      // route's outputs (routing.route_torch), for L2-combine readers and checks
+  int32_t* touched;
+  int32_t* seg_start;
+  int32_t* seg_count;
+  int32_t* row_token;
+  float* row_weight;
+  int32_t* slot_row;
+  uint8_t* l2_q;       // [S, I]
+  float* l2_sf;        // [S, I/32]
+  uint16_t* slot_out;  // bf16 bits [S, H]
+  uint16_t* y;         // bf16 bits [H]
+  uint32_t* sync;      // [2 + H/64]: the grid barrier's 64-bit count, combine counts per 64 columns
+  int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
+  int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
+                       // 0) and when warpgroup w found each of its stages landed (row 1 + w)
+  float clamp;
+  int H, I, K, expert_lo, num_local, stages;
+  int mode;            // kMode* flags (0: the step itself)
+  int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
+};
+
+// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
+// only): leave out the scale words' copies.
+constexpr int kModeBare = 1, kModeNoScales = 2;
+
+struct Items {  // the step's valid slots in slot order: item i is slot item_slot[i] (T = 1: one row each)
+  int n;
+  int expert[kMaxTopK];
+  int row[kMaxTopK];
+  float weight[kMaxTopK];
+  int slot_row[kMaxTopK];  // per slot: its pool row or -1
+};
+
+__device__ __forceinline__ void stamp(const Params& p, int point) {
+  if (p.stamps != nullptr) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    p.stamps[blockIdx.x * 8 + point] = int64_t(t);
+  }
+}
+
+// One grid-wide barrier: each CTA adds one to a 64-bit count (release) and waits until the count reaches the end
+// of its round of gridDim.x arrivals (acquire). The count only grows (2**64 arrivals never wrap), so no reset.
+__device__ void write_route(const Params& p, const int* ex, const Items& it) {
+  int nt = 0;
+  for (int k = 0; k < p.K; ++k) {
+    if (ex[k] < 0) continue;
+    p.slot_row[k] = it.slot_row[k];
+    p.row_token[it.slot_row[k]] = 0;
+    p.row_weight[it.slot_row[k]] = p.topk_w[k];
+  }
+  for (int k = 0; k < p.K; ++k) {
+    if (ex[k] >= 0) continue;
+    p.slot_row[k] = -1;
+  }
+  for (int k = 0; k < p.K; ++k) {  // distinct experts ascending, each with its first row and count
+    if (ex[k] < 0) continue;
+    bool first = true;
+    for (int j = 0; j < k; ++j) first &= ex[j] != ex[k];
+    if (!first) continue;
+    int below = 0, cnt = 0, rank = 0;
+    for (int j = 0; j < p.K; ++j) {
+      below += ex[j] >= 0 && ex[j] < ex[k];
+      cnt += ex[j] == ex[k];
+    }
+    for (int j = 0; j < p.K; ++j) {  // rank among distinct experts
+      bool firstj = ex[j] >= 0 && ex[j] < ex[k];
+      for (int m = 0; m < j && firstj; ++m) firstj &= ex[m] != ex[j];
+      rank += firstj;
+    }
+    p.touched[rank] = ex[k];
+    p.seg_start[rank] = below;
+    p.seg_count[rank] = cnt;
+    ++nt;
+  }
+  *p.num_touched = nt;
+  if (it.n == 0)
+    for (int c = 0; c < p.H; ++c) p.y[c] = 0;
+}
+
+}  // namespace

@@ -1,0 +1,59 @@
+"""The 1-token CUDA step (megamoe/decode/cuda_step1.py, cuda/step1.cu): on a CPU, what it refuses and why, and
+that its source builds with nvcc into a library whose constants agree with the Python side's; on an SM90 GPU, the
+launch against the Triton launches and the reference, bit for bit (selfcheck_step1)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install triton; CI installs it)")
+
+from megamoe.decode import cuda_step1  # noqa: E402
+from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
+from megamoe.decode.moe import DecodeBuffers  # noqa: E402
+from megamoe.decode.selfcheck import case_weights, geometry_of  # noqa: E402
+from megamoe.decode.tc import tc_launch_config  # noqa: E402
+
+
+def test_geometry_limits_name_what_is_wrong():
+    assert cuda_step1.geometry_limits(4096, 2048, 6) is None  # DeepSeek-V4-Flash
+    assert "multiples of 1024" in cuda_step1.geometry_limits(4096 + 512, 2048, 6)
+    assert "intermediate <= 2048, got 4096, 3072" in cuda_step1.geometry_limits(4096, 3072, 6)  # 72 terms > 48
+    assert "top-k <= 8, got 9" == cuda_step1.geometry_limits(4096, 2048, 9)
+
+
+def test_unsupported_says_why_before_any_launch():
+    g = geometry_of("tiny")
+    tw = prepare_tc_weights(case_weights("tiny", "cpu"))
+    buf = DecodeBuffers.allocate(g, 2, "cpu")
+    assert cuda_step1.unsupported(tw, buf, 2) == "one token per step only, got 2"
+    assert cuda_step1.unsupported(tw, buf, 1) == "needs a CUDA device (not the interpreter)"
+
+
+def test_the_backend_runs_the_triton_launches_at_one_token():
+    """The CUDA step has the same bits but was slower on the H200 (run 35), so the backend's launch leaves it off."""
+    assert not tc_launch_config(1, 6).tc_cuda_step1
+
+
+@pytest.mark.skipif(cuda_step1.nvcc() is None, reason="no nvcc on this machine")
+def test_source_builds_and_agrees_with_the_python_constants(tmp_path):
+    lib_path = cuda_step1.build(tmp_path)
+    assert cuda_step1.build(tmp_path) == lib_path  # cached by the sources' hash
+    lib = ctypes.CDLL(str(lib_path))
+    for name in ("megamoe_step1_parts", "megamoe_step1_max_terms", "megamoe_step1_threads"):
+        getattr(lib, name).restype = ctypes.c_int
+    assert lib.megamoe_step1_parts() == cuda_step1.PARTS
+    assert lib.megamoe_step1_max_terms() == cuda_step1.MAX_TERMS
+    assert lib.megamoe_step1_threads() == 128 * cuda_step1.PARTS + 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", __import__("megamoe.decode.selfcheck_step1", fromlist=["CASES"]).CASES,
+                         ids=lambda c: f"{c.routing}-{c.seed}")
+def test_step1_matches_the_triton_launches_and_the_reference(case):
+    from megamoe.decode.selfcheck_step1 import passed_step1, run_step1_case
+
+    row = run_step1_case(case, repeats=4)
+    assert passed_step1(row), row
