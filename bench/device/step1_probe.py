@@ -1,6 +1,7 @@
 """The 1-token CUDA step (megamoe/decode/cuda_step1.py) on one H200, DeepSeek-V4-Flash, EP = 1: timed beside the
 Triton launches it replaces and a plain read of the same bytes, with ring-depth variants, a bare streaming run of
-the same ring (no decode, no MMA: what the loads alone take) and each CTA's timeline.
+the same ring (no decode, no MMA: what the loads alone take), each CTA's timeline (stamps-*.pt) and a per-stage
+trace of one flushed launch (trace-*.pt: when each stage was issued, when its warpgroup found it landed).
 
     PYTHONPATH=$PWD python3 bench/device/step1_probe.py --out $OUT
 
@@ -11,11 +12,9 @@ kineto's kernel time. Results: $OUT/step1_probe.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -87,10 +86,10 @@ def main() -> int:
         print(f"[step1] {name}: {tm['median_us']:.1f} us (p10 {tm['p10_us']:.1f}, p90 {tm['p90_us']:.1f}) kineto "
               f"{ {k: round(v, 1) for k, v in tm['kineto_us'].items()} }", flush=True)
 
-    y_triton = moe_decode(tw, buf, 1, g.clamp, dataclasses.replace(cfg, tc_cuda_step1=False)).clone()
+    y_triton = moe_decode(tw, buf, 1, g.clamp, cfg).clone()  # the backend's launch: the Triton kernels
     y_cuda = cuda_step1.step1(tw, buf, g.clamp).clone()
     res["same_y"] = bool(torch.equal(y_triton.view(torch.int16), y_cuda.view(torch.int16)))
-    run("triton", lambda: moe_decode(tw, buf, 1, g.clamp, dataclasses.replace(cfg, tc_cuda_step1=False)))
+    run("triton", lambda: moe_decode(tw, buf, 1, g.clamp, cfg))
     run("cuda", lambda: cuda_step1.step1(tw, buf, g.clamp))
     for st in args.stages:
         if st < most:
@@ -107,7 +106,8 @@ def main() -> int:
     src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
     run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
-    timelines = {"cuda": {}, "bare": {"mode": M["bare"]}, **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight}}
+    timelines = {"cuda": {}, "bare": {"mode": M["bare"]},
+                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight}}
     for name, kw in ((n, timelines[n]) for n in args.timelines):
         res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
                                            flush)

@@ -5,9 +5,11 @@ of ``moe_decode``'s three Triton launches, with the same outputs bit for bit (re
 
 Why CUDA here: at one token the Triton launches stream each K loop close to a plain read of its bytes, but the
 step pays three ramps and tails around them (docs/decode-kernel-tc.md, "Where the time goes"). This kernel keeps
-one CTA per SM, streams the CTA's L1 and then L2 blocks through a ring of shared-memory stages
-(``cp.async.bulk`` with mbarriers, which Triton does not expose), and so loads L2's weights while L1 finishes;
-one grid barrier separates them.
+one CTA per SM and streams the CTA's L1 and then L2 blocks through a ring of shared-memory stages
+(``cp.async.bulk`` with mbarriers, which Triton does not expose), so L2's weights load while L1 finishes. One
+grid barrier separates them. On the H200 it is slower than the Triton launches (55.1 against 42.5 us; the grid
+barrier and the L2 tail, bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/), so the backend leaves
+it off: ``LaunchConfig.tc_cuda_step1`` turns it on.
 
 The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
 ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot
@@ -71,8 +73,8 @@ def _library() -> ctypes.CDLL:
     lib.megamoe_step1_launch.restype = i
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
-    for name in ("megamoe_step1_prepare", "megamoe_step1_fixed_smem", "megamoe_step1_stage_bytes", "megamoe_step1_max_terms",
-                 "megamoe_step1_threads", "megamoe_step1_parts"):
+    for name in ("megamoe_step1_prepare", "megamoe_step1_fixed_smem", "megamoe_step1_stage_bytes",
+                 "megamoe_step1_max_terms", "megamoe_step1_threads", "megamoe_step1_parts"):
         getattr(lib, name).restype = i
     return lib
 
@@ -88,7 +90,8 @@ def geometry_limits(hidden: int, intermediate: int, num_topk: int) -> str | None
     if hidden % 1024 or intermediate % 1024:
         return f"hidden and intermediate must be multiples of 1024, got {hidden}, {intermediate}"
     if 3 * hidden // 512 > MAX_TERMS or 3 * intermediate // 128 > MAX_TERMS:
-        return f"hidden <= {512 * MAX_TERMS // 3} and intermediate <= {128 * MAX_TERMS // 3}, got {hidden}, {intermediate}"
+        return (f"hidden <= {512 * MAX_TERMS // 3} and intermediate <= {128 * MAX_TERMS // 3}, got {hidden}, "
+                f"{intermediate}")
     if num_topk > 8:
         return f"top-k <= 8, got {num_topk}"
     return None
@@ -139,10 +142,13 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
 
     For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
     its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 1 + ``PARTS``, ``TRACE_SLOTS``] when the load warp
-    issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode`` (``MODES``) other ways to stream, and streaming alone (y then wrong)."""
+    issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode``
+    (``MODES``) streaming alone (y then wrong); ``inflight`` a bound on the stages on their way."""
     lib = _library()
     dev = tw.l1_codes.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if buf.x_q.device != dev:
+        raise ValueError(f"the weights are on {dev} but the buffers on {buf.x_q.device}")
     ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
     stages = most if stages is None else stages
     if not (2 * PARTS <= stages <= most and stages % PARTS == 0):
@@ -161,8 +167,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
         ptr(buf.slot_out), ptr(buf.y), ptr(buf.step_sync),
         ctypes.c_void_p(None if stamps is None else stamps.data_ptr()),
         ctypes.c_void_p(None if trace is None else trace.data_ptr()), ctypes.c_float(clamp), tw.hidden,
-        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode), INFLIGHT if inflight is None else inflight, ctas, smem, index,
-        ctypes.c_void_p(stream))
+        tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode),
+        INFLIGHT if inflight is None else inflight, ctas, smem, index, ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"the 1-token CUDA step failed to launch: CUDA error {err}")
     return buf.y[:1]
