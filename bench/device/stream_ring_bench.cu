@@ -9,10 +9,8 @@
 
 __device__ __forceinline__ uint32_t sa(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
-__global__ void ring_kernel(const uint8_t* src, size_t bytes, int chunk, int depth, unsigned long long* sink) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(depth) * chunk);
-  uint64_t* empty = full + depth;
+// Each stage's full barrier (one expect_tx) and empty barrier (one arrival per consumer warp), seen by all threads.
+__device__ void init_ring(uint64_t* full, uint64_t* empty, int depth) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < depth; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&full[s])));
@@ -21,6 +19,13 @@ __global__ void ring_kernel(const uint8_t* src, size_t bytes, int chunk, int dep
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+}
+
+__global__ void ring_kernel(const uint8_t* src, size_t bytes, int chunk, int depth, unsigned long long* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(depth) * chunk);
+  uint64_t* empty = full + depth;
+  init_ring(full, empty, depth);
   const size_t per_cta = bytes / gridDim.x / chunk * chunk;
   const uint8_t* base = src + per_cta * blockIdx.x;
   const int n = int(per_cta / chunk);
@@ -60,14 +65,7 @@ __global__ void shaped_kernel(const uint8_t* src, const uint8_t* side, size_t by
   constexpr int chunk = 4096 + 256;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(depth) * chunk);
   uint64_t* empty = full + depth;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < depth; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(sa(&empty[s])));
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring(full, empty, depth);
   const size_t per_cta = bytes / gridDim.x / (128 << 10) * (128 << 10);
   const uint8_t* base = src + per_cta * blockIdx.x;
   const uint8_t* sbase = side + per_cta / 16 * blockIdx.x;

@@ -115,23 +115,20 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       cur.advance(1, ring.stages);
       trace(p.trace, 0, traced);
     };
-    for (int tile = blockIdx.x; tile < n1; tile += gridDim.x) {
-      const size_t base = size_t(it.expert[tile / tpe1]) * tpe1 + tile % tpe1;
-      for (int b = 0; b < nb1 / kParts; b += kBlocks)
-        for (int q = 0; q < kParts; ++q) {
-          const size_t blk = base * nb1 + q * (nb1 / kParts) + b;
-          issue(p.l1_codes + blk * 4096, p.l1_scales + blk * 256);
-        }
-    }
+    // A level's tiles (n of them, tpe per expert, nb K blocks each): per tile, kBlocks blocks of each quarter
+    auto issue_tiles = [&](int n, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
+      for (int tile = blockIdx.x; tile < n; tile += gridDim.x) {
+        const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
+        for (int b = 0; b < nb / kParts; b += kBlocks)
+          for (int q = 0; q < kParts; ++q) {
+            const size_t blk = base * nb + q * (nb / kParts) + b;
+            issue(codes + blk * 4096, scales + blk * 256);
+          }
+      }
+    };
+    issue_tiles(n1, tpe1, nb1, p.l1_codes, p.l1_scales);
     stamp(p, 1);  // the last L1 block asked for
-    for (int tile = blockIdx.x; tile < n2; tile += gridDim.x) {
-      const size_t base = size_t(it.expert[tile / tpe2]) * tpe2 + tile % tpe2;
-      for (int b = 0; b < nb2 / kParts; b += kBlocks)
-        for (int q = 0; q < kParts; ++q) {
-          const size_t blk = base * nb2 + q * (nb2 / kParts) + b;
-          issue(p.l2_codes + blk * 4096, p.l2_scales + blk * 256);
-        }
-    }
+    issue_tiles(n2, tpe2, nb2, p.l2_codes, p.l2_scales);
     stamp(p, 2);  // the last L2 block asked for
     return;
   }
