@@ -149,8 +149,9 @@ def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
 
 def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
-    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``) on
-    the first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
+    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
+    CUDA launch with ``LaunchConfig.tc_cuda_step1`` at 1 token where ``cuda_step1`` can run, the same bits) on the
+    first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
     if tensor_cores and cfg.tc_cuda_step1 and cuda_step1.unsupported(dw, buf, num_tokens) is None:

@@ -1,5 +1,8 @@
 // The 1-token decode step in one persistent launch (recipe megamoe-decode-tc, the same bits as the three Triton
 // launches of megamoe/decode/triton_tc.py). Python side: megamoe/decode/cuda_step1.py (build, checks, launch).
+// Building blocks: step1_ops.cuh (PTX, numerics, the ring, one block's sums); step1_params.cuh (parameters, routing).
+// On the H200 it is slower than those launches (55.0 against 42.5 us; where the time goes:
+// bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/README.md), so the backend leaves it off.
 //
 // One CTA per SM, 544 threads: four warpgroups compute, the last warp loads. The CTA's work is a list of stages
 // (two 128-K blocks of one 64-row tile each: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in
