@@ -14,6 +14,7 @@ from megamoe.decode import cuda_step1  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.moe import DecodeBuffers  # noqa: E402
 from megamoe.decode.selfcheck import case_weights, geometry_of  # noqa: E402
+from megamoe.decode.selfcheck_step1 import CASES, passed_step1, run_step1_case  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 
 
@@ -50,10 +51,7 @@ def test_source_builds_and_agrees_with_the_python_constants(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", __import__("megamoe.decode.selfcheck_step1", fromlist=["CASES"]).CASES,
-                         ids=lambda c: f"{c.routing}-{c.seed}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.routing}-{c.seed}")
 def test_step1_matches_the_triton_launches_and_the_reference(case):
-    from megamoe.decode.selfcheck_step1 import passed_step1, run_step1_case
-
     row = run_step1_case(case, repeats=4)
     assert passed_step1(row), row
