@@ -211,6 +211,8 @@ __device__ __forceinline__ void block_sums(const uint8_t* stage, int j, int tid,
   }
 }
 
+// One grid-wide barrier: each CTA adds one to a 64-bit count (release) and waits until the count reaches the end
+// of its round of gridDim.x arrivals (acquire). The count only grows (2**64 arrivals never wrap), so no reset.
 __device__ void grid_barrier(unsigned long long* count) {
   unsigned long long old;
   asm volatile("atom.add.release.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
@@ -227,5 +229,4 @@ __device__ __forceinline__ uint32_t atomic_add_acq_rel(uint32_t* p, uint32_t v) 
   return old;
 }
 
-// Route's outputs for the step (routing.route_torch's, bit for bit), and y = 0 when no slot is routed here.
 }  // namespace

@@ -47,6 +47,7 @@ struct Items {  // the step's valid slots in slot order: item i is slot item_slo
   int slot_row[kMaxTopK];  // per slot: its pool row or -1
 };
 
+// Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
 __device__ __forceinline__ void stamp(const Params& p, int point) {
   if (p.stamps != nullptr) {
     uint64_t t;
@@ -55,8 +56,7 @@ __device__ __forceinline__ void stamp(const Params& p, int point) {
   }
 }
 
-// One grid-wide barrier: each CTA adds one to a 64-bit count (release) and waits until the count reaches the end
-// of its round of gridDim.x arrivals (acquire). The count only grows (2**64 arrivals never wrap), so no reset.
+// Route's outputs for the step (routing.route_torch's, bit for bit), and y = 0 when no slot is routed here.
 __device__ void write_route(const Params& p, const int* ex, const Items& it) {
   int nt = 0;
   for (int k = 0; k < p.K; ++k) {
