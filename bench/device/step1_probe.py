@@ -76,7 +76,7 @@ def main() -> int:
     why = cuda_step1.unsupported(tw, buf, 1)
     res["unsupported"] = why
     flush = L2Flusher(dev)
-    ctas, most, smem = cuda_step1._launch_shape(dev.index or 0, tw.hidden, tw.intermediate)
+    ctas, most, smem = cuda_step1._launch_shape(cuda_step1.device_index(dev), tw.hidden, tw.intermediate)
     res.update(ctas=ctas, stages=most, smem=smem)
 
     def run(name, fn):

@@ -97,6 +97,11 @@ def geometry_limits(hidden: int, intermediate: int, num_topk: int) -> str | None
     return None
 
 
+def device_index(dev: torch.device) -> int:
+    """The CUDA device a tensor on ``dev`` lives on (``cuda`` without an index: the current one)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def unsupported(tw, buf, num_tokens: int) -> str | None:
     """Why this step cannot run as one CUDA launch (None when it can). Host-side only: no sync, no launch."""
     if num_tokens != 1:
@@ -104,7 +109,7 @@ def unsupported(tw, buf, num_tokens: int) -> str | None:
     dev = tw.l1_codes.device
     if dev.type != "cuda" or buf.interpret:
         return "needs a CUDA device (not the interpreter)"
-    return _unsupported_here(dev.index or 0, tw.hidden, tw.intermediate, buf.num_topk)
+    return _unsupported_here(device_index(dev), tw.hidden, tw.intermediate, buf.num_topk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +151,7 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     (``MODES``) streaming alone (y then wrong); ``inflight`` a bound on the stages on their way."""
     lib = _library()
     dev = tw.l1_codes.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = device_index(dev)
     if buf.x_q.device != dev:
         raise ValueError(f"the weights are on {dev} but the buffers on {buf.x_q.device}")
     ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)

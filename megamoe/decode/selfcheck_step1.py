@@ -24,10 +24,10 @@ from ..testing import calc_diff, first_mismatch
 from . import cuda_step1, tc
 from .layout_tc import prepare_tc_weights
 from .moe import DecodeBuffers, moe_decode
-from .selfcheck import _STAGE_FIELDS, DecodeCase, _copy_staged, _written, case_weights, geometry_of
+from .selfcheck import DecodeCase, _copy_staged, _written, case_weights, geometry_of
+from .selfcheck_tc import ROUTE_FIELDS
 
-FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f not in ("x32", "y_unrouted")) + ("l2_q", "l2_sf", "slot_out",
-                                                                                        "y")
+FIELDS = ROUTE_FIELDS + ("l2_q", "l2_sf", "slot_out", "y")  # route's outputs L1-L2 read, then every later stage
 CASES = (
     DecodeCase("dsv4-flash", 1, seed=101),
     DecodeCase("dsv4-flash", 1, seed=102),
