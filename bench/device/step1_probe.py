@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "step1_out"))
     ap.add_argument("--stages", type=int, nargs="*", default=[8, 16, 32])
     ap.add_argument("--inflight", type=int, nargs="*", default=[8, 12, 16, 24])
+    ap.add_argument("--lags", type=int, nargs="*", default=[0, 2])
     ap.add_argument("--modes", nargs="*", default=["bare", "bare_noscales"])
     ap.add_argument("--timelines", nargs="*", default=["cuda", "bare"])
     ap.add_argument("--min-s", type=float, default=0.4)
@@ -96,6 +97,9 @@ def main() -> int:
             run(f"cuda_stages{st}", lambda: cuda_step1.step1(tw, buf, g.clamp, stages=st))
     for lim in args.inflight:
         run(f"cuda_inflight{lim}", lambda: cuda_step1.step1(tw, buf, g.clamp, inflight=lim))
+    for lag in args.lags:
+        if lag != cuda_step1.LAG:
+            run(f"cuda_lag{lag}", lambda: cuda_step1.step1(tw, buf, g.clamp, lag=lag))
     M = cuda_step1.MODES
     modes = {"bare": M["bare"], "bare_noscales": M["bare"] | M["no-scales"]}
     for name, mode in modes.items():
@@ -107,7 +111,8 @@ def main() -> int:
     run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
     timelines = {"cuda": {}, "bare": {"mode": M["bare"]},
-                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight}}
+                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
+                 **{f"lag{lag}": {"lag": lag} for lag in args.lags}}
     for name, kw in ((n, timelines[n]) for n in args.timelines):
         res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
                                            flush)

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-STAMP_POINTS = ("set up", "last L1 block asked for", "last L2 block asked for", "L1 done", "every CTA's L1 done",
-                "L2 done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
+STAMP_POINTS = ("set up", "last L1 block asked for", "last block asked for", "L1 done", "last L2 input in",
+                "done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
 TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
+LAG = 1  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)
 MODES = {"bare": 1, "no-scales": 2}  # step1(mode=...): cuda/step1.cu's kMode* flags
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
@@ -69,7 +70,7 @@ def build(out_dir: str | os.PathLike | None = None) -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.megamoe_step1_launch.argtypes = [p] * 22 + [f] + [i] * 11 + [p]
+    lib.megamoe_step1_launch.argtypes = [p] * 22 + [f] + [i] * 12 + [p]
     lib.megamoe_step1_launch.restype = i
     lib.megamoe_step1_fixed_smem.argtypes = [i, i]
     lib.megamoe_step1_prepare.argtypes = [i, i]
@@ -142,13 +143,15 @@ def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[in
 
 
 def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Tensor | None = None,
-          mode: int = 0, inflight: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
+          mode: int = 0, inflight: int | None = None, lag: int | None = None,
+          trace: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for the staged token 0 of ``buf`` -> y[:1] (a view of ``buf.y``). Call ``unsupported`` first.
 
     For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
     its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 1 + ``PARTS``, ``TRACE_SLOTS``] when the load warp
     issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode``
-    (``MODES``) streaming alone (y then wrong); ``inflight`` a bound on the stages on their way."""
+    (``MODES``) streaming alone (y then wrong); ``inflight`` a bound on the stages on their way; ``lag`` L1 rounds
+    between an item's last L1 tiles and its L2 tiles in each CTA's order (``LAG``)."""
     lib = _library()
     dev = tw.l1_codes.device
     index = device_index(dev)
@@ -173,7 +176,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
         ctypes.c_void_p(None if stamps is None else stamps.data_ptr()),
         ctypes.c_void_p(None if trace is None else trace.data_ptr()), ctypes.c_float(clamp), tw.hidden,
         tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode),
-        INFLIGHT if inflight is None else inflight, ctas, smem, index, ctypes.c_void_p(stream))
+        INFLIGHT if inflight is None else inflight, LAG if lag is None else lag, ctas, smem, index,
+        ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"the 1-token CUDA step failed to launch: CUDA error {err}")
     return buf.y[:1]

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     fence_async_smem();
   }
 
-  const int n1 = it.n * tpe1, n2 = it.n * tpe2;  // L1 / L2 tiles of the step
+  const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
   if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warp: the loads ----
     const int lane = tid - kComputeThreads;
@@ -118,21 +118,22 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       cur.advance(1, ring.stages);
       trace(p.trace, 0, traced);
     };
-    // A level's tiles (n of them, tpe per expert, nb K blocks each): per tile, kBlocks blocks of each quarter
-    auto issue_tiles = [&](int n, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
-      for (int tile = blockIdx.x; tile < n; tile += gridDim.x) {
-        const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
-        for (int b = 0; b < nb / kParts; b += kBlocks)
-          for (int q = 0; q < kParts; ++q) {
-            const size_t blk = base * nb + q * (nb / kParts) + b;
-            issue(codes + blk * 4096, scales + blk * 256);
-          }
-      }
+    // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
+    auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
+      const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
+      for (int b = 0; b < nb / kParts; b += kBlocks)
+        for (int q = 0; q < kParts; ++q) {
+          const size_t blk = base * nb + q * (nb / kParts) + b;
+          issue(codes + blk * 4096, scales + blk * 256);
+        }
     };
-    issue_tiles(n1, tpe1, nb1, p.l1_codes, p.l1_scales);
-    stamp(p, 1);  // the last L1 block asked for
-    issue_tiles(n2, tpe2, nb2, p.l2_codes, p.l2_scales);
-    stamp(p, 2);  // the last L2 block asked for
+    sched.for_each(
+        [&](int tile, bool last) {
+          issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
+          if (last) stamp(p, 1);  // the last L1 block asked for
+        },
+        [&](int tile) { issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales); });
+    stamp(p, 2);  // the last block asked for
     return;
   }
 
@@ -141,129 +142,142 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
-  Cursor cur{wg, 0};               // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
+  const bool bare = p.mode & kModeBare;
+  uint32_t* l1_done = p.sync + tpe2;  // per item: its L1 tiles whose outputs are written (any CTA)
+  Cursor cur{wg, 0};                  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
   int tiles_done = 0;
-
-  for (int tile = blockIdx.x; tile < n1; tile += gridDim.x, ++tiles_done) {  // ---- L1 ----
-    const int item = tile / tpe1, ct = tile % tpe1;
-    float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
-    float acc0 = 0.f, acc1 = 0.f;
-    const uint8_t* stage = nullptr;
-    for (int b = 0; b < nb1 / kParts; ++b) {
-      const int kb = wg * (nb1 / kParts) + b;
-      if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
-      float dg[4][2];
-      block_sums(stage, b % kBlocks, t, xs + kb * 128, dg, p.mode & kModeBare);
-      if (b % kBlocks == kBlocks - 1) stage_release(ring, cur, t);
-      const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][0], dg[1][0]), dg[2][0]), dg[3][0]);
-      const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[0][1], dg[1][1]), dg[2][1]), dg[3][1]);
-      const float term0 = __fmul_rn(blk0, xsf[kb]), term1 = __fmul_rn(blk1, xsf[kb]);
-      if (wg == 0) {
-        acc0 = __fadd_rn(acc0, term0);
-        acc1 = __fadd_rn(acc1, term1);
-      } else if (col0) {
-        tb[(kb - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
-        tb[(kb - nb1 / kParts) * 64 + r0 + 8] = term1;
-      }
-    }
-    named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
-    if (wg == 0) {
-      for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
-        acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
-        acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
-      }
-      if (col0) {
-        ep[r0] = acc0;
-        ep[r0 + 8] = acc1;
-      }
-      named_sync(2, 128);
-      if (t < 32) {  // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31
-        const float gate = ep[t], up = ep[32 + t];
-        const float g = fminf(gate, p.clamp);
-        const float uu = fminf(fmaxf(up, -p.clamp), p.clamp);
-        const float e = static_cast<float>(exp(-static_cast<double>(g)));
-        const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, e));
-        const float vw = __fmul_rn(__fmul_rn(__fmul_rn(g, sig), uu), it.weight[item]);
-        float amax = fabsf(vw);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
-        const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
-        const int row = it.row[item];
-        p.l2_q[size_t(row) * I + 32 * ct + t] = e4m3_rtne_bits(qv);
-        if (t == 0) p.l2_sf[size_t(row) * (I / 32) + ct] = sf;
-      }
-    }
-  }
-
-  // ---- every CTA's L1 outputs written: one grid-wide barrier ----
-  named_sync(1, kComputeThreads);
-  if (tid == 0) {
-    stamp(p, 3);  // this CTA's L1 done
-    grid_barrier(reinterpret_cast<unsigned long long*>(p.sync));
-    stamp(p, 4);  // every CTA's L1 done
-  }
-  named_sync(1, kComputeThreads);
-
-  // Every routed row's L2 input codes and group scales, written by other CTAs' L1: read through L2 (.cg), all at once
+  int mine = 0;          // this CTA's L2 tiles
+  uint32_t inputs = 0;   // items whose L2 input quarter this warpgroup holds in shared memory
   const int hrow = I + kPad;
-  for (int c = tid; c < it.n * (I / 16); c += kComputeThreads) {
-    const int i = c / (I / 16), j = c % (I / 16);
-    reinterpret_cast<uint4*>(hs + i * hrow)[j] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + size_t(it.row[i]) * I) + j);
-  }
-  for (int c = tid; c < it.n * (I / 32); c += kComputeThreads)
-    sf2[c] = __ldcg(p.l2_sf + size_t(it.row[c / (I / 32)]) * (I / 32) + c % (I / 32));
-  fence_async_smem();
-  named_sync(1, kComputeThreads);
-  int mine = 0;  // this CTA's L2 tiles
-  for (int tile = blockIdx.x; tile < n2; tile += gridDim.x, ++tiles_done, ++mine) {  // ---- L2 ----
-    const int item = tile / tpe2, ot = tile % tpe2;
-    const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
-    const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
-    float* tb = terms + (tiles_done & 1) * kMaxTerms * 64;
+
+  auto l1_tile = [&](int tile, bool last) {
+    const int item = tile / tpe1, ct = tile % tpe1;
+    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
-    const uint8_t* stage = nullptr;
-    for (int b = 0; b < nb2 / kParts; ++b) {
-      if (b % kBlocks == 0) stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
-      float dg[4][2];
-      block_sums(stage, b % kBlocks, t, hw + b * 128, dg, p.mode & kModeBare);
-      if (b % kBlocks == kBlocks - 1) stage_release(ring, cur, t);
+    for (int b = 0; b < nb1 / kParts; b += kBlocks) {
+      const int kb = wg * (nb1 / kParts) + b;
+      const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
+      float dg[kBlocks][4][2];
+      stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
 #pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        const float c = sfw[4 * b + g];
-        const float term0 = __fmul_rn(dg[g][0], c), term1 = __fmul_rn(dg[g][1], c);
+      for (int j = 0; j < kBlocks; ++j) {
+        const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][0], dg[j][1][0]), dg[j][2][0]), dg[j][3][0]);
+        const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][1], dg[j][1][1]), dg[j][2][1]), dg[j][3][1]);
+        const float term0 = __fmul_rn(blk0, xsf[kb + j]), term1 = __fmul_rn(blk1, xsf[kb + j]);
         if (wg == 0) {
           acc0 = __fadd_rn(acc0, term0);
           acc1 = __fadd_rn(acc1, term1);
         } else if (col0) {
-          const int j = 4 * ((wg - 1) * (nb2 / kParts) + b) + g;  // the later quarters' groups, in ascending K
-          tb[j * 64 + r0] = term0;
-          tb[j * 64 + r0 + 8] = term1;
+          tb[(kb + j - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
+          tb[(kb + j - nb1 / kParts) * 64 + r0 + 8] = term1;
         }
       }
     }
-    named_sync(1, kComputeThreads);
-    if (wg == 0) {
-      for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
-        acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
-        acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
-      }
-      if (col0) {
-        const int row = it.row[item];
-        p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
-        p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
-      }
+    named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
+    if (wg != 0) return;
+    for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
+      acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
+      acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
     }
-  }
+    if (col0) {
+      ep[r0] = acc0;
+      ep[r0 + 8] = acc1;
+    }
+    named_sync(2, 128);
+    if (t < 32) {  // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31
+      const float gate = ep[t], up = ep[32 + t];
+      const float g = fminf(gate, p.clamp);
+      const float uu = fminf(fmaxf(up, -p.clamp), p.clamp);
+      const float e = static_cast<float>(exp(-static_cast<double>(g)));
+      const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, e));
+      const float vw = __fmul_rn(__fmul_rn(__fmul_rn(g, sig), uu), it.weight[item]);
+      float amax = fabsf(vw);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
+      const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
+      const int row = it.row[item];
+      p.l2_q[size_t(row) * I + 32 * ct + t] = e4m3_rtne_bits(qv);
+      if (t == 0) p.l2_sf[size_t(row) * (I / 32) + ct] = sf;
+      __syncwarp();  // the warp's stores, then one release of the item's count
+      if (t == 0) add_release(l1_done + item, 1);
+    }
+    if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+  };
+
+  // An L2 tile's input: the row's codes and group scales, written by the L1 of every CTA holding one of the item's
+  // tiles. Each warpgroup waits for the item's count and reads its own quarter (through L2, .cg), once per item.
+  auto l2_input = [&](int item) {
+    if (inputs >> item & 1) return;
+    inputs |= 1u << item;
+    if (t == 0) {
+      wait_count(l1_done + item, uint32_t(tpe1));
+      if (wg == 0) stamp(p, 4);  // the last L2 input in (the stamp of the last wait stays)
+    }
+    named_sync(3 + wg, 128);
+    const size_t src = size_t(it.row[item]);
+    const int q = I / kParts;  // this warpgroup's quarter of the row
+    for (int c = t; c < q / 16; c += 128)
+      reinterpret_cast<uint4*>(hs + item * hrow + wg * q)[c] =
+          __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I + wg * q) + c);
+    for (int c = t; c < q / 32; c += 128)
+      sf2[item * (I / 32) + wg * (q / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + wg * (q / 32) + c);
+    fence_async_smem();
+    named_sync(3 + wg, 128);
+  };
+
+  auto l2_tile = [&](int tile) {
+    const int item = tile / tpe2, ot = tile % tpe2;
+    ++mine;
+    l2_input(item);
+    const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
+    const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
+    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int b = 0; b < nb2 / kParts; b += kBlocks) {
+      const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
+      float dg[kBlocks][4][2];
+      stage_sums(ring, cur, t, stage, b_desc(hw + b * 128), dg, bare);
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const float c = sfw[4 * (b + j) + g];
+          const float term0 = __fmul_rn(dg[j][g][0], c), term1 = __fmul_rn(dg[j][g][1], c);
+          if (wg == 0) {
+            acc0 = __fadd_rn(acc0, term0);
+            acc1 = __fadd_rn(acc1, term1);
+          } else if (col0) {
+            const int jj = 4 * ((wg - 1) * (nb2 / kParts) + b + j) + g;  // the later quarters' groups, ascending K
+            tb[jj * 64 + r0] = term0;
+            tb[jj * 64 + r0 + 8] = term1;
+          }
+        }
+    }
+    named_sync(1, kComputeThreads);
+    if (wg != 0) return;
+    for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
+      acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
+      acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
+    }
+    if (col0) {
+      const int row = it.row[item];
+      p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
+      p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
+    }
+  };
+
+  sched.for_each(l1_tile, l2_tile);
+
   // The combine of each of this CTA's 64-column tiles, by the CTA that writes the last of the step's rows for it:
   // one count per tile, all counted at once, then the last writer's slot-ordered sums.
   if (wg == 0) {
     named_sync(2, 128);
     if (t < mine) {  // lane i counts tile i in (acq_rel: the warpgroup's slot_out stores before, the sums after)
       const int ot = (blockIdx.x + t * gridDim.x) % tpe2;
-      const bool last = atomic_add_acq_rel(&p.sync[2 + ot], 1u) == uint32_t(it.n - 1);
-      if (last) p.sync[2 + ot] = 0;  // for the next launch
+      const bool last = atomic_add_acq_rel(&p.sync[ot], 1u) == uint32_t(it.n - 1);
+      if (last) p.sync[ot] = 0;  // for the next launch
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu >> (32 - mine), last);
       if (t == 0) flag[0] = int(mask);
     }
@@ -280,7 +294,17 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       p.y[col] = bf16_bits(acc);
     }
   }
-  if (tid == 0) stamp(p, 5);  // this CTA's L2 done (warpgroup 0)
+  // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
+  // waits by then.
+  named_sync(1, kComputeThreads);
+  if (tid == 0) {
+    uint32_t* finished = l1_done + kMaxTopK;
+    if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
+      for (int i = 0; i < kMaxTopK; ++i) l1_done[i] = 0;
+      *finished = 0;
+    }
+    stamp(p, 5);  // this CTA done
+  }
 }
 
 }  // namespace
@@ -314,8 +338,9 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                          const void* x_q, const void* x_sf, const void* topk_idx, const void* topk_w,
                          void* num_touched, void* touched, void* seg_start, void* seg_count, void* row_token,
                          void* row_weight, void* slot_row, void* l2_q, void* l2_sf, void* slot_out, void* y,
-                         void* sync, void* stamps, void* trace, float clamp, int H, int I, int K, int expert_lo, int num_local,
-                         int stages, int mode, int inflight, int grid, int smem_bytes, int device, void* stream) {
+                         void* sync, void* stamps, void* trace, float clamp, int H, int I, int K, int expert_lo,
+                         int num_local, int stages, int mode, int inflight, int lag, int grid, int smem_bytes,
+                         int device, void* stream) {
   Params p{static_cast<const uint8_t*>(l1_codes), static_cast<const uint8_t*>(l1_scales),
            static_cast<const uint8_t*>(l2_codes), static_cast<const uint8_t*>(l2_scales),
            static_cast<const uint8_t*>(x_q), static_cast<const float*>(x_sf),
@@ -324,7 +349,8 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages, mode, inflight};
+           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages, mode,
+           inflight, lag};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};

@@ -163,64 +163,80 @@ __device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int
   cur.advance(kParts, ring.stages);
 }
 
-// The four groups' tensor-core sums of block j of a stage, each already times its factor (exact), for rows
-// r0 = 16 warp + lane / 4 and r0 + 8: dg[g][0] (row r0), dg[g][1] (row r0 + 8). Valid in lanes with lane % 4 == 0
-// (column 0). bsrc: the B codes of the block's first k32 step.
-__device__ __forceinline__ void block_sums(const uint8_t* stage, int j, int tid, const uint8_t* bsrc, float dg[4][2],
-                                           bool bare) {
-  const uint8_t* blk = stage + j * 4096;
-  uint2 v[4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) v[g] = *reinterpret_cast<const uint2*>(blk + g * 1024 + 8 * tid);
+// The tensor-core sums of a stage's kBlocks blocks, each group's already times its factor (exact), for rows
+// r0 = 16 warp + lane / 4 and r0 + 8: dg[j][g][0] (block j, group g, row r0), dg[j][g][1] (row r0 + 8). Valid in
+// lanes with lane % 4 == 0 (column 0). desc: the B descriptor of the stage's first k32 step (the next steps' codes
+// follow 32 bytes apart, one descriptor unit of 16 bytes is 2). The stage is freed (``stage_release``) as soon as
+// its bytes are in registers, before the MMAs: the weights are the MMAs' A operand in registers, and B lies
+// outside the ring. All kBlocks x 4 MMAs go out together and are waited for once.
+__device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* stage, uint64_t desc,
+                                           float dg[kBlocks][4][2], bool bare) {
+  uint2 v[kBlocks][4];
+  uint32_t w[kBlocks][2];
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
-  const uint8_t* words = stage + kCodeBytes + j * 256;
-  const uint32_t w0 = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
-  const uint32_t w1 = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
-  if (bare) {
 #pragma unroll
-    for (int g = 0; g < 4; ++g) dg[g][0] = dg[g][1] = __uint_as_float(v[g].x ^ v[g].y ^ w0 ^ w1) * 0.f;
+  for (int j = 0; j < kBlocks; ++j) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) v[j][g] = *reinterpret_cast<const uint2*>(stage + j * 4096 + g * 1024 + 8 * tid);
+    const uint8_t* words = stage + kCodeBytes + j * 256;
+    w[j][0] = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
+    w[j][1] = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
+  }
+  if (bare) {
+    stage_release(ring, cur, tid);
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+      for (int g = 0; g < 4; ++g)
+        dg[j][g][0] = dg[j][g][1] = __uint_as_float(v[j][g].x ^ v[j][g].y ^ w[j][0] ^ w[j][1]) * 0.f;
     return;
   }
-  uint32_t a[4][4];
+  uint32_t a[kBlocks * 4][4];
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    a[g][0] = decode_lo(v[g].x);  // row r0, K 4 lq .. 4 lq + 3
-    a[g][1] = decode_hi(v[g].x);  // row r0 + 8
-    a[g][2] = decode_lo(v[g].y);  // row r0, K 16 + 4 lq ..
-    a[g][3] = decode_hi(v[g].y);
-  }
-  float d[4][4];
+  for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {  // every operand ready before the fence: no MMA waits on a late decode
-    d[g][0] = d[g][1] = d[g][2] = d[g][3] = 0.f;
-    asm volatile("" : "+r"(a[g][0]), "+r"(a[g][1]), "+r"(a[g][2]), "+r"(a[g][3]), "+f"(d[g][0]), "+f"(d[g][1]),
-                 "+f"(d[g][2]), "+f"(d[g][3])::"memory");
+    for (int g = 0; g < 4; ++g) {
+      a[4 * j + g][0] = decode_lo(v[j][g].x);  // row r0, K 4 lq .. 4 lq + 3
+      a[4 * j + g][1] = decode_hi(v[j][g].x);  // row r0 + 8
+      a[4 * j + g][2] = decode_lo(v[j][g].y);  // row r0, K 16 + 4 lq ..
+      a[4 * j + g][3] = decode_hi(v[j][g].y);
+    }
+  stage_release(ring, cur, tid);  // the decode has consumed every byte the stage held for this thread
+  float d[kBlocks * 4][4];
+#pragma unroll
+  for (int m = 0; m < kBlocks * 4; ++m) {  // every operand ready before the fence: no MMA waits on a late decode
+    d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.f;
+    asm volatile("" : "+r"(a[m][0]), "+r"(a[m][1]), "+r"(a[m][2]), "+r"(a[m][3]), "+f"(d[m][0]), "+f"(d[m][1]),
+                 "+f"(d[m][2]), "+f"(d[m][3])::"memory");
   }
   wgmma_fence();
 #pragma unroll
-  for (int g = 0; g < 4; ++g) wgmma_k32(d[g], a[g], b_desc(bsrc + 32 * g));
+  for (int m = 0; m < kBlocks * 4; ++m) wgmma_k32(d[m], a[m], desc + 2 * m);
   wgmma_commit();
   wgmma_wait0();
 #pragma unroll
-  for (int g = 0; g < 4; ++g)  // the results are read only after the wait
-    asm volatile("" : "+f"(d[g][0]), "+f"(d[g][1]), "+f"(d[g][2]), "+f"(d[g][3])::"memory");
+  for (int m = 0; m < kBlocks * 4; ++m)  // the results are read only after the wait
+    asm volatile("" : "+f"(d[m][0]), "+f"(d[m][1]), "+f"(d[m][2]), "+f"(d[m][3])::"memory");
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    dg[g][0] = __fmul_rn(d[g][0], factor(w0, g));
-    dg[g][1] = __fmul_rn(d[g][2], factor(w1, g));
-  }
+  for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      dg[j][g][0] = __fmul_rn(d[4 * j + g][0], factor(w[j][0], g));
+      dg[j][g][1] = __fmul_rn(d[4 * j + g][2], factor(w[j][1], g));
+    }
 }
 
-// One grid-wide barrier: each CTA adds one to a 64-bit count (release) and waits until the count reaches the end
-// of its round of gridDim.x arrivals (acquire). The count only grows (2**64 arrivals never wrap), so no reset.
-__device__ void grid_barrier(unsigned long long* count) {
-  unsigned long long old;
-  asm volatile("atom.add.release.gpu.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
-  const unsigned long long target = (old / gridDim.x + 1) * gridDim.x;
-  unsigned long long now;
+// A count another CTA raises (release) reaches `target`: one thread spins (acquire), then the caller's barrier
+// passes the order on to the rest of its threads.
+__device__ __forceinline__ void wait_count(const uint32_t* count, uint32_t target) {
+  uint32_t now;
   do {
-    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
   } while (now < target);
+}
+
+__device__ __forceinline__ void add_release(uint32_t* count, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(count), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ uint32_t atomic_add_acq_rel(uint32_t* p, uint32_t v) {

@@ -25,7 +25,7 @@ struct Params {
   float* l2_sf;        // [S, I/32]
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
-  uint32_t* sync;      // [2 + H/64]: the grid barrier's 64-bit count, combine counts per 64 columns
+  uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, L1 tiles done per item, CTAs done
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
                        // 0) and when warpgroup w found each of its stages landed (row 1 + w)
@@ -33,6 +33,7 @@ struct Params {
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
   int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
+  int lag;             // L1 rounds an L2 tile waits after its item's last L1 round (Schedule)
 };
 
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
@@ -45,6 +46,31 @@ struct Items {  // the step's valid slots in slot order: item i is slot item_slo
   int row[kMaxTopK];
   float weight[kMaxTopK];
   int slot_row[kMaxTopK];  // per slot: its pool row or -1
+};
+
+// The CTA's tiles in the order it takes them (L1 and L2 tiles numbered item-major, as in the Triton launches): in
+// L1 round r its L1 tile blockIdx.x + r G, then those of its L2 tiles blockIdx.x + m G whose item's L1 tiles all
+// lie in rounds <= r - lag; the rest after the last round. An L2 tile waits only for its own item's L1 tiles (a
+// count per item in Params::sync), so early items' L2 overlaps the later L1 rounds and no CTA waits on the whole
+// grid but for the last items. No deadlock: the L1 tiles of round r come before any wait a CTA makes in round r,
+// and those waits are for tiles of rounds <= r. The load warp and the computing warpgroups walk the same list.
+struct Schedule {
+  int n1, n2, tpe1, tpe2, lag;  // L1 / L2 tiles of the step, per item
+
+  template <class L1, class L2>
+  __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last L1 tile?), l2(tile)
+    const int G = gridDim.x, rounds = (n1 + G - 1) / G;
+    int k = blockIdx.x;
+    for (int r = 0; r < rounds; ++r) {
+      const int j = blockIdx.x + r * G;
+      if (j < n1) l1(j, j + G >= n1);
+      for (; k < n2; k += G) {
+        const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's L1 tiles
+        if (min(rounds - 1, last_round + lag) > r) break;
+        l2(k);
+      }
+    }
+  }
 };
 
 // Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
