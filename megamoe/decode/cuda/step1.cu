@@ -35,17 +35,23 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int H = p.H, I = p.I;
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
-  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | bars
+  const int hrow = I + kPad;               // an L2 input row in shared memory
+  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag | bars
+  // (ring: full, empty; input_ready) | the routing | the L1 epilogue count
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
-  float* terms = reinterpret_cast<float*>(hs + kMaxTopK * (I + kPad));
+  float* terms = reinterpret_cast<float*>(hs + kMaxTopK * hrow);
   float* ep = terms + 2 * kMaxTerms * 64;
   float* xsf = ep + 64;
   float* sf2 = xsf + nb1;
   int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
+  uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
+  Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
+  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // L1 epilogues warpgroup 0 has stored
+  uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -53,49 +59,62 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
+    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    epilogues = 0;
+    route_items(p, it);
   }
-  __syncthreads();  // the barriers: the load warp starts as soon as it knows the step's experts
-  // The step's routing, computed by every thread (K <= 8 slots of one token): the valid slots in slot order, and
-  // each one's pool row as routing.route_torch numbers them (stable by expert).
-  Items it;
-  it.n = 0;
-  int ex[kMaxTopK];
-  float tw[kMaxTopK];
-#pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k) {  // unrolled: the slots' loads go out together
-    const int64_t e = k < p.K ? p.topk_idx[k] - p.expert_lo : -1;
-    ex[k] = (e >= 0 && e < p.num_local) ? int(e) : -1;
-    tw[k] = k < p.K ? p.topk_w[k] : 0.f;
-  }
-  for (int k = 0; k < p.K; ++k) {
-    int row = -1;
-    if (ex[k] >= 0) {
-      row = 0;
-      for (int j = 0; j < p.K; ++j) row += ex[j] >= 0 && (ex[j] < ex[k] || (ex[j] == ex[k] && j < k));
-      it.expert[it.n] = ex[k];
-      it.row[it.n] = row;
-      it.weight[it.n] = tw[k];
-      ++it.n;
-    }
-    it.slot_row[k] = row;
-  }
-  if (tid < kComputeThreads) {  // the token's codes and scales; pad past the end with zeros
+  if (tid < kComputeThreads) {  // the token's codes and scales; zeros past the ends of x and of each input row
     for (int c = tid; c < H / 16; c += kComputeThreads)
       reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
     for (int c = tid; c < kPad / 16; c += kComputeThreads) reinterpret_cast<uint4*>(xs + H)[c] = uint4{0, 0, 0, 0};
     for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
-    for (int c = tid; c < kMaxTopK * (I + kPad) / 16; c += kComputeThreads)  // the pads stay zero
-      reinterpret_cast<uint4*>(hs)[c] = uint4{0, 0, 0, 0};
+    for (int c = tid; c < kMaxTopK * kPad / 16; c += kComputeThreads)  // (B's unused columns read them)
+      reinterpret_cast<uint4*>(hs + (c / (kPad / 16)) * hrow + I)[c % (kPad / 16)] = uint4{0, 0, 0, 0};
     fence_async_smem();
   }
+  __syncthreads();  // the barriers and the routing
 
   const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
   if (tid == 0) stamp(p, 0);  // set up
-  if (tid >= kComputeThreads) {  // ---- the last warp: the loads ----
+  if (tid >= kComputeThreads + 32) {  // ---- the signal warp ----
+    // Walks the CTA's tiles with the computing warpgroups, off their path. After each L1 epilogue: the item's count
+    // raised for every CTA (the release waits for the stores, so warpgroup 0 does not). Before each item's first
+    // L2 tile: the item's count awaited and its input row read into shared memory.
+    const int lane = tid % 32;
+    uint32_t l1_tiles = 0, have = 0;
+    sched.for_each(
+        [&](int tile, bool) {
+          if (lane == 0) {
+            wait_count_cta(&epilogues, ++l1_tiles);
+            add_release(l1_done + tile / tpe1, 1);
+          }
+          __syncwarp();
+        },
+        [&](int tile) {
+          const int item = tile / tpe2;
+          if (have >> item & 1) return;
+          have |= 1u << item;
+          if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+          __syncwarp();
+          const size_t src = size_t(it.row[item]);
+          for (int c = lane; c < I / 16; c += 32)
+            reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
+          for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
+          fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
+          __syncwarp();
+          if (lane == 0) {
+            mbar_arrive(&input_ready[item]);
+            stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+          }
+        });
+    named_sync(3, kComputeThreads + 32);  // every wait of this CTA's done, for the counts' reset
+    return;
+  }
+  if (tid >= kComputeThreads) {  // ---- the load warp ----
     const int lane = tid - kComputeThreads;
     if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
-      if (lane == 1 && blockIdx.x == 0) write_route(p, ex, it);
+      if (lane == 1 && blockIdx.x == 0) write_route(p, it);
       return;
     }
     Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
@@ -138,18 +157,16 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
 
   // ---- the computing warpgroups: decode, MMA, promotion ----
-  named_sync(1, kComputeThreads);  // the token's codes in shared memory
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
   const bool bare = p.mode & kModeBare;
-  uint32_t* l1_done = p.sync + tpe2;  // per item: its L1 tiles whose outputs are written (any CTA)
-  Cursor cur{wg, 0};                  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
+  Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
   int tiles_done = 0;
-  int mine = 0;          // this CTA's L2 tiles
-  uint32_t inputs = 0;   // items whose L2 input quarter this warpgroup holds in shared memory
-  const int hrow = I + kPad;
+  uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
+  int mine = 0;           // this CTA's L2 tiles
+  uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
 
   auto l1_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
@@ -200,37 +217,19 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       const int row = it.row[item];
       p.l2_q[size_t(row) * I + 32 * ct + t] = e4m3_rtne_bits(qv);
       if (t == 0) p.l2_sf[size_t(row) * (I / 32) + ct] = sf;
-      __syncwarp();  // the warp's stores, then one release of the item's count
-      if (t == 0) add_release(l1_done + item, 1);
+      __syncwarp();  // the warp's stores, then the signal warp raises the item's count for every CTA
+      if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
     if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
-  };
-
-  // An L2 tile's input: the row's codes and group scales, written by the L1 of every CTA holding one of the item's
-  // tiles. Each warpgroup waits for the item's count and reads its own quarter (through L2, .cg), once per item.
-  auto l2_input = [&](int item) {
-    if (inputs >> item & 1) return;
-    inputs |= 1u << item;
-    if (t == 0) {
-      wait_count(l1_done + item, uint32_t(tpe1));
-      if (wg == 0) stamp(p, 4);  // the last L2 input in (the stamp of the last wait stays)
-    }
-    named_sync(3 + wg, 128);
-    const size_t src = size_t(it.row[item]);
-    const int q = I / kParts;  // this warpgroup's quarter of the row
-    for (int c = t; c < q / 16; c += 128)
-      reinterpret_cast<uint4*>(hs + item * hrow + wg * q)[c] =
-          __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I + wg * q) + c);
-    for (int c = t; c < q / 32; c += 128)
-      sf2[item * (I / 32) + wg * (q / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + wg * (q / 32) + c);
-    fence_async_smem();
-    named_sync(3 + wg, 128);
   };
 
   auto l2_tile = [&](int tile) {
     const int item = tile / tpe2, ot = tile % tpe2;
     ++mine;
-    l2_input(item);
+    if (!(inputs >> item & 1)) {  // the item's input row, read in by the signal warp
+      mbar_wait(&input_ready[item], 0);
+      inputs |= 1u << item;
+    }
     const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
     const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
     float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
@@ -296,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
   // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
   // waits by then.
-  named_sync(1, kComputeThreads);
+  named_sync(3, kComputeThreads + 32);  // with the signal warp
   if (tid == 0) {
     uint32_t* finished = l1_done + kMaxTopK;
     if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
@@ -315,7 +314,7 @@ extern "C" {
 int megamoe_step1_fixed_smem(int H, int I) {
   const int bytes =
       (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
-  return (bytes + 7) / 8 * 8;
+  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items)) + 4;  // + input_ready, the routing, a count
 }
 
 int megamoe_step1_stage_bytes() { return kStageBytes + 16; }  // a stage and its two mbarriers

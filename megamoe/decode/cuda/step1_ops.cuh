@@ -15,7 +15,7 @@ constexpr int kCodeBytes = kBlocks * 4096;
 constexpr int kStageBytes = kCodeBytes + kBlocks * 256;
 constexpr int kParts = 4;                         // computing warpgroups, each a quarter of every tile's K
 constexpr int kComputeThreads = 128 * kParts;
-constexpr int kThreads = kComputeThreads + 32;    // and one load warp
+constexpr int kThreads = kComputeThreads + 64;    // and a load warp and a signal warp
 constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
@@ -233,6 +233,17 @@ __device__ __forceinline__ void wait_count(const uint32_t* count, uint32_t targe
   do {
     asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
   } while (now < target);
+}
+
+__device__ __forceinline__ void wait_count_cta(const uint32_t* count, uint32_t target) {  // shared memory
+  uint32_t now;
+  do {
+    asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(now) : "r"(smem_addr(count)) : "memory");
+  } while (now < target);
+}
+
+__device__ __forceinline__ void store_release_cta(uint32_t* count, uint32_t v) {  // shared memory
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(count)), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void add_release(uint32_t* count, uint32_t v) {

@@ -40,8 +40,9 @@ struct Params {
 // only): leave out the scale words' copies.
 constexpr int kModeBare = 1, kModeNoScales = 2;
 
-struct Items {  // the step's valid slots in slot order: item i is slot item_slot[i] (T = 1: one row each)
+struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
+  int slot_expert[kMaxTopK];  // per slot: its local expert or -1
   int expert[kMaxTopK];
   int row[kMaxTopK];
   float weight[kMaxTopK];
@@ -73,6 +74,32 @@ struct Schedule {
   }
 };
 
+// The step's routing (K <= 8 slots of one token) -> it: the valid slots in slot order, each one's pool row as
+// routing.route_torch numbers them (stable by expert).
+__device__ void route_items(const Params& p, Items& it) {
+  int ex[kMaxTopK];
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {  // unrolled: the slots' loads go out together
+    const int64_t e = k < p.K ? p.topk_idx[k] - p.expert_lo : -1;
+    ex[k] = (e >= 0 && e < p.num_local) ? int(e) : -1;
+  }
+  int n = 0;
+  for (int k = 0; k < p.K; ++k) {
+    int row = -1;
+    it.slot_expert[k] = ex[k];
+    if (ex[k] >= 0) {
+      row = 0;
+      for (int j = 0; j < p.K; ++j) row += ex[j] >= 0 && (ex[j] < ex[k] || (ex[j] == ex[k] && j < k));
+      it.expert[n] = ex[k];
+      it.row[n] = row;
+      it.weight[n] = p.topk_w[k];
+      ++n;
+    }
+    it.slot_row[k] = row;
+  }
+  it.n = n;
+}
+
 // Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
 __device__ __forceinline__ void stamp(const Params& p, int point) {
   if (p.stamps != nullptr) {
@@ -83,7 +110,8 @@ __device__ __forceinline__ void stamp(const Params& p, int point) {
 }
 
 // Route's outputs for the step (routing.route_torch's, bit for bit), and y = 0 when no slot is routed here.
-__device__ void write_route(const Params& p, const int* ex, const Items& it) {
+__device__ void write_route(const Params& p, const Items& it) {
+  const int* ex = it.slot_expert;
   int nt = 0;
   for (int k = 0; k < p.K; ++k) {
     if (ex[k] < 0) continue;
