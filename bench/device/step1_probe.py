@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--lags", type=int, nargs="*", default=[0, 2])
     ap.add_argument("--modes", nargs="*", default=["bare", "bare_noscales"])
     ap.add_argument("--timelines", nargs="*", default=["cuda", "bare"])
+    ap.add_argument("--traces", nargs="*", default=["cuda", "bare"])
     ap.add_argument("--min-s", type=float, default=0.4)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -119,7 +120,9 @@ def main() -> int:
         print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
         torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
     tr = torch.full((ctas, 1 + cuda_step1.PARTS, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
-    for name, kw in (("cuda", {}), ("bare", {"mode": M["bare"]})):  # every block's landing, one flushed launch
+    traces = {"cuda": {}, "bare": {"mode": M["bare"]}, **{f"lag{lag}": {"lag": lag} for lag in args.lags},
+              **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}
+    for name, kw in ((n, traces[n]) for n in args.traces):  # every block's landing, one flushed launch
         tr.fill_(-1)
         flush()
         cuda_step1.step1(tw, buf, g.clamp, trace=tr, **kw)

@@ -77,38 +77,44 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
   if (tid == 0) stamp(p, 0);  // set up
-  if (tid >= kComputeThreads + 32) {  // ---- the signal warp ----
-    // Walks the CTA's tiles with the computing warpgroups, off their path. After each L1 epilogue: the item's count
-    // raised for every CTA (the release waits for the stores, so warpgroup 0 does not). Before each item's first
-    // L2 tile: the item's count awaited and its input row read into shared memory.
+  // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
+  // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
+  // while the weights stream.
+  if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
     const int lane = tid % 32;
-    uint32_t l1_tiles = 0, have = 0;
-    sched.for_each(
-        [&](int tile, bool) {
-          if (lane == 0) {
-            wait_count_cta(&epilogues, ++l1_tiles);
+    uint32_t have = 0;
+    sched.for_each([](int, bool) {}, [&](int tile) {
+      const int item = tile / tpe2;
+      if (have >> item & 1) return;
+      have |= 1u << item;
+      if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+      __syncwarp();
+      const size_t src = size_t(it.row[item]);
+      for (int c = lane; c < I / 16; c += 32)
+        reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
+      for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
+      fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(&input_ready[item]);
+        stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+      }
+    });
+    named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
+    return;
+  }
+  if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
+    if (tid % 32 == 0) {
+      uint32_t l1_tiles = 0;
+      sched.for_each(
+          [&](int tile, bool) {
+            wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
             add_release(l1_done + tile / tpe1, 1);
-          }
-          __syncwarp();
-        },
-        [&](int tile) {
-          const int item = tile / tpe2;
-          if (have >> item & 1) return;
-          have |= 1u << item;
-          if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
-          __syncwarp();
-          const size_t src = size_t(it.row[item]);
-          for (int c = lane; c < I / 16; c += 32)
-            reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
-          for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
-          fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
-          __syncwarp();
-          if (lane == 0) {
-            mbar_arrive(&input_ready[item]);
-            stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
-          }
-        });
-    named_sync(3, kComputeThreads + 32);  // every wait of this CTA's done, for the counts' reset
+          },
+          [](int) {});
+    }
+    __syncwarp();
+    named_sync(3, kComputeThreads + 64);
     return;
   }
   if (tid >= kComputeThreads) {  // ---- the load warp ----
@@ -217,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       const int row = it.row[item];
       p.l2_q[size_t(row) * I + 32 * ct + t] = e4m3_rtne_bits(qv);
       if (t == 0) p.l2_sf[size_t(row) * (I / 32) + ct] = sf;
-      __syncwarp();  // the warp's stores, then the signal warp raises the item's count for every CTA
+      __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
       if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
     if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
@@ -226,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   auto l2_tile = [&](int tile) {
     const int item = tile / tpe2, ot = tile % tpe2;
     ++mine;
-    if (!(inputs >> item & 1)) {  // the item's input row, read in by the signal warp
+    if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warp
       mbar_wait(&input_ready[item], 0);
       inputs |= 1u << item;
     }
@@ -295,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
   // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
   // waits by then.
-  named_sync(3, kComputeThreads + 32);  // with the signal warp
+  named_sync(3, kComputeThreads + 64);  // with the signal warps
   if (tid == 0) {
     uint32_t* finished = l1_done + kMaxTopK;
     if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
