@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 STAMP_POINTS = ("set up", "last L1 block asked for", "last block asked for", "L1 done", "last L2 input in",
-                "done")  # the stamps' columns 0..5 (``step1(stamps=...)``)
+                "done", "entered")  # the stamps' columns 0..6 (``step1(stamps=...)``)
 TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 LAG = 1  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)

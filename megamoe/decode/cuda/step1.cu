@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   const int tid = threadIdx.x;
   if (tid == 0) {
+    stamp(p, 6);  // entered
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
