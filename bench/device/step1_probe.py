@@ -102,7 +102,7 @@ def main() -> int:
         if lag != cuda_step1.LAG:
             run(f"cuda_lag{lag}", lambda: cuda_step1.step1(tw, buf, g.clamp, lag=lag))
     M = cuda_step1.MODES
-    modes = {"bare": M["bare"], "bare_noscales": M["bare"] | M["no-scales"]}
+    modes = {"bare": M["bare"], "bare_noscales": M["bare"] | M["no-scales"], "noprefetch": M["no-prefetch"]}
     for name, mode in modes.items():
         if name in args.modes:
             run(name, lambda: cuda_step1.step1(tw, buf, g.clamp, mode=mode))

@@ -65,16 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     epilogues = 0;
     route_items(p, it);
   }
-  if (tid < kComputeThreads) {  // the token's codes and scales; zeros past the ends of x and of each input row
-    for (int c = tid; c < H / 16; c += kComputeThreads)
-      reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
-    for (int c = tid; c < kPad / 16; c += kComputeThreads) reinterpret_cast<uint4*>(xs + H)[c] = uint4{0, 0, 0, 0};
-    for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
-    for (int c = tid; c < kMaxTopK * kPad / 16; c += kComputeThreads)  // (B's unused columns read them)
-      reinterpret_cast<uint4*>(hs + (c / (kPad / 16)) * hrow + I)[c % (kPad / 16)] = uint4{0, 0, 0, 0};
-    fence_async_smem();
-  }
-  __syncthreads();  // the barriers and the routing
+  __syncthreads();  // the barriers and the routing: the load warp starts
 
   const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
   if (tid == 0) stamp(p, 0);  // set up
@@ -153,17 +144,39 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
           issue(codes + blk * 4096, scales + blk * 256);
         }
     };
+    // Once its last L1 block is asked for, the CTA's L2 weights not yet asked for are asked of the L2 cache: DRAM
+    // keeps streaming them while the ring waits for L2 inputs, and the ring's loads then find them there.
+    int next_l2 = blockIdx.x;
     sched.for_each(
         [&](int tile, bool last) {
           issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
-          if (last) stamp(p, 1);  // the last L1 block asked for
+          if (!last) return;
+          stamp(p, 1);  // the last L1 block asked for
+          if (p.mode & kModeNoPrefetch) return;
+          for (int k = next_l2; k < sched.n2; k += gridDim.x) {
+            const size_t base = size_t(it.expert[k / tpe2]) * tpe2 + k % tpe2;
+            bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
+            bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
+          }
         },
-        [&](int tile) { issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales); });
+        [&](int tile) {
+          issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
+          next_l2 = tile + gridDim.x;
+        });
     stamp(p, 2);  // the last block asked for
     return;
   }
 
   // ---- the computing warpgroups: decode, MMA, promotion ----
+  // The token's codes and scales; zeros past the ends of x and of each input row (B's unused columns read them)
+  for (int c = tid; c < H / 16; c += kComputeThreads)
+    reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
+  for (int c = tid; c < kPad / 16; c += kComputeThreads) reinterpret_cast<uint4*>(xs + H)[c] = uint4{0, 0, 0, 0};
+  for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
+  for (int c = tid; c < kMaxTopK * kPad / 16; c += kComputeThreads)
+    reinterpret_cast<uint4*>(hs + (c / (kPad / 16)) * hrow + I)[c % (kPad / 16)] = uint4{0, 0, 0, 0};
+  fence_async_smem();
+  named_sync(1, kComputeThreads);
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)

@@ -37,8 +37,8 @@ struct Params {
 };
 
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
-// only): leave out the scale words' copies.
-constexpr int kModeBare = 1, kModeNoScales = 2;
+// only): leave out the scale words' copies; no prefetch: no L2-cache prefetch of the L2 weights.
+constexpr int kModeBare = 1, kModeNoScales = 2, kModeNoPrefetch = 4;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -78,21 +78,26 @@ struct Schedule {
 // routing.route_torch numbers them (stable by expert).
 __device__ void route_items(const Params& p, Items& it) {
   int ex[kMaxTopK];
+  float tw[kMaxTopK];
 #pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k) {  // unrolled: the slots' loads go out together
+  for (int k = 0; k < kMaxTopK; ++k) {  // unrolled: the slots' loads go out together (one round trip)
     const int64_t e = k < p.K ? p.topk_idx[k] - p.expert_lo : -1;
     ex[k] = (e >= 0 && e < p.num_local) ? int(e) : -1;
+    tw[k] = k < p.K ? p.topk_w[k] : 0.f;
   }
   int n = 0;
-  for (int k = 0; k < p.K; ++k) {
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    if (k >= p.K) break;
     int row = -1;
     it.slot_expert[k] = ex[k];
     if (ex[k] >= 0) {
       row = 0;
-      for (int j = 0; j < p.K; ++j) row += ex[j] >= 0 && (ex[j] < ex[k] || (ex[j] == ex[k] && j < k));
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) row += j < p.K && ex[j] >= 0 && (ex[j] < ex[k] || (ex[j] == ex[k] && j < k));
       it.expert[n] = ex[k];
       it.row[n] = row;
-      it.weight[n] = p.topk_w[k];
+      it.weight[n] = tw[k];
       ++n;
     }
     it.slot_row[k] = row;
