@@ -47,7 +47,7 @@ def test_source_builds_and_agrees_with_the_python_constants(tmp_path):
         getattr(lib, name).restype = ctypes.c_int
     assert lib.megamoe_step1_parts() == cuda_step1.PARTS
     assert lib.megamoe_step1_max_terms() == cuda_step1.MAX_TERMS
-    assert lib.megamoe_step1_threads() == 128 * cuda_step1.PARTS + 96
+    assert lib.megamoe_step1_threads() == 128 * cuda_step1.PARTS + 128
 
 
 @pytest.mark.gpu

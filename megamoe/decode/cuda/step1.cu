@@ -69,108 +69,114 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
   if (tid == 0) stamp(p, 0);  // set up
-  // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
-  // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
-  // while the weights stream.
-  if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
-    const int lane = tid % 32;
-    uint32_t have = 0;
-    sched.for_each([](int, bool) {}, [&](int tile) {
-      const int item = tile / tpe2;
-      if (have >> item & 1) return;
-      have |= 1u << item;
-      if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
-      __syncwarp();
-      const size_t src = size_t(it.row[item]);
-      for (int c = lane; c < I / 16; c += 32)
-        reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
-      for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
-      fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
-      __syncwarp();
-      if (lane == 0) {
-        mbar_arrive(&input_ready[item]);
-        stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
-      }
-    });
-    named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
-    return;
-  }
-  if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
-    if (tid % 32 == 0) {
-      uint32_t l1_tiles = 0;
-      sched.for_each(
-          [&](int tile, bool) {
-            wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
-            add_release(l1_done + tile / tpe1, 1);
-          },
-          [](int) {});
-    }
-    __syncwarp();
-    named_sync(3, kComputeThreads + 64);
-    return;
-  }
-  if (tid >= kComputeThreads) {  // ---- the load warp ----
-    const int lane = tid - kComputeThreads;
-    if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
-      if (lane == 1 && blockIdx.x == 0) write_route(p, it);
+  if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
+    regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
+    if (tid >= kComputeThreads + 96) return;  // the idle warp
+    // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
+    // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
+    // while the weights stream.
+    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
+      const int lane = tid % 32;
+      uint32_t have = 0;
+      sched.for_each([](int, bool) {}, [&](int tile) {
+        const int item = tile / tpe2;
+        if (have >> item & 1) return;
+        have |= 1u << item;
+        if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+        __syncwarp();
+        const size_t src = size_t(it.row[item]);
+        for (int c = lane; c < I / 16; c += 32)
+          reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
+        for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
+        fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive(&input_ready[item]);
+          stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+        }
+      });
+      named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
       return;
     }
-    Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
-    Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
-    int traced = 0;
-    uint32_t issued = 0;
-    auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
-      const int s = cur.stage;
-      uint8_t* dst = ring.data + size_t(s) * kStageBytes;
-      mbar_wait(&ring.empty[s], cur.phase);
-      if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
-        mbar_wait(&ring.full[lag.stage], lag.phase);
-        lag.advance(1, ring.stages);
+    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
+      if (tid % 32 == 0) {
+        uint32_t l1_tiles = 0;
+        sched.for_each(
+            [&](int tile, bool) {
+              wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
+              add_release(l1_done + tile / tpe1, 1);
+            },
+            [](int) {});
       }
-      ++issued;
-      if (p.mode & kModeNoLoad) {
-        mbar_arrive(&ring.full[s]);
-        cur.advance(1, ring.stages);
+      __syncwarp();
+      named_sync(3, kComputeThreads + 64);
+      return;
+    }
+    if (tid >= kComputeThreads) {  // ---- the load warp ----
+      const int lane = tid - kComputeThreads;
+      if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
+        if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }
-      const bool scales_too = !(p.mode & kModeNoScales);
-      mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
-      bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
-      if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
-      cur.advance(1, ring.stages);
-      trace(p.trace, 0, traced);
-    };
-    // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
-    auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
-      const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
-      for (int b = 0; b < nb / kParts; b += kBlocks)
-        for (int q = 0; q < kParts; ++q) {
-          const size_t blk = base * nb + q * (nb / kParts) + b;
-          issue(codes + blk * 4096, scales + blk * 256);
+      Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
+      Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
+      int traced = 0;
+      uint32_t issued = 0;
+      auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
+        const int s = cur.stage;
+        uint8_t* dst = ring.data + size_t(s) * kStageBytes;
+        mbar_wait(&ring.empty[s], cur.phase);
+        if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
+          mbar_wait(&ring.full[lag.stage], lag.phase);
+          lag.advance(1, ring.stages);
         }
-    };
-    // Once its last L1 block is asked for, the CTA's L2 weights not yet asked for are asked of the L2 cache: DRAM
-    // keeps streaming them while the ring waits for L2 inputs, and the ring's loads then find them there.
-    int next_l2 = blockIdx.x;
-    sched.for_each(
-        [&](int tile, bool last) {
-          issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
-          if (!last) return;
-          stamp(p, 1);  // the last L1 block asked for
-          if (p.mode & kModeNoPrefetch) return;
-          for (int k = next_l2; k < sched.n2; k += gridDim.x) {
-            const size_t base = size_t(it.expert[k / tpe2]) * tpe2 + k % tpe2;
-            bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
-            bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
+        ++issued;
+        if (p.mode & kModeNoLoad) {
+          mbar_arrive(&ring.full[s]);
+          cur.advance(1, ring.stages);
+          return;
+        }
+        const bool scales_too = !(p.mode & kModeNoScales);
+        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
+        bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
+        if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
+        cur.advance(1, ring.stages);
+        trace(p.trace, 0, traced);
+      };
+      // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
+      auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
+        const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
+        for (int b = 0; b < nb / kParts; b += kBlocks)
+          for (int q = 0; q < kParts; ++q) {
+            const size_t blk = base * nb + q * (nb / kParts) + b;
+            issue(codes + blk * 4096, scales + blk * 256);
           }
-        },
-        [&](int tile) {
-          issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
-          next_l2 = tile + gridDim.x;
-        });
-    stamp(p, 2);  // the last block asked for
-    return;
+      };
+      // Once its last L1 block is asked for, the CTA's L2 weights not yet asked for are asked of the L2 cache: DRAM
+      // keeps streaming them while the ring waits for L2 inputs, and the ring's loads then find them there.
+      int next_l2 = blockIdx.x;
+      sched.for_each(
+          [&](int tile, bool last) {
+            issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
+            if (!last) return;
+            stamp(p, 1);  // the last L1 block asked for
+            if (p.mode & kModeNoPrefetch) return;
+            for (int k = next_l2; k < sched.n2; k += gridDim.x) {
+              const size_t base = size_t(it.expert[k / tpe2]) * tpe2 + k % tpe2;
+              bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
+              bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
+            }
+          },
+          [&](int tile) {
+            issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
+            next_l2 = tile + gridDim.x;
+          });
+      stamp(p, 2);  // the last block asked for
+      return;
+    }
+
   }
+  regs_inc<kComputeRegs>();
 
   // ---- the computing warpgroups: decode, MMA, promotion ----
   // The token's codes and scales; zeros past the ends of x and of each input row (B's unused columns read them)

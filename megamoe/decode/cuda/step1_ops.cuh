@@ -15,7 +15,9 @@ constexpr int kCodeBytes = kBlocks * 4096;
 constexpr int kStageBytes = kCodeBytes + kBlocks * 256;
 constexpr int kParts = 4;                         // computing warpgroups, each a quarter of every tile's K
 constexpr int kComputeThreads = 128 * kParts;
-constexpr int kThreads = kComputeThreads + 96;    // and a load warp and two signal warps
+constexpr int kThreads = kComputeThreads + 128;   // and a warpgroup of a load warp, two signal warps, one idle
+constexpr int kComputeRegs = 112, kOtherRegs = 32;  // registers per thread after setmaxnreg: the 640 x 96
+                                                    // the CTA has, 4 x 128 x 112 + 128 x 32 of them
 constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
@@ -63,6 +65,15 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 // Ask the L2 cache for `bytes` (a multiple of 16) at src: the bytes stream from DRAM with nothing waiting on them.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
 __device__ __forceinline__ void named_sync(int id, int count) {
@@ -231,13 +242,15 @@ __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int ti
     }
 }
 
-// A count another CTA raises (release) reaches `target`: one thread spins (acquire), then the caller's barrier
-// passes the order on to the rest of its threads.
+// A count another CTA raises (release) reaches `target`: one thread polls it relaxed, then one acquire fence (an
+// acquire load in the loop would invalidate the SM's L1 at every poll, spilled registers included); the caller's
+// barrier passes the order on to the rest of its threads.
 __device__ __forceinline__ void wait_count(const uint32_t* count, uint32_t target) {
   uint32_t now;
   do {
-    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
   } while (now < target);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 __device__ __forceinline__ void wait_count_cta(const uint32_t* count, uint32_t target) {  // shared memory
