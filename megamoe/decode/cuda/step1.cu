@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
             stamp(p, 1);  // the last L1 block asked for
-            if (p.mode & kModeNoPrefetch) return;
+            if (!(p.mode & kModePrefetch)) return;
             for (int k = next_l2; k < sched.n2; k += gridDim.x) {
               const size_t base = size_t(it.expert[k / tpe2]) * tpe2 + k % tpe2;
               bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);

@@ -37,9 +37,10 @@ struct Params {
 };
 
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
-// only): leave out the scale words' copies; no prefetch: no L2-cache prefetch of the L2 weights; no load: no copies
-// at all, each stage counted as landed at once (the computing warpgroups alone; y is wrong).
-constexpr int kModeBare = 1, kModeNoScales = 2, kModeNoPrefetch = 4, kModeNoLoad = 8;
+// only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
+// block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
+// warpgroups alone; y is wrong).
+constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
