@@ -34,7 +34,8 @@ def test_unsupported_says_why_before_any_launch():
 
 
 def test_the_backend_runs_the_triton_launches_at_one_token():
-    """The CUDA step has the same bits but was slower on the H200 (run 35), so the backend's launch leaves it off."""
+    """The CUDA step has the same bits and is a little faster on the H200 (run 36), but it builds with nvcc on first
+    use, so the backend's launch leaves it off (``LaunchConfig.tc_cuda_step1`` turns it on)."""
     assert not tc_launch_config(1, 6).tc_cuda_step1
 
 

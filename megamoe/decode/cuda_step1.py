@@ -6,10 +6,11 @@ of ``moe_decode``'s three Triton launches, with the same outputs bit for bit (re
 Why CUDA here: at one token the Triton launches stream each K loop close to a plain read of its bytes, but the
 step pays three ramps and tails around them (docs/decode-kernel-tc.md, "Where the time goes"). This kernel keeps
 one CTA per SM and streams the CTA's L1 and then L2 blocks through a ring of shared-memory stages
-(``cp.async.bulk`` with mbarriers, which Triton does not expose), so L2's weights load while L1 finishes. One
-grid barrier separates them. On the H200 it is slower than the Triton launches (55.1 against 42.5 us; the grid
-barrier and the L2 tail, bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/), so the backend leaves
-it off: ``LaunchConfig.tc_cuda_step1`` turns it on.
+(``cp.async.bulk`` with mbarriers, which Triton does not expose), so L2's weights load while L1 finishes; each L2
+tile waits only for its own expert's L1 tiles, and two signal warps keep those cross-CTA waits off the computing
+warpgroups. On the H200 it is a little faster than the Triton launches (41.4 against 42.7 us; 38.9 against 42.1 us
+of kernel time: bench/results/2026-12-04_nvidia-h200_decode-tc/run36-cuda-step1/), but it needs nvcc at run time,
+so the backend leaves it off: ``LaunchConfig.tc_cuda_step1`` turns it on.
 
 The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
 ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot

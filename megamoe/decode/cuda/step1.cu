@@ -1,15 +1,22 @@
 // The 1-token decode step in one persistent launch (recipe megamoe-decode-tc, the same bits as the three Triton
 // launches of megamoe/decode/triton_tc.py). Python side: megamoe/decode/cuda_step1.py (build, checks, launch).
-// Building blocks: step1_ops.cuh (PTX, numerics, the ring, one block's sums); step1_params.cuh (parameters, routing).
-// On the H200 it is slower than those launches (55.0 against 42.5 us; where the time goes:
-// bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/README.md), so the backend leaves it off.
+// Building blocks: step1_ops.cuh (PTX, numerics, the ring, a stage's sums); step1_params.cuh (parameters, routing,
+// the order of a CTA's tiles, the L1 epilogue, the combine). Where the time goes, run by run:
+// bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/ and run36-cuda-step1/.
 //
-// One CTA per SM, 544 threads: four warpgroups compute, the last warp loads. The CTA's work is a list of stages
-// (two 128-K blocks of one 64-row tile each: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in
-// layout_tc.py): L1 tiles (item i, channel tile t) for tile = blockIdx.x, + gridDim.x, ...; then L2 tiles the same
-// way. The load warp streams the list through a ring of stages (cp.async.bulk, one mbarrier per stage each way),
-// waiting on nothing but free stages, so it runs on into L2's weights while L1 still computes: at the grid barrier
-// between L1 and L2 the ring already holds the first of this CTA's L2 stages.
+// One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp, a release warp, an input
+// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
+// a list of tiles (Schedule): its L1 tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its L2 tiles
+// the same way, each L2 tile placed `lag` L1 rounds after its item's last L1 round. A tile is a list of stages (two
+// 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in layout_tc.py).
+// The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way), waiting on
+// nothing but free stages, so it runs on into L2's weights while L1 still computes.
+//
+// No grid barrier: an L2 tile needs only its own item's L1 outputs. Warpgroup 0 stores each L1 tile's outputs and
+// tells the release warp (a shared-memory count), which raises the item's count for every CTA (release); the input
+// warp waits for each of its items' counts and reads the item's L2 input row into shared memory (an mbarrier per
+// item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the stores
+// it publishes, and an input read is a round trip through a memory system busy with the weights.
 //
 // A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
 // quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
@@ -56,6 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int tid = threadIdx.x;
   if (tid == 0) {
     stamp(p, 6);  // entered
+    route_items(p, it);  // its loads go out first
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
@@ -63,7 +71,6 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     epilogues = 0;
-    route_items(p, it);
   }
   __syncthreads();  // the barriers and the routing: the load warp starts
 
@@ -233,21 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       ep[r0 + 8] = acc1;
     }
     named_sync(2, 128);
-    if (t < 32) {  // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31
-      const float gate = ep[t], up = ep[32 + t];
-      const float g = fminf(gate, p.clamp);
-      const float uu = fminf(fmaxf(up, -p.clamp), p.clamp);
-      const float e = static_cast<float>(exp(-static_cast<double>(g)));
-      const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, e));
-      const float vw = __fmul_rn(__fmul_rn(__fmul_rn(g, sig), uu), it.weight[item]);
-      float amax = fabsf(vw);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
-      const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
-      const int row = it.row[item];
-      p.l2_q[size_t(row) * I + 32 * ct + t] = e4m3_rtne_bits(qv);
-      if (t == 0) p.l2_sf[size_t(row) * (I / 32) + ct] = sf;
+    if (t < 32) {
+      l1_epilogue(p, ep, it, item, ct, t);
       __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
       if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
@@ -300,30 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
 
   sched.for_each(l1_tile, l2_tile);
 
-  // The combine of each of this CTA's 64-column tiles, by the CTA that writes the last of the step's rows for it:
-  // one count per tile, all counted at once, then the last writer's slot-ordered sums.
-  if (wg == 0) {
-    named_sync(2, 128);
-    if (t < mine) {  // lane i counts tile i in (acq_rel: the warpgroup's slot_out stores before, the sums after)
-      const int ot = (blockIdx.x + t * gridDim.x) % tpe2;
-      const bool last = atomic_add_acq_rel(&p.sync[ot], 1u) == uint32_t(it.n - 1);
-      if (last) p.sync[ot] = 0;  // for the next launch
-      const uint32_t mask = __ballot_sync(0xFFFFFFFFu >> (32 - mine), last);
-      if (t == 0) flag[0] = int(mask);
-    }
-    named_sync(2, 128);
-    const uint32_t last = uint32_t(flag[0]);
-    for (int c = t; c < mine * 64; c += 128) {
-      if (!(last >> (c / 64) & 1)) continue;
-      const int col = 64 * ((blockIdx.x + (c / 64) * gridDim.x) % tpe2) + c % 64;
-      float acc = 0.f;
-      for (int k = 0; k < p.K; ++k) {
-        const int r = it.slot_row[k];
-        if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * H + col)) << 16));
-      }
-      p.y[col] = bf16_bits(acc);
-    }
-  }
+  if (wg == 0) combine_tiles(p, it, mine, flag, t);
   // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
   // waits by then.
   named_sync(3, kComputeThreads + 64);  // with the signal warps

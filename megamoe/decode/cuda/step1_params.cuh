@@ -107,6 +107,51 @@ __device__ void route_items(const Params& p, Items& it) {
   it.n = n;
 }
 
+// SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31 of item `item` (one warp, lane t;
+// gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._l1_epilogue, operation for operation.
+__device__ __forceinline__ void l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct, int t) {
+  const float g = fminf(ep[t], p.clamp);
+  const float uu = fminf(fmaxf(ep[32 + t], -p.clamp), p.clamp);
+  const float e = static_cast<float>(exp(-static_cast<double>(g)));
+  const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, e));
+  const float vw = __fmul_rn(__fmul_rn(__fmul_rn(g, sig), uu), it.weight[item]);
+  float amax = fabsf(vw);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
+  const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
+  const int row = it.row[item];
+  p.l2_q[size_t(row) * p.I + 32 * ct + t] = e4m3_rtne_bits(qv);
+  if (t == 0) p.l2_sf[size_t(row) * (p.I / 32) + ct] = sf;
+}
+
+// The combine of each of this CTA's `mine` 64-column L2 tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
+// last of the step's rows for it: one count per tile, all counted at once, then the last writer's slot-ordered
+// sums (triton_combine.combine_tile's). Warpgroup 0 (lane t of 128) after its slot_out stores; flag: shared scratch.
+__device__ __forceinline__ void combine_tiles(const Params& p, const Items& it, int mine, int* flag, int t) {
+  const int tpe2 = p.H / 64;
+  named_sync(2, 128);
+  if (t < mine) {  // lane i counts tile i in (acq_rel: the warpgroup's slot_out stores before, the sums after)
+    const int ot = (blockIdx.x + t * gridDim.x) % tpe2;
+    const bool last = atomic_add_acq_rel(&p.sync[ot], 1u) == uint32_t(it.n - 1);
+    if (last) p.sync[ot] = 0;  // for the next launch
+    const uint32_t mask = __ballot_sync(0xFFFFFFFFu >> (32 - mine), last);
+    if (t == 0) flag[0] = int(mask);
+  }
+  named_sync(2, 128);
+  const uint32_t last = uint32_t(flag[0]);
+  for (int c = t; c < mine * 64; c += 128) {
+    if (!(last >> (c / 64) & 1)) continue;
+    const int col = 64 * ((blockIdx.x + (c / 64) * gridDim.x) % tpe2) + c % 64;
+    float acc = 0.f;
+    for (int k = 0; k < p.K; ++k) {
+      const int r = it.slot_row[k];
+      if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * p.H + col)) << 16));
+    }
+    p.y[col] = bf16_bits(acc);
+  }
+}
+
 // Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
 __device__ __forceinline__ void stamp(const Params& p, int point) {
   if (p.stamps != nullptr) {
