@@ -16,8 +16,8 @@ constexpr int kStageBytes = kCodeBytes + kBlocks * 256;
 constexpr int kParts = 4;                         // computing warpgroups, each a quarter of every tile's K
 constexpr int kComputeThreads = 128 * kParts;
 constexpr int kThreads = kComputeThreads + 128;   // and a warpgroup of a load warp, two signal warps, one idle
-constexpr int kComputeRegs = 104, kOtherRegs = 56;  // registers per thread after setmaxnreg: the 640 x 96
-                                                    // the CTA has, 4 x 128 x 104 + 128 x 56 of them
+constexpr int kComputeRegs = 112, kOtherRegs = 32;  // registers per thread after setmaxnreg: the 640 x 96
+                                                    // the CTA has, 4 x 128 x 112 + 128 x 32 of them
 constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
