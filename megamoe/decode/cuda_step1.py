@@ -138,6 +138,9 @@ def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[in
         raise RuntimeError("cuda_step1.PARTS / MAX_TERMS disagree with the built kernel's kParts / kMaxTerms")
     smem = fixed + stages * lib.megamoe_step1_stage_bytes()
     err = lib.megamoe_step1_prepare(device_index, smem)
+    if err < 0:
+        raise RuntimeError(f"the 1-token CUDA step was built with {-err} registers per thread; its setmaxnreg split "
+                           f"(cuda/step1_ops.cuh's kComputeRegs / kOtherRegs) needs 96")
     if err:
         raise RuntimeError(f"the 1-token CUDA step cannot have {smem} bytes of shared memory: CUDA error {err}")
     return props.multi_processor_count, stages, smem

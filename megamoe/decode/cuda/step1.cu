@@ -327,11 +327,20 @@ int megamoe_step1_threads() { return kThreads; }
 
 int megamoe_step1_parts() { return kParts; }
 
-// The kernel's dynamic shared memory limit; once, before the first launch (and outside a CUDA graph capture).
+// The kernel's dynamic shared memory limit and a check of its register count; once, before the first launch (and
+// outside a CUDA graph capture). 0, a CUDA error code, or -(registers per thread) when setmaxnreg cannot work.
 int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return int(err);
-  return int(cudaFuncSetAttribute(step1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const cudaError_t set = cudaFuncSetAttribute(step1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (set != cudaSuccess) return int(set);
+  // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in what
+  // the last warpgroup gives back, or their setmaxnreg.inc would wait forever. -registers per thread if not.
+  cudaFuncAttributes attr;
+  const cudaError_t got = cudaFuncGetAttributes(&attr, step1_kernel);
+  if (got != cudaSuccess) return int(got);
+  if (kComputeThreads * (kComputeRegs - attr.numRegs) > 128 * (attr.numRegs - kOtherRegs)) return -attr.numRegs;
+  return 0;
 }
 
 // Launch on `stream`; 0 or the CUDA error code. A cooperative launch: every CTA must be resident at once.
