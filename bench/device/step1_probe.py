@@ -123,7 +123,8 @@ def main() -> int:
         torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
     tr = torch.full((ctas, 1 + cuda_step1.PARTS, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
     traces = {"cuda": {}, "bare": {"mode": M["bare"]}, "prefetch": {"mode": M["prefetch"]},
-              "noload": {"mode": M["no-load"]}, "noload_bare": {"mode": M["no-load"] | M["bare"]}, **{f"lag{lag}": {"lag": lag} for lag in args.lags},
+              "noload": {"mode": M["no-load"]}, "noload_bare": {"mode": M["no-load"] | M["bare"]},
+              **{f"lag{lag}": {"lag": lag} for lag in args.lags},
               **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}
     for name, kw in ((n, traces[n]) for n in args.traces):  # every block's landing, one flushed launch
         tr.fill_(-1)

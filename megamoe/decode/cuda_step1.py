@@ -35,7 +35,7 @@ STAMP_POINTS = ("set up", "last L1 block asked for", "last block asked for", "L1
 TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)
-MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8}  # step1(mode=...): cuda/step1_params.cuh's kMode* flags
+MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8}  # step1(mode=...): step1_params.cuh's kMode*
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 
@@ -140,7 +140,7 @@ def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[in
     err = lib.megamoe_step1_prepare(device_index, smem)
     if err < 0:
         raise RuntimeError(f"the 1-token CUDA step was built with {-err} registers per thread; its setmaxnreg split "
-                           f"(cuda/step1_ops.cuh's kComputeRegs / kOtherRegs) needs 96")
+                           f"(cuda/step1_ops.cuh's kComputeRegs / kOtherRegs) needs at least 96")
     if err:
         raise RuntimeError(f"the 1-token CUDA step cannot have {smem} bytes of shared memory: CUDA error {err}")
     return props.multi_processor_count, stages, smem
@@ -154,8 +154,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     For probes only: ``stages`` fewer ring stages than fit; ``stamps`` int64 [CTAs, 8] gets when each CTA reached
     its points (``STAMP_POINTS``); ``trace`` int64 [CTAs, 1 + ``PARTS``, ``TRACE_SLOTS``] when the load warp
     issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode``
-    (``MODES``) streaming alone (y then wrong); ``inflight`` a bound on the stages on their way; ``lag`` L1 rounds
-    between an item's last L1 tiles and its L2 tiles in each CTA's order (``LAG``)."""
+    (``MODES``) a probe variant (``step1_params.cuh`` says which leave y wrong); ``inflight`` a bound on the stages
+    on their way; ``lag`` L1 rounds between an item's last L1 tiles and its L2 tiles in each CTA's order (``LAG``)."""
     lib = _library()
     dev = tw.l1_codes.device
     index = device_index(dev)

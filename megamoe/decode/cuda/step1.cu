@@ -359,8 +359,8 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
            static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
-           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages, mode,
-           inflight, lag};
+           static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages,
+           mode, inflight, lag};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
   if (err != cudaSuccess) return int(err);
   cudaLaunchConfig_t cfg = {};

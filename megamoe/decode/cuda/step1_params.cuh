@@ -109,7 +109,8 @@ __device__ void route_items(const Params& p, Items& it) {
 
 // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31 of item `item` (one warp, lane t;
 // gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._l1_epilogue, operation for operation.
-__device__ __forceinline__ void l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct, int t) {
+__device__ __forceinline__ void l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct,
+                                            int t) {
   const float g = fminf(ep[t], p.clamp);
   const float uu = fminf(fmaxf(ep[32 + t], -p.clamp), p.clamp);
   const float e = static_cast<float>(exp(-static_cast<double>(g)));
