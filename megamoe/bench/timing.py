@@ -2,8 +2,8 @@
 
     time_fn(fn, ...)        -> Timing  one CUDA event pair per call, the L2 flushed (or the input sets rotated)
                                        between calls, calls queued in batches behind a spin kernel; at least
-                                       ``repeats`` calls and ``min_time_s`` of samples after ``warmup`` calls and
-                                       ``min_warmup_s`` of warm-up
+                                       ``repeats`` calls and ``min_time_s`` (of wall time on a GPU, of samples on a
+                                       CPU) after ``warmup`` calls and ``min_warmup_s`` of warm-up
     time_graph(fn, ...)     -> Timing  the same from CUDA-graph replays (one graph per input set)
     overhead_check(fn, ...) -> dict    the harness's per-call figure against a bare timed loop of the same calls
 
@@ -240,7 +240,9 @@ def time_fn(fn: Callable, *, args: Sequence[Any] | None = None, warmup: int = 5,
                     t0 = time.perf_counter()
                     call(j)
                     samples.append((time.perf_counter() - t0) * 1e6)
-            elapsed = time.perf_counter() - t_start
+            # On a GPU the pass runs for min_time_s of wall time; on a CPU, where a sample is the call's whole wall
+            # time, for min_time_s of samples (the loop's own microseconds between calls do not count towards it)
+            elapsed = time.perf_counter() - t_start if cuda else sum(samples) / 1e6
             if len(samples) >= target and target < ceiling and elapsed < min_time_s:
                 need = math.ceil((min_time_s - elapsed) / (elapsed / len(samples))) if elapsed > 0 else step
                 target = min(target + min(step, round_to_sets(need, sets)), ceiling)
