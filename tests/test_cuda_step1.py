@@ -1,10 +1,13 @@
-"""The 1-token CUDA step (megamoe/decode/cuda_step1.py, cuda/step1.cu): on a CPU, what it refuses and why, and
-that its source builds with nvcc into a library whose constants agree with the Python side's; on an SM90 GPU, the
-launch against the Triton launches and the reference, bit for bit (selfcheck_step1)."""
+"""The 1-token CUDA step (megamoe/decode/cuda_step1.py, cuda/step1.cu): on a CPU, what it refuses and why, that its
+source builds with nvcc into a library whose constants agree with the Python side's, and that its order of tiles
+takes every tile once without deadlock (tests/cuda/schedule_check.cu); on an SM90 GPU, the launch against the
+Triton launches and the reference, bit for bit (selfcheck_step1)."""
 
 from __future__ import annotations
 
 import ctypes
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +52,19 @@ def test_source_builds_and_agrees_with_the_python_constants(tmp_path):
     assert lib.megamoe_step1_parts() == cuda_step1.PARTS
     assert lib.megamoe_step1_max_terms() == cuda_step1.MAX_TERMS
     assert lib.megamoe_step1_threads() == 128 * cuda_step1.PARTS + 128
+
+
+@pytest.mark.skipif(cuda_step1.nvcc() is None, reason="no nvcc on this machine")
+def test_the_tile_order_takes_every_tile_once_and_cannot_deadlock(tmp_path):
+    """tests/cuda/schedule_check.cu runs the kernel's own Schedule on the host over 1,575 grids, expert counts, tiles
+    per expert and lags (and a hand-made order that must deadlock, so the check can fail)."""
+    src = Path(__file__).with_name("cuda") / "schedule_check.cu"
+    exe = tmp_path / "schedule_check"
+    build = subprocess.run([cuda_step1.nvcc(), "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-o",
+                            str(exe), str(src)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("1575 cases, 0 failed"), run.stdout[-4000:]
 
 
 @pytest.mark.gpu

@@ -56,20 +56,29 @@ struct Items {  // the step's valid slots in slot order (T = 1: one row each); i
 // lie in rounds <= r - lag; the rest after the last round. An L2 tile waits only for its own item's L1 tiles (a
 // count per item in Params::sync), so early items' L2 overlaps the later L1 rounds and no CTA waits on the whole
 // grid but for the last items. No deadlock: the L1 tiles of round r come before any wait a CTA makes in round r,
-// and those waits are for tiles of rounds <= r. The load warp and the computing warpgroups walk the same list.
+// and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the host over many
+// grids and shapes). The load warp, the signal warps and the computing warpgroups walk the same list.
 struct Schedule {
   int n1, n2, tpe1, tpe2, lag;  // L1 / L2 tiles of the step, per item
 
   template <class L1, class L2>
   __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last L1 tile?), l2(tile)
-    const int G = gridDim.x, rounds = (n1 + G - 1) / G;
-    int k = blockIdx.x;
+    walk(blockIdx.x, gridDim.x, l1, l2);
+  }
+
+  // CTA `cta` of `G`'s tiles; on the host too, for tests/cuda/schedule_check.cu.
+#pragma nv_exec_check_disable
+  template <class L1, class L2>
+  __host__ __device__ void walk(int cta, int G, L1 l1, L2 l2) const {
+    const int rounds = (n1 + G - 1) / G;
+    int k = cta;
     for (int r = 0; r < rounds; ++r) {
-      const int j = blockIdx.x + r * G;
+      const int j = cta + r * G;
       if (j < n1) l1(j, j + G >= n1);
       for (; k < n2; k += G) {
         const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's L1 tiles
-        if (min(rounds - 1, last_round + lag) > r) break;
+        const int ready = last_round + lag < rounds - 1 ? last_round + lag : rounds - 1;
+        if (ready > r) break;
         l2(k);
       }
     }
