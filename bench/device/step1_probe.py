@@ -101,32 +101,27 @@ def main() -> int:
     for lag in args.lags:
         if lag != cuda_step1.LAG:
             run(f"cuda_lag{lag}", lambda: cuda_step1.step1(tw, buf, g.clamp, lag=lag))
-    M = cuda_step1.MODES
-    modes = {"bare": M["bare"], "bare_noscales": M["bare"] | M["no-scales"], "prefetch": M["prefetch"],
-             "noload": M["no-load"], "noload_bare": M["no-load"] | M["bare"]}
-    for name, mode in modes.items():
-        if name in args.modes:
-            run(name, lambda: cuda_step1.step1(tw, buf, g.clamp, mode=mode))
+    M = cuda_step1.MODES  # the variants --modes times and --timelines / --traces record
+    variants = {"cuda": {}, "bare": {"mode": M["bare"]}, "bare_noscales": {"mode": M["bare"] | M["no-scales"]},
+                "prefetch": {"mode": M["prefetch"]}, "noload": {"mode": M["no-load"]},
+                "noload_bare": {"mode": M["no-load"] | M["bare"]},
+                **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
+                **{f"lag{lag}": {"lag": lag} for lag in args.lags},
+                **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}
+    for name in args.modes:
+        run(name, lambda: cuda_step1.step1(tw, buf, g.clamp, **variants[name]))
     print(f"[step1] same y as the Triton launches: {res['same_y']}", flush=True)
     nbytes = touched * tw.nbytes_per_expert()
     src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
     run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
-    timelines = {"cuda": {}, "bare": {"mode": M["bare"]}, "prefetch": {"mode": M["prefetch"]},
-                 "noload": {"mode": M["no-load"]},
-                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
-                 **{f"lag{lag}": {"lag": lag} for lag in args.lags}}
-    for name, kw in ((n, timelines[n]) for n in args.timelines):
+    for name, kw in ((n, variants[n]) for n in args.timelines):
         res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
                                            flush)
         print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
         torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
     tr = torch.full((ctas, 1 + cuda_step1.PARTS, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
-    traces = {"cuda": {}, "bare": {"mode": M["bare"]}, "prefetch": {"mode": M["prefetch"]},
-              "noload": {"mode": M["no-load"]}, "noload_bare": {"mode": M["no-load"] | M["bare"]},
-              **{f"lag{lag}": {"lag": lag} for lag in args.lags},
-              **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}
-    for name, kw in ((n, traces[n]) for n in args.traces):  # every block's landing, one flushed launch
+    for name, kw in ((n, variants[n]) for n in args.traces):  # every block's landing, one flushed launch
         tr.fill_(-1)
         flush()
         cuda_step1.step1(tw, buf, g.clamp, trace=tr, **kw)

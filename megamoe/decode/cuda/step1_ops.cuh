@@ -1,5 +1,5 @@
 // Building blocks of the 1-token CUDA step (step1.cu): PTX wrappers (mbarriers, bulk copies, wgmma), the
-// numerics it shares with the Triton kernels, the ring of stages and one block's tensor-core sums.
+// numerics it shares with the Triton kernels, the ring of stages and a stage's tensor-core sums.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -134,7 +134,7 @@ __device__ __forceinline__ uint8_t e4m3_rtne_bits(float q) {  // staging.triton_
   return static_cast<uint8_t>(code | sign);
 }
 
-// ---- the CTA's share of one tile's K blocks ------------------------------------------------------------------------
+// ---- the ring: stages in, stages out, a stage's sums ---------------------------------------------------------------
 
 struct Ring {
   uint8_t* data;
