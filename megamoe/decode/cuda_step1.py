@@ -168,6 +168,10 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 1 + PARTS, TRACE_SLOTS)):
         raise ValueError(f"trace must be int64 [{ctas}, {1 + PARTS}, {TRACE_SLOTS}], got {trace.dtype} "
                          f"{tuple(trace.shape)}")
+    sync_words = 1 + 8 * (tw.intermediate // 4 + tw.intermediate // 32) + 4 * tw.hidden  # step1_params.cuh SyncLayout
+    if buf.step_sync.dtype != torch.int64 or buf.step_sync.numel() < sync_words:
+        raise ValueError(f"buf.step_sync must be int64 with at least {sync_words} elements, got {buf.step_sync.dtype} "
+                         f"[{buf.step_sync.numel()}]")
     if stamps is not None and (stamps.dtype != torch.int64 or tuple(stamps.shape) != (ctas, 8)):
         raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731

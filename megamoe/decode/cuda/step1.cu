@@ -4,19 +4,21 @@
 // the order of a CTA's tiles, the L1 epilogue, the combine). Where the time goes, run by run:
 // bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/ and run36-cuda-step1/.
 //
-// One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp, a release warp, an input
-// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
+// One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp and three input warps
+// (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
 // a list of tiles (Schedule): its L1 tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its L2 tiles
 // the same way, each L2 tile placed `lag` L1 rounds after its item's last L1 round. A tile is a list of stages (two
 // 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in layout_tc.py).
 // The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way), waiting on
 // nothing but free stages, so it runs on into L2's weights while L1 still computes.
 //
-// No grid barrier: an L2 tile needs only its own item's L1 outputs. Warpgroup 0 stores each L1 tile's outputs and
-// tells the release warp (a shared-memory count), which raises the item's count for every CTA (release); the input
-// warp waits for each of its items' counts and reads the item's L2 input row into shared memory (an mbarrier per
-// item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the stores
-// it publishes, and an input read is a round trip through a memory system busy with the weights.
+// No grid barrier, no counts: an L2 tile needs only its own item's L1 outputs, and every signal between CTAs is the
+// data itself as LL words (step1_ops.cuh), flagged with the launch's number. Warpgroup 0 stores each L1 tile's
+// outputs as LL words too; the input warps read each of their items' rows until every word carries the flag, into
+// shared memory (an mbarrier per item tells the warpgroups), off the computing warpgroups' path. Each L2 tile's
+// outputs go out as LL words the same way, and the CTA with the last item's tile of a 64-column slice reads the
+// others' and writes y there. So the last item's row reaches its readers in about one round trip, the combine in
+// one more, and nothing is reset at the end (the launch count is raised with a reduction nobody waits for).
 //
 // A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
 // quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
@@ -43,8 +45,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
   const int hrow = I + kPad;               // an L2 input row in shared memory
-  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag | bars
-  // (ring: full, empty; input_ready) | the routing | the L1 epilogue count
+  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | bars (ring:
+  // full, empty; input_ready) | the routing
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
@@ -52,25 +54,24 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   float* ep = terms + 2 * kMaxTerms * 64;
   float* xsf = ep + 64;
   float* sf2 = xsf + nb1;
-  int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
-  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(sf2 + kMaxTopK * I / 32) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
   uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
   Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
-  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // L1 epilogues warpgroup 0 has stored
-  uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
+  const SyncLayout sl(p.sync, H, I);
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     stamp(p, 6);  // entered
-    route_items(p, it);  // its loads go out first
+    const uint64_t launches = ll_load(sl.count);  // with the routing's loads: one round trip
+    route_items(p, it);
+    it.flag = launch_flag(launches);
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
-    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 1);
+    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 3);  // one arrival per input warp
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    epilogues = 0;
   }
   __syncthreads();  // the barriers and the routing: the load warp starts
 
@@ -78,45 +79,42 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
     regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
-    if (tid >= kComputeThreads + 96) return;  // the idle warp
-    // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
-    // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
-    // while the weights stream.
-    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
-      const int lane = tid % 32;
+    if (tid >= kComputeThreads + 32) {  // ---- the input warps: each item's L2 input row, as soon as it is complete ----
+      const int iw = (tid - kComputeThreads) / 32 - 1, lane = tid % 32;
+      constexpr int kPerLane = 6;  // LL words per lane and round: I <= 2,048 (cuda_step1.geometry_limits) is 576
       uint32_t have = 0;
       sched.for_each([](int, bool) {}, [&](int tile) {
         const int item = tile / tpe2;
         if (have >> item & 1) return;
         have |= 1u << item;
-        if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+        const uint64_t* row = sl.in + size_t(item) * sl.in_words;
+        // Until the item's last L1 tile (in its last round) has stored its scale word, one lane polls that word;
+        // then every lane loads its words until each carries the flag (the round's other tiles end close by).
+        if (lane == 0)
+          while (!ll_ready(ll_load(row + I / 4 + tpe1 - 1), it.flag)) {
+          }
         __syncwarp();
-        const size_t src = size_t(it.row[item]);
-        for (int c = lane; c < I / 16; c += 32)
-          reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
-        for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
+        for (int w0 = 32 * iw + lane; w0 < sl.in_words; w0 += 96 * kPerLane) {
+          uint64_t v[kPerLane];
+          const int n = (sl.in_words - w0 + 95) / 96;
+          ll_wait(v, row + w0, 96, n < kPerLane ? n : kPerLane, it.flag);
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) {
+            const int w = w0 + 96 * j;
+            if (w >= sl.in_words) break;
+            if (w < I / 4)
+              *reinterpret_cast<uint32_t*>(hs + item * hrow + 4 * w) = uint32_t(v[j]);
+            else
+              sf2[item * (I / 32) + w - I / 4] = __uint_as_float(uint32_t(v[j]));
+          }
+        }
         fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
         __syncwarp();
         if (lane == 0) {
           mbar_arrive(&input_ready[item]);
-          stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+          if (iw == 0) stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
         }
       });
-      named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
-      return;
-    }
-    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
-      if (tid % 32 == 0) {
-        uint32_t l1_tiles = 0;
-        sched.for_each(
-            [&](int tile, bool) {
-              wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
-              add_release(l1_done + tile / tpe1, 1);
-            },
-            [](int) {});
-      }
-      __syncwarp();
-      named_sync(3, kComputeThreads + 64);
       return;
     }
     {  // ---- the load warp ----
@@ -202,8 +200,6 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
   int tiles_done = 0;
-  uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
-  int mine = 0;           // this CTA's L2 tiles
   uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
 
   auto l1_tile = [&](int tile, bool last) {
@@ -231,6 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
     if (wg != 0) return;
+#pragma unroll 8  // the loads of eight terms go out before their additions
     for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
       acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
       acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
@@ -240,17 +237,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       ep[r0 + 8] = acc1;
     }
     named_sync(2, 128);
-    if (t < 32) {
-      l1_epilogue(p, ep, it, item, ct, t);
-      __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
-      if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
-    }
+    if (t < 32) l1_epilogue(p, sl, ep, it, item, ct, t);
     if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
   };
 
   auto l2_tile = [&](int tile) {
     const int item = tile / tpe2, ot = tile % tpe2;
-    ++mine;
     if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warp
       mbar_wait(&input_ready[item], 0);
       inputs |= 1u << item;
@@ -281,29 +273,27 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     named_sync(1, kComputeThreads);
     if (wg != 0) return;
+#pragma unroll 8
     for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
       acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
       acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
     }
     if (col0) {
       const int row = it.row[item];
-      p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
-      p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
+      const uint32_t b0 = bf16_bits(acc0), b1 = bf16_bits(acc1);
+      p.slot_out[size_t(row) * H + 64 * ot + r0] = uint16_t(b0);
+      p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = uint16_t(b1);
+      if (item + 1 < it.n)
+        ll_store(sl.out + size_t(item) * sl.out_words + 32 * ot + 8 * (r0 / 16) + r0 % 16, b0 | b1 << 16, it.flag);
+      else
+        combine_tile(p, sl, it, ot, r0, b0 | b1 << 16);
     }
   };
 
   sched.for_each(l1_tile, l2_tile);
 
-  if (wg == 0) combine_tiles(p, it, mine, flag, t);
-  // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
-  // waits by then.
-  named_sync(3, kComputeThreads + 64);  // with the signal warps
   if (tid == 0) {
-    uint32_t* finished = l1_done + kMaxTopK;
-    if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
-      for (int i = 0; i < kMaxTopK; ++i) l1_done[i] = 0;
-      *finished = 0;
-    }
+    launch_done(sl.count);
     stamp(p, 5);  // this CTA done
   }
 }
@@ -315,8 +305,8 @@ extern "C" {
 // Shared memory the kernel needs besides its ring, for the geometry (bytes).
 int megamoe_step1_fixed_smem(int H, int I) {
   const int bytes =
-      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
-  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items)) + 4;  // + input_ready, the routing, a count
+      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32);
+  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items));  // + input_ready, the routing
 }
 
 int megamoe_step1_stage_bytes() { return kStageBytes + 16; }  // a stage and its two mbarriers
@@ -358,7 +348,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(num_touched), static_cast<int32_t*>(touched), static_cast<int32_t*>(seg_start),
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
-           static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
+           static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint64_t*>(sync),
            static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages,
            mode, inflight, lag};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
