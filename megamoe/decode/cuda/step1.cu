@@ -13,16 +13,18 @@
 // nothing but free stages, so it runs on into L2's weights while L1 still computes.
 //
 // No grid barrier, no counts: an L2 tile needs only its own item's L1 outputs, and every signal between CTAs is the
-// data itself as LL words (step1_ops.cuh), flagged with the launch's number. Warpgroup 0 stores each L1 tile's
+// data itself as LL words (step1_ops.cuh), flagged with the launch's number. Each L1 tile's epilogue stores its
 // outputs as LL words too; the input warps read each of their items' rows until every word carries the flag, into
 // shared memory (an mbarrier per item tells the warpgroups), off the computing warpgroups' path. Each L2 tile's
 // outputs go out as LL words the same way, and the CTA with the last item's tile of a 64-column slice reads the
 // others' and writes y there. So the last item's row reaches its readers in about one round trip, the combine in
 // one more, and nothing is reset at the end (the launch count is raised with a reduction nobody waits for).
 //
-// A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
-// quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
-// same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs).
+// A tile's K is split in quarters, one per warpgroup: the warpgroup with the first quarter keeps its running
+// promotion sum, the others store each term of theirs in shared memory, and it replays them in ascending K, the
+// same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs). The first quarter,
+// and with it the replay and the epilogue, goes round the warpgroups tile by tile (quarter_of), and nothing makes
+// the others wait for it: the tile's end no longer holds the whole CTA, and with it the ring, for a replay.
 //
 // Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
 // weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
@@ -45,19 +47,21 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
   const int hrow = I + kPad;               // an L2 input row in shared memory
-  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | bars (ring:
-  // full, empty; input_ready) | the routing
+  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue x2 | x_sf | sf2 | bars (ring:
+  // full, empty; input_ready; terms_in, replayed) | the routing
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
   float* terms = reinterpret_cast<float*>(hs + kMaxTopK * hrow);
   float* ep = terms + 2 * kMaxTerms * 64;
-  float* xsf = ep + 64;
+  float* xsf = ep + 2 * 64;
   float* sf2 = xsf + nb1;
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(sf2 + kMaxTopK * I / 32) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
   uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
-  Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
+  uint64_t* terms_in = input_ready + kMaxTopK;  // per term buffer: the three other warpgroups' terms are in it
+  uint64_t* replayed = terms_in + 2;            // per term buffer: its replay (and L1 epilogue) is done with it
+  Items& it = *reinterpret_cast<Items*>(replayed + 2);
   const SyncLayout sl(p.sync, H, I);
 
   const int tid = threadIdx.x;
@@ -71,6 +75,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
     for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 3);  // one arrival per input warp
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(&terms_in[b], 3 * 128);  // every thread of the three warpgroups that store terms
+      mbar_init(&replayed[b], 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the barriers and the routing: the load warp starts
@@ -148,12 +156,15 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         cur.advance(1, ring.stages);
         trace(p.trace, 0, traced);
       };
-      // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
+      // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn, quarter q
+      // to warpgroup (q + n) % kParts for the CTA's n-th tile (quarter_of)
+      int tiles_issued = 0;
       auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
         const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
+        const int n = tiles_issued++;
         for (int b = 0; b < nb / kParts; b += kBlocks)
-          for (int q = 0; q < kParts; ++q) {
-            const size_t blk = base * nb + q * (nb / kParts) + b;
+          for (int w = 0; w < kParts; ++w) {  // the w-th stage of a round goes to warpgroup w
+            const size_t blk = base * nb + quarter_of(w, n) * (nb / kParts) + b;
             issue(codes + blk * 4096, scales + blk * 256);
           }
       };
@@ -202,12 +213,37 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   int tiles_done = 0;
   uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
 
+  // The CTA's n-th tile: this warpgroup's quarter of its K, and its term buffer (n % 2, whose round n / 2 this is).
+  // The warpgroup with quarter 0 keeps the promotion chain, replays the others' terms and runs the epilogue: that
+  // turn goes round the warpgroups, and no warpgroup waits for another's replay, so each pays it one tile in four
+  // while the ring absorbs its lag. The buffer is written only once its last replay is done (an mbarrier each way).
+  struct Turn {
+    int q, buf;
+    uint32_t round;
+    float* tb;
+  };
+  auto begin_tile = [&]() {
+    const int n = tiles_done++;
+    const Turn turn{quarter_of(wg, n), n & 1, uint32_t(n >> 1), terms + (n & 1) * kMaxTerms * 64};
+    if (turn.round > 0) mbar_wait(&replayed[turn.buf], (turn.round - 1) & 1);
+    return turn;
+  };
+  // The other quarters' terms are stored (theirs: one arrival per thread) / are in (quarter 0: wait for them).
+  auto terms_done = [&](const Turn& turn) {
+    if (turn.q != 0) {
+      mbar_arrive(&terms_in[turn.buf]);
+      return false;
+    }
+    mbar_wait(&terms_in[turn.buf], turn.round & 1);
+    return true;
+  };
+
   auto l1_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
-    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
+    const Turn turn = begin_tile();
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb1 / kParts; b += kBlocks) {
-      const int kb = wg * (nb1 / kParts) + b;
+      const int kb = turn.q * (nb1 / kParts) + b;
       const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[kBlocks][4][2];
       stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
@@ -216,40 +252,44 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][0], dg[j][1][0]), dg[j][2][0]), dg[j][3][0]);
         const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][1], dg[j][1][1]), dg[j][2][1]), dg[j][3][1]);
         const float term0 = __fmul_rn(blk0, xsf[kb + j]), term1 = __fmul_rn(blk1, xsf[kb + j]);
-        if (wg == 0) {
+        if (turn.q == 0) {
           acc0 = __fadd_rn(acc0, term0);
           acc1 = __fadd_rn(acc1, term1);
         } else if (col0) {
-          tb[(kb + j - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
-          tb[(kb + j - nb1 / kParts) * 64 + r0 + 8] = term1;
+          turn.tb[(kb + j - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
+          turn.tb[(kb + j - nb1 / kParts) * 64 + r0 + 8] = term1;
         }
       }
     }
-    named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
-    if (wg != 0) return;
+    if (!terms_done(turn)) return;
 #pragma unroll 8  // the loads of eight terms go out before their additions
     for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
-      acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
-      acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
+      acc0 = __fadd_rn(acc0, turn.tb[b * 64 + r0]);
+      acc1 = __fadd_rn(acc1, turn.tb[b * 64 + r0 + 8]);
     }
+    float* epb = ep + turn.buf * 64;
     if (col0) {
-      ep[r0] = acc0;
-      ep[r0 + 8] = acc1;
+      epb[r0] = acc0;
+      epb[r0 + 8] = acc1;
     }
-    named_sync(2, 128);
-    if (t < 32) l1_epilogue(p, sl, ep, it, item, ct, t);
-    if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+    named_sync(2 + wg, 128);  // the warpgroup's replay read the terms, its rows are in epb
+    if (t < 32) {
+      l1_epilogue(p, sl, epb, it, item, ct, t);
+      __syncwarp();  // every lane has read epb
+      if (t == 0) mbar_arrive(&replayed[turn.buf]);
+      if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+    }
   };
 
   auto l2_tile = [&](int tile) {
     const int item = tile / tpe2, ot = tile % tpe2;
-    if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warp
+    if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warps
       mbar_wait(&input_ready[item], 0);
       inputs |= 1u << item;
     }
-    const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
-    const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
-    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
+    const Turn turn = begin_tile();
+    const uint8_t* hw = hs + item * hrow + turn.q * (I / kParts);  // this warpgroup's quarter of the row's codes
+    const float* sfw = sf2 + item * (I / 32) + turn.q * (I / 32 / kParts);
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / kParts; b += kBlocks) {
       const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
@@ -261,23 +301,24 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         for (int g = 0; g < 4; ++g) {
           const float c = sfw[4 * (b + j) + g];
           const float term0 = __fmul_rn(dg[j][g][0], c), term1 = __fmul_rn(dg[j][g][1], c);
-          if (wg == 0) {
+          if (turn.q == 0) {
             acc0 = __fadd_rn(acc0, term0);
             acc1 = __fadd_rn(acc1, term1);
           } else if (col0) {
-            const int jj = 4 * ((wg - 1) * (nb2 / kParts) + b + j) + g;  // the later quarters' groups, ascending K
-            tb[jj * 64 + r0] = term0;
-            tb[jj * 64 + r0 + 8] = term1;
+            const int jj = 4 * ((turn.q - 1) * (nb2 / kParts) + b + j) + g;  // the later quarters' groups, ascending K
+            turn.tb[jj * 64 + r0] = term0;
+            turn.tb[jj * 64 + r0 + 8] = term1;
           }
         }
     }
-    named_sync(1, kComputeThreads);
-    if (wg != 0) return;
+    if (!terms_done(turn)) return;
 #pragma unroll 8
     for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
-      acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
-      acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
+      acc0 = __fadd_rn(acc0, turn.tb[j * 64 + r0]);
+      acc1 = __fadd_rn(acc1, turn.tb[j * 64 + r0 + 8]);
     }
+    named_sync(2 + wg, 128);  // the warpgroup's replay read the terms
+    if (t == 0) mbar_arrive(&replayed[turn.buf]);
     if (col0) {
       const int row = it.row[item];
       const uint32_t b0 = bf16_bits(acc0), b1 = bf16_bits(acc1);
@@ -305,8 +346,8 @@ extern "C" {
 // Shared memory the kernel needs besides its ring, for the geometry (bytes).
 int megamoe_step1_fixed_smem(int H, int I) {
   const int bytes =
-      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32);
-  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items));  // + input_ready, the routing
+      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 2 * 64 + H / 128 + kMaxTopK * I / 32);
+  return (bytes + 7) / 8 * 8 + 8 * (kMaxTopK + 4) + int(sizeof(Items));  // + input_ready, terms_in, replayed; routing
 }
 
 int megamoe_step1_stage_bytes() { return kStageBytes + 16; }  // a stage and its two mbarriers

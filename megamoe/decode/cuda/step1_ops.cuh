@@ -23,6 +23,10 @@ constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
 constexpr int kTraceSlots = 160;                // probes: stages traced per row (step1.cu's Params::trace)
 
+// The quarter of a tile's K that warpgroup w takes in the CTA's n-th tile: quarter q goes to warpgroup (q + n) % kParts,
+// so the turn of quarter 0 (the replay and epilogue, step1.cu) goes round the warpgroups.
+__device__ __forceinline__ int quarter_of(int w, int n) { return (w - n % kParts + kParts) % kParts; }
+
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
