@@ -403,7 +403,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = (mode & kModePlainLaunch) ? 0 : 1;
   return int(cudaLaunchKernelEx(&cfg, step1_kernel, p));
 }
 

@@ -40,8 +40,9 @@ struct Params {
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
 // only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
 // block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
-// warpgroups alone; y is wrong).
-constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8;
+// warpgroups alone; y is wrong); plain launch: launched without the cooperative attribute (y right; every CTA is
+// resident anyway on an otherwise idle GPU, but nothing guarantees it).
+constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModePlainLaunch = 16;
 
 // Params::sync's parts. in: per item, its L2 input row as LL words (word w < I/4: codes 4w .. 4w + 3; then one per
 // 32 channels: the scale); out: per item, its L2 outputs as LL words (64-column tile ot, word 8 (r / 16) + r % 16
