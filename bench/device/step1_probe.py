@@ -104,7 +104,7 @@ def main() -> int:
     M = cuda_step1.MODES  # the variants --modes times and --timelines / --traces record
     variants = {"cuda": {}, "bare": {"mode": M["bare"]}, "bare_noscales": {"mode": M["bare"] | M["no-scales"]},
                 "prefetch": {"mode": M["prefetch"]}, "noload": {"mode": M["no-load"]},
-                "noload_bare": {"mode": M["no-load"] | M["bare"]}, "plain": {"mode": M["plain-launch"]},
+                "noload_bare": {"mode": M["no-load"] | M["bare"]},
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},
                 **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}

@@ -35,7 +35,7 @@ STAMP_POINTS = ("set up", "last L1 block asked for", "last block asked for", "L1
 TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)
-MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "plain-launch": 16}  # step1(mode=...): step1_params.cuh's kMode*
+MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8}  # step1(mode=...): step1_params.cuh's kMode*
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 
@@ -168,10 +168,6 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 1 + PARTS, TRACE_SLOTS)):
         raise ValueError(f"trace must be int64 [{ctas}, {1 + PARTS}, {TRACE_SLOTS}], got {trace.dtype} "
                          f"{tuple(trace.shape)}")
-    sync_words = 1 + 8 * (tw.intermediate // 4 + tw.intermediate // 32) + 4 * tw.hidden  # step1_params.cuh SyncLayout
-    if buf.step_sync.dtype != torch.int64 or buf.step_sync.numel() < sync_words:
-        raise ValueError(f"buf.step_sync must be int64 with at least {sync_words} elements, got {buf.step_sync.dtype} "
-                         f"[{buf.step_sync.numel()}]")
     if stamps is not None and (stamps.dtype != torch.int64 or tuple(stamps.shape) != (ctas, 8)):
         raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731

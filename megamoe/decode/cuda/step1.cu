@@ -4,27 +4,23 @@
 // the order of a CTA's tiles, the L1 epilogue, the combine). Where the time goes, run by run:
 // bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/ and run36-cuda-step1/.
 //
-// One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp and three input warps
-// (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
+// One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp, a release warp, an input
+// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
 // a list of tiles (Schedule): its L1 tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its L2 tiles
 // the same way, each L2 tile placed `lag` L1 rounds after its item's last L1 round. A tile is a list of stages (two
 // 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in layout_tc.py).
 // The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way), waiting on
 // nothing but free stages, so it runs on into L2's weights while L1 still computes.
 //
-// No grid barrier, no counts: an L2 tile needs only its own item's L1 outputs, and every signal between CTAs is the
-// data itself as LL words (step1_ops.cuh), flagged with the launch's number. Each L1 tile's epilogue stores its
-// outputs as LL words too; the input warps read each of their items' rows until every word carries the flag, into
-// shared memory (an mbarrier per item tells the warpgroups), off the computing warpgroups' path. Each L2 tile's
-// outputs go out as LL words the same way, and the CTA with the last item's tile of a 64-column slice reads the
-// others' and writes y there. So the last item's row reaches its readers in about one round trip, the combine in
-// one more, and nothing is reset at the end (the launch count is raised with a reduction nobody waits for).
+// No grid barrier: an L2 tile needs only its own item's L1 outputs. Warpgroup 0 stores each L1 tile's outputs and
+// tells the release warp (a shared-memory count), which raises the item's count for every CTA (release); the input
+// warp waits for each of its items' counts and reads the item's L2 input row into shared memory (an mbarrier per
+// item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the stores
+// it publishes, and an input read is a round trip through a memory system busy with the weights.
 //
-// A tile's K is split in quarters, one per warpgroup: the warpgroup with the first quarter keeps its running
-// promotion sum, the others store each term of theirs in shared memory, and it replays them in ascending K, the
-// same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs). The first quarter,
-// and with it the replay and the epilogue, goes round the warpgroups tile by tile (quarter_of), and nothing makes
-// the others wait for it: the tile's end no longer holds the whole CTA, and with it the ring, for a replay.
+// A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
+// quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
+// same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs).
 //
 // Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
 // weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
@@ -47,39 +43,34 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
   const int hrow = I + kPad;               // an L2 input row in shared memory
-  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue x2 | x_sf | sf2 | bars (ring:
-  // full, empty; input_ready; terms_in, replayed) | the routing
+  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag | bars
+  // (ring: full, empty; input_ready) | the routing | the L1 epilogue count
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
   float* terms = reinterpret_cast<float*>(hs + kMaxTopK * hrow);
   float* ep = terms + 2 * kMaxTerms * 64;
-  float* xsf = ep + 2 * 64;
+  float* xsf = ep + 64;
   float* sf2 = xsf + nb1;
-  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(sf2 + kMaxTopK * I / 32) + 7) & ~uintptr_t(7));
+  int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
   uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
-  uint64_t* terms_in = input_ready + kMaxTopK;  // per term buffer: the three other warpgroups' terms are in it
-  uint64_t* replayed = terms_in + 2;            // per term buffer: its replay (and L1 epilogue) is done with it
-  Items& it = *reinterpret_cast<Items*>(replayed + 2);
-  const SyncLayout sl(p.sync, H, I);
+  Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
+  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // L1 epilogues warpgroup 0 has stored
+  uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     stamp(p, 6);  // entered
-    const uint64_t launches = ll_load(sl.count);  // with the routing's loads: one round trip
-    route_items(p, it);
-    it.flag = launch_flag(launches);
+    route_items(p, it);  // its loads go out first
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
-    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 3);  // one arrival per input warp
-    for (int b = 0; b < 2; ++b) {
-      mbar_init(&terms_in[b], 3 * 128);  // every thread of the three warpgroups that store terms
-      mbar_init(&replayed[b], 1);
-    }
+    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    epilogues = 0;
   }
   __syncthreads();  // the barriers and the routing: the load warp starts
 
@@ -87,42 +78,45 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
     regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
-    if (tid >= kComputeThreads + 32) {  // ---- the input warps: each item's L2 input row, as soon as it is complete ----
-      const int iw = (tid - kComputeThreads) / 32 - 1, lane = tid % 32;
-      constexpr int kPerLane = 6;  // LL words per lane and round: I <= 2,048 (cuda_step1.geometry_limits) is 576
+    if (tid >= kComputeThreads + 96) return;  // the idle warp
+    // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
+    // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
+    // while the weights stream.
+    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
+      const int lane = tid % 32;
       uint32_t have = 0;
       sched.for_each([](int, bool) {}, [&](int tile) {
         const int item = tile / tpe2;
         if (have >> item & 1) return;
         have |= 1u << item;
-        const uint64_t* row = sl.in + size_t(item) * sl.in_words;
-        // Until the item's last L1 tile (in its last round) has stored its scale word, one lane polls that word;
-        // then every lane loads its words until each carries the flag (the round's other tiles end close by).
-        if (lane == 0)
-          while (!ll_ready(ll_load(row + I / 4 + tpe1 - 1), it.flag)) {
-          }
+        if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
         __syncwarp();
-        for (int w0 = 32 * iw + lane; w0 < sl.in_words; w0 += 96 * kPerLane) {
-          uint64_t v[kPerLane];
-          const int n = (sl.in_words - w0 + 95) / 96;
-          ll_wait(v, row + w0, 96, n < kPerLane ? n : kPerLane, it.flag);
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) {
-            const int w = w0 + 96 * j;
-            if (w >= sl.in_words) break;
-            if (w < I / 4)
-              *reinterpret_cast<uint32_t*>(hs + item * hrow + 4 * w) = uint32_t(v[j]);
-            else
-              sf2[item * (I / 32) + w - I / 4] = __uint_as_float(uint32_t(v[j]));
-          }
-        }
+        const size_t src = size_t(it.row[item]);
+        for (int c = lane; c < I / 16; c += 32)
+          reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
+        for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
         fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
         __syncwarp();
         if (lane == 0) {
           mbar_arrive(&input_ready[item]);
-          if (iw == 0) stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+          stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
         }
       });
+      named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
+      return;
+    }
+    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
+      if (tid % 32 == 0) {
+        uint32_t l1_tiles = 0;
+        sched.for_each(
+            [&](int tile, bool) {
+              wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
+              add_release(l1_done + tile / tpe1, 1);
+            },
+            [](int) {});
+      }
+      __syncwarp();
+      named_sync(3, kComputeThreads + 64);
       return;
     }
     {  // ---- the load warp ----
@@ -156,15 +150,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         cur.advance(1, ring.stages);
         trace(p.trace, 0, traced);
       };
-      // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn, quarter q
-      // to warpgroup (q + n) % kParts for the CTA's n-th tile (quarter_of)
-      int tiles_issued = 0;
+      // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
       auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
         const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
-        const int n = tiles_issued++;
         for (int b = 0; b < nb / kParts; b += kBlocks)
-          for (int w = 0; w < kParts; ++w) {  // the w-th stage of a round goes to warpgroup w
-            const size_t blk = base * nb + quarter_of(w, n) * (nb / kParts) + b;
+          for (int q = 0; q < kParts; ++q) {
+            const size_t blk = base * nb + q * (nb / kParts) + b;
             issue(codes + blk * 4096, scales + blk * 256);
           }
       };
@@ -211,39 +202,16 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
   int tiles_done = 0;
+  uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
+  int mine = 0;           // this CTA's L2 tiles
   uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
-
-  // The CTA's n-th tile: this warpgroup's quarter of its K, and its term buffer (n % 2, whose round n / 2 this is).
-  // The warpgroup with quarter 0 keeps the promotion chain, replays the others' terms and runs the epilogue: that
-  // turn goes round the warpgroups, and no warpgroup waits for another's replay, so each pays it one tile in four
-  // while the ring absorbs its lag. The buffer is written only once its last replay is done (an mbarrier each way).
-  struct Turn {
-    int q, buf;
-    uint32_t round;
-    float* tb;
-  };
-  auto begin_tile = [&]() {
-    const int n = tiles_done++;
-    const Turn turn{quarter_of(wg, n), n & 1, uint32_t(n >> 1), terms + (n & 1) * kMaxTerms * 64};
-    if (turn.round > 0) mbar_wait(&replayed[turn.buf], (turn.round - 1) & 1);
-    return turn;
-  };
-  // The other quarters' terms are stored (theirs: one arrival per thread) / are in (quarter 0: wait for them).
-  auto terms_done = [&](const Turn& turn) {
-    if (turn.q != 0) {
-      mbar_arrive(&terms_in[turn.buf]);
-      return false;
-    }
-    mbar_wait(&terms_in[turn.buf], turn.round & 1);
-    return true;
-  };
 
   auto l1_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
-    const Turn turn = begin_tile();
+    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb1 / kParts; b += kBlocks) {
-      const int kb = turn.q * (nb1 / kParts) + b;
+      const int kb = wg * (nb1 / kParts) + b;
       const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[kBlocks][4][2];
       stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
@@ -252,44 +220,44 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][0], dg[j][1][0]), dg[j][2][0]), dg[j][3][0]);
         const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][1], dg[j][1][1]), dg[j][2][1]), dg[j][3][1]);
         const float term0 = __fmul_rn(blk0, xsf[kb + j]), term1 = __fmul_rn(blk1, xsf[kb + j]);
-        if (turn.q == 0) {
+        if (wg == 0) {
           acc0 = __fadd_rn(acc0, term0);
           acc1 = __fadd_rn(acc1, term1);
         } else if (col0) {
-          turn.tb[(kb + j - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
-          turn.tb[(kb + j - nb1 / kParts) * 64 + r0 + 8] = term1;
+          tb[(kb + j - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
+          tb[(kb + j - nb1 / kParts) * 64 + r0 + 8] = term1;
         }
       }
     }
-    if (!terms_done(turn)) return;
-#pragma unroll 8  // the loads of eight terms go out before their additions
+    named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
+    if (wg != 0) return;
     for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
-      acc0 = __fadd_rn(acc0, turn.tb[b * 64 + r0]);
-      acc1 = __fadd_rn(acc1, turn.tb[b * 64 + r0 + 8]);
+      acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
+      acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
     }
-    float* epb = ep + turn.buf * 64;
     if (col0) {
-      epb[r0] = acc0;
-      epb[r0 + 8] = acc1;
+      ep[r0] = acc0;
+      ep[r0 + 8] = acc1;
     }
-    named_sync(2 + wg, 128);  // the warpgroup's replay read the terms, its rows are in epb
+    named_sync(2, 128);
     if (t < 32) {
-      l1_epilogue(p, sl, epb, it, item, ct, t);
-      __syncwarp();  // every lane has read epb
-      if (t == 0) mbar_arrive(&replayed[turn.buf]);
-      if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+      l1_epilogue(p, ep, it, item, ct, t);
+      __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
+      if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
+    if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
   };
 
   auto l2_tile = [&](int tile) {
     const int item = tile / tpe2, ot = tile % tpe2;
-    if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warps
+    ++mine;
+    if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warp
       mbar_wait(&input_ready[item], 0);
       inputs |= 1u << item;
     }
-    const Turn turn = begin_tile();
-    const uint8_t* hw = hs + item * hrow + turn.q * (I / kParts);  // this warpgroup's quarter of the row's codes
-    const float* sfw = sf2 + item * (I / 32) + turn.q * (I / 32 / kParts);
+    const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
+    const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
+    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / kParts; b += kBlocks) {
       const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
@@ -301,40 +269,41 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         for (int g = 0; g < 4; ++g) {
           const float c = sfw[4 * (b + j) + g];
           const float term0 = __fmul_rn(dg[j][g][0], c), term1 = __fmul_rn(dg[j][g][1], c);
-          if (turn.q == 0) {
+          if (wg == 0) {
             acc0 = __fadd_rn(acc0, term0);
             acc1 = __fadd_rn(acc1, term1);
           } else if (col0) {
-            const int jj = 4 * ((turn.q - 1) * (nb2 / kParts) + b + j) + g;  // the later quarters' groups, ascending K
-            turn.tb[jj * 64 + r0] = term0;
-            turn.tb[jj * 64 + r0 + 8] = term1;
+            const int jj = 4 * ((wg - 1) * (nb2 / kParts) + b + j) + g;  // the later quarters' groups, ascending K
+            tb[jj * 64 + r0] = term0;
+            tb[jj * 64 + r0 + 8] = term1;
           }
         }
     }
-    if (!terms_done(turn)) return;
-#pragma unroll 8
+    named_sync(1, kComputeThreads);
+    if (wg != 0) return;
     for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
-      acc0 = __fadd_rn(acc0, turn.tb[j * 64 + r0]);
-      acc1 = __fadd_rn(acc1, turn.tb[j * 64 + r0 + 8]);
+      acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
+      acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
     }
-    named_sync(2 + wg, 128);  // the warpgroup's replay read the terms
-    if (t == 0) mbar_arrive(&replayed[turn.buf]);
     if (col0) {
       const int row = it.row[item];
-      const uint32_t b0 = bf16_bits(acc0), b1 = bf16_bits(acc1);
-      p.slot_out[size_t(row) * H + 64 * ot + r0] = uint16_t(b0);
-      p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = uint16_t(b1);
-      if (item + 1 < it.n)
-        ll_store(sl.out + size_t(item) * sl.out_words + 32 * ot + 8 * (r0 / 16) + r0 % 16, b0 | b1 << 16, it.flag);
-      else
-        combine_tile(p, sl, it, ot, r0, b0 | b1 << 16);
+      p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
+      p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
     }
   };
 
   sched.for_each(l1_tile, l2_tile);
 
+  if (wg == 0) combine_tiles(p, it, mine, flag, t);
+  // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
+  // waits by then.
+  named_sync(3, kComputeThreads + 64);  // with the signal warps
   if (tid == 0) {
-    launch_done(sl.count);
+    uint32_t* finished = l1_done + kMaxTopK;
+    if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
+      for (int i = 0; i < kMaxTopK; ++i) l1_done[i] = 0;
+      *finished = 0;
+    }
     stamp(p, 5);  // this CTA done
   }
 }
@@ -346,8 +315,8 @@ extern "C" {
 // Shared memory the kernel needs besides its ring, for the geometry (bytes).
 int megamoe_step1_fixed_smem(int H, int I) {
   const int bytes =
-      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 2 * 64 + H / 128 + kMaxTopK * I / 32);
-  return (bytes + 7) / 8 * 8 + 8 * (kMaxTopK + 4) + int(sizeof(Items));  // + input_ready, terms_in, replayed; routing
+      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
+  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items)) + 4;  // + input_ready, the routing, a count
 }
 
 int megamoe_step1_stage_bytes() { return kStageBytes + 16; }  // a stage and its two mbarriers
@@ -389,7 +358,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
            static_cast<int32_t*>(num_touched), static_cast<int32_t*>(touched), static_cast<int32_t*>(seg_start),
            static_cast<int32_t*>(seg_count), static_cast<int32_t*>(row_token), static_cast<float*>(row_weight),
            static_cast<int32_t*>(slot_row), static_cast<uint8_t*>(l2_q), static_cast<float*>(l2_sf),
-           static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint64_t*>(sync),
+           static_cast<uint16_t*>(slot_out), static_cast<uint16_t*>(y), static_cast<uint32_t*>(sync),
            static_cast<int64_t*>(stamps), static_cast<int64_t*>(trace), clamp, H, I, K, expert_lo, num_local, stages,
            mode, inflight, lag};
   const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
@@ -403,7 +372,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = (mode & kModePlainLaunch) ? 0 : 1;
+  cfg.numAttrs = 1;
   return int(cudaLaunchKernelEx(&cfg, step1_kernel, p));
 }
 

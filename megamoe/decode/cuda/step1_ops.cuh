@@ -23,10 +23,6 @@ constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
 constexpr int kTraceSlots = 160;                // probes: stages traced per row (step1.cu's Params::trace)
 
-// The quarter of a tile's K that warpgroup w takes in the CTA's n-th tile: quarter q goes to warpgroup (q + n) % kParts,
-// so the turn of quarter 0 (the replay and epilogue, step1.cu) goes round the warpgroups.
-__device__ __forceinline__ int quarter_of(int w, int n) { return (w - n % kParts + kParts) % kParts; }
-
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -246,54 +242,36 @@ __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int ti
     }
 }
 
-// ---- LL words: the step's signals and the data they guard in one 8-byte access --------------------------------------
-// An LL word is 4 data bytes (low half) and a 32-bit flag (high half), stored and loaded as one 64-bit scalar, which is
-// single-copy atomic: a reader that sees this launch's flag sees the data the writer put beside it. So a signal needs
-// no fence, no count and no second read (the fence of a release, the count and then the read of the data were three
-// round trips through a memory system busy with the weights). The flag is the launch's (``launch_flag``), so no word
-// needs resetting between launches.
-
-__device__ __forceinline__ void ll_store(uint64_t* word, uint32_t data, uint32_t flag) {
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"((uint64_t(flag) << 32) | data) : "memory");
-}
-
-__device__ __forceinline__ uint64_t ll_load(const uint64_t* word) {  // from the L2 cache (relaxed, GPU scope)
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ bool ll_ready(uint64_t v, uint32_t flag) { return uint32_t(v >> 32) == flag; }
-
-// n <= N LL words at word + stride j (j < n) -> v[j], each loaded until it carries `flag`; all loads of a round go
-// out together.
-template <int N>
-__device__ __forceinline__ void ll_wait(uint64_t (&v)[N], const uint64_t* word, size_t stride, int n, uint32_t flag) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) v[j] = j < n ? ll_load(word + j * stride) : uint64_t(flag) << 32;
-  bool done;
+// A count another CTA raises (release) reaches `target`: one thread polls it relaxed, then one acquire fence (an
+// acquire load in the loop would invalidate the SM's L1 at every poll, spilled registers included); the caller's
+// barrier passes the order on to the rest of its threads.
+__device__ __forceinline__ void wait_count(const uint32_t* count, uint32_t target) {
+  uint32_t now;
   do {
-    done = true;
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      if (!ll_ready(v[j], flag)) {
-        v[j] = ll_load(word + j * stride);
-        done = false;
-      }
-  } while (!done);
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
+  } while (now < target);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-// The launch count: every launch adds 2**16 to it in all (CTA 0 2**16 - G + 1, each other CTA 1, as it ends), so a
-// CTA that reads it before it adds its own share reads launch 2**16 n + (fewer than 2**16) whatever the others have
-// done. Its flag: the launch number with the top bit set (never the 0 of a fresh buffer); it repeats only after 2**31
-// launches.
-__device__ __forceinline__ uint32_t launch_flag(uint64_t count) {
-  return 0x80000000u | (uint32_t(count >> 16) & 0x7FFFFFFFu);
+__device__ __forceinline__ void wait_count_cta(const uint32_t* count, uint32_t target) {  // shared memory
+  uint32_t now;
+  do {
+    asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(now) : "r"(smem_addr(count)) : "memory");
+  } while (now < target);
 }
 
-__device__ __forceinline__ void launch_done(uint64_t* count) {
-  const uint64_t share = blockIdx.x == 0 ? 65536u - gridDim.x + 1 : 1u;
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(count), "l"(share) : "memory");
+__device__ __forceinline__ void store_release_cta(uint32_t* count, uint32_t v) {  // shared memory
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(count)), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void add_release(uint32_t* count, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(count), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t atomic_add_acq_rel(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 
 }  // namespace

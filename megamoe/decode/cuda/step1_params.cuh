@@ -25,8 +25,7 @@ struct Params {
   float* l2_sf;        // [S, I/32]
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
-  uint64_t* sync;      // [1 + kMaxTopK (I/4 + I/32) + kMaxTopK H/2] (SyncLayout): the launch count, then LL words
-                       // (step1_ops.cuh) of each item's L2 input row and of each item's L2 outputs
+  uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, L1 tiles done per item, CTAs done
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
                        // 0) and when warpgroup w found each of its stages landed (row 1 + w)
@@ -40,26 +39,11 @@ struct Params {
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
 // only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
 // block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
-// warpgroups alone; y is wrong); plain launch: launched without the cooperative attribute (y right; every CTA is
-// resident anyway on an otherwise idle GPU, but nothing guarantees it).
-constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModePlainLaunch = 16;
-
-// Params::sync's parts. in: per item, its L2 input row as LL words (word w < I/4: codes 4w .. 4w + 3; then one per
-// 32 channels: the scale); out: per item, its L2 outputs as LL words (64-column tile ot, word 8 (r / 16) + r % 16
-// for r % 16 < 8: the bf16 bits of rows r (low) and r + 8 (high)).
-struct SyncLayout {
-  uint64_t* count;
-  uint64_t* in;
-  uint64_t* out;
-  int in_words, out_words;  // per item
-  __host__ __device__ SyncLayout(uint64_t* sync, int H, int I)
-      : count(sync), in(sync + 1), out(sync + 1 + kMaxTopK * (I / 4 + I / 32)), in_words(I / 4 + I / 32),
-        out_words(H / 2) {}
-};
+// warpgroups alone; y is wrong).
+constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
-  uint32_t flag;              // this launch's LL flag
   int slot_expert[kMaxTopK];  // per slot: its local expert or -1
   int expert[kMaxTopK];
   int row[kMaxTopK];
@@ -133,10 +117,9 @@ __device__ void route_items(const Params& p, Items& it) {
 }
 
 // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31 of item `item` (one warp, lane t;
-// gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf (triton_tc._l1_epilogue, operation for operation), and the same as
-// the item's LL words (SyncLayout::in), which every CTA with an L2 tile of the item waits for.
-__device__ __forceinline__ void l1_epilogue(const Params& p, const SyncLayout& sl, const float* ep, const Items& it,
-                                            int item, int ct, int t) {
+// gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._l1_epilogue, operation for operation.
+__device__ __forceinline__ void l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct,
+                                            int t) {
   const float g = fminf(ep[t], p.clamp);
   const float uu = fminf(fmaxf(ep[32 + t], -p.clamp), p.clamp);
   const float e = static_cast<float>(exp(-static_cast<double>(g)));
@@ -148,35 +131,35 @@ __device__ __forceinline__ void l1_epilogue(const Params& p, const SyncLayout& s
   const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
   const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
   const int row = it.row[item];
-  const uint32_t code = e4m3_rtne_bits(qv);
-  p.l2_q[size_t(row) * p.I + 32 * ct + t] = uint8_t(code);
+  p.l2_q[size_t(row) * p.I + 32 * ct + t] = e4m3_rtne_bits(qv);
   if (t == 0) p.l2_sf[size_t(row) * (p.I / 32) + ct] = sf;
-  const uint32_t word = code | __shfl_down_sync(0xFFFFFFFFu, code, 1) << 8 | __shfl_down_sync(0xFFFFFFFFu, code, 2) << 16 |
-                        __shfl_down_sync(0xFFFFFFFFu, code, 3) << 24;  // lanes 4j: channels 4j .. 4j + 3
-  uint64_t* ll = sl.in + size_t(item) * sl.in_words;
-  if (t % 4 == 0) ll_store(ll + 8 * ct + t / 4, word, it.flag);
-  if (t == 0) ll_store(ll + p.I / 4 + ct, __float_as_uint(sf), it.flag);
 }
 
-// The combine of 64-column tile ot, by the CTA with the step's last item's L2 tile for it (warpgroup 0, the lanes of
-// rows r0, r0 + 8; mine: their bf16 outputs): the other items' outputs from their LL words (SyncLayout::out), then
-// the slot-ordered FP32 sum and one bf16 rounding (triton_combine.combine_tile's; items are the valid slots in slot
-// order). The others' L2 tiles never wait for a combine, so the wait cannot deadlock.
-__device__ __forceinline__ void combine_tile(const Params& p, const SyncLayout& sl, const Items& it, int ot, int r0,
-                                             uint32_t mine) {
-  uint64_t v[kMaxTopK - 1];
-  ll_wait(v, sl.out + size_t(ot) * 32 + 8 * (r0 / 16) + r0 % 16, size_t(sl.out_words), it.n - 1, it.flag);
-  float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-  for (int j = 0; j < kMaxTopK - 1; ++j) {
-    if (j >= it.n - 1) break;
-    s0 = __fadd_rn(s0, __uint_as_float(uint32_t(v[j]) << 16));
-    s1 = __fadd_rn(s1, __uint_as_float(uint32_t(v[j]) >> 16 << 16));
+// The combine of each of this CTA's `mine` 64-column L2 tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
+// last of the step's rows for it: one count per tile, all counted at once, then the last writer's slot-ordered
+// sums (triton_combine.combine_tile's). Warpgroup 0 (lane t of 128) after its slot_out stores; flag: shared scratch.
+__device__ __forceinline__ void combine_tiles(const Params& p, const Items& it, int mine, int* flag, int t) {
+  const int tpe2 = p.H / 64;
+  named_sync(2, 128);
+  if (t < mine) {  // lane i counts tile i in (acq_rel: the warpgroup's slot_out stores before, the sums after)
+    const int ot = (blockIdx.x + t * gridDim.x) % tpe2;
+    const bool last = atomic_add_acq_rel(&p.sync[ot], 1u) == uint32_t(it.n - 1);
+    if (last) p.sync[ot] = 0;  // for the next launch
+    const uint32_t mask = __ballot_sync(0xFFFFFFFFu >> (32 - mine), last);
+    if (t == 0) flag[0] = int(mask);
   }
-  s0 = __fadd_rn(s0, __uint_as_float(mine << 16));
-  s1 = __fadd_rn(s1, __uint_as_float(mine >> 16 << 16));
-  p.y[64 * ot + r0] = bf16_bits(s0);
-  p.y[64 * ot + r0 + 8] = bf16_bits(s1);
+  named_sync(2, 128);
+  const uint32_t last = uint32_t(flag[0]);
+  for (int c = t; c < mine * 64; c += 128) {
+    if (!(last >> (c / 64) & 1)) continue;
+    const int col = 64 * ((blockIdx.x + (c / 64) * gridDim.x) % tpe2) + c % 64;
+    float acc = 0.f;
+    for (int k = 0; k < p.K; ++k) {
+      const int r = it.slot_row[k];
+      if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * p.H + col)) << 16));
+    }
+    p.y[col] = bf16_bits(acc);
+  }
 }
 
 // Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
