@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 
 from megamoe.decode import cuda_step1  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
-from megamoe.decode.moe import DecodeBuffers  # noqa: E402
+from megamoe.decode.gemv import LaunchConfig  # noqa: E402
+from megamoe.decode.moe import DecodeBuffers, one_cuda_launch  # noqa: E402
 from megamoe.decode.selfcheck import case_weights, geometry_of  # noqa: E402
 from megamoe.decode.selfcheck_step1 import CASES, passed_step1, run_step1_case  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
@@ -34,6 +36,19 @@ def test_unsupported_says_why_before_any_launch():
     buf = DecodeBuffers.allocate(g, 2, "cpu")
     assert cuda_step1.unsupported(tw, buf, 2) == "one token per step only, got 2"
     assert cuda_step1.unsupported(tw, buf, 1) == "needs a CUDA device (not the interpreter)"
+
+
+def test_asking_for_the_step_where_it_cannot_run_warns_and_falls_back():
+    g = geometry_of("tiny")
+    tw = prepare_tc_weights(case_weights("tiny", "cpu"))
+    buf = DecodeBuffers.allocate(g, 2, "cpu")
+    wanted = LaunchConfig(tc_cuda_step1=True)
+    with pytest.warns(RuntimeWarning, match=r"cannot run here \(needs a CUDA device \(not the interpreter\)\)"):
+        assert not one_cuda_launch(tw, buf, 1, wanted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not asked for, or not one token: nothing to say
+        assert not one_cuda_launch(tw, buf, 1, LaunchConfig())
+        assert not one_cuda_launch(tw, buf, 2, wanted)
 
 
 def test_the_backend_runs_the_triton_launches_at_one_token():

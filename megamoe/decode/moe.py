@@ -16,6 +16,7 @@ be captured in a CUDA graph and replayed after each ``stage``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -148,6 +149,19 @@ def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
         raise ValueError(f"the weights hold {dw.num_experts} experts but the buffers route over {buf.num_local}")
 
 
+def one_cuda_launch(tw: TCWeights, buf: DecodeBuffers, num_tokens: int, cfg: LaunchConfig) -> bool:
+    """Whether ``moe_decode`` runs this step as the one CUDA launch (``LaunchConfig.tc_cuda_step1``, 1 token). When
+    the config asks for it at 1 token and this machine cannot run it, a RuntimeWarning says why (once per reason
+    and call site, Python's default filter) and the Triton launches run instead: the same bits, another speed."""
+    if not cfg.tc_cuda_step1 or num_tokens != 1:
+        return False
+    why = cuda_step1.unsupported(tw, buf, num_tokens)
+    if why is not None:
+        warnings.warn(f"LaunchConfig.tc_cuda_step1: the 1-token CUDA step cannot run here ({why}); the Triton "
+                      "launches run instead, with the same bits", RuntimeWarning, stacklevel=3)
+    return why is None
+
+
 def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
@@ -155,7 +169,7 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
     first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
     _check(dw, buf, num_tokens)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
-    if tensor_cores and cfg.tc_cuda_step1 and cuda_step1.unsupported(dw, buf, num_tokens) is None:
+    if tensor_cores and one_cuda_launch(dw, buf, num_tokens, cfg):
         return cuda_step1.step1(dw, buf, clamp)  # the whole 1-token step in one launch, the same bits
     if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
