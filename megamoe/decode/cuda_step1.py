@@ -15,7 +15,7 @@ so the backend leaves it off: ``LaunchConfig.tc_cuda_step1`` turns it on.
 The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
 ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot
 take it (no SM90 GPU, no nvcc, more than one token, a geometry past its shared-memory budget); ``moe_decode`` then
-runs the Triton launches, which give the same bits.
+runs the Triton launches, which give the same bits, and at 1 token warns why (``moe.one_cuda_launch``).
 """
 
 from __future__ import annotations
