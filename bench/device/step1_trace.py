@@ -1,0 +1,87 @@
+"""Read a saved trace of the 1-token CUDA step (``step1_probe.py --traces``: int64 [CTAs, 1 + 4, slots], row 0 when
+the load warp issued each stage, row 1 + w when warpgroup w found each of its stages landed; %globaltimer ns, -1
+or 0 where nothing was recorded) and say where the load warp stopped.
+
+    python3 bench/device/step1_trace.py TRACE.pt [TRACE.pt ...] [--l1-stages 16 --l2-stages 8 --gap-us 1.0]
+
+Per trace, in us from the first issue of any CTA:
+- the load warp's gaps longer than ``--gap-us`` between two issues, summed per CTA (p50 / max), and how much of it
+  fell just before a tile's first stage;
+- the p50 over CTAs of the gap before each tile's first stage;
+- when the last stage was issued, and when its warpgroup found the CTA's last stage (p50 / max).
+
+Tile boundaries assume the CTA's L1 tiles come before its L2 tiles, in equal numbers or one more L1 tile (the
+step's default `lag` with as many L1 as L2 tiles per expert, as at DeepSeek-V4-Flash: 16 stages per L1 tile and
+8 per L2 tile there). No GPU needed."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def tile_starts(stages: int, l1_stages: int, l2_stages: int) -> list[int]:
+    """The stage indices (> 0) where a CTA's tiles begin, for a CTA with ``stages`` stages: a L1 tiles, then b L2
+    tiles, a = b or a = b + 1. Empty when no such split exists."""
+    for b in range(stages // l2_stages + 1):
+        for a in (b, b + 1):
+            if a * l1_stages + b * l2_stages == stages:
+                starts = [l1_stages * i for i in range(1, a + 1)] + [a * l1_stages + l2_stages * i for i in range(1, b)]
+                return [s for s in starts if 0 < s < stages]
+    return []
+
+
+def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_us: float = 1.0) -> dict:
+    """trace int64 [CTAs, 1 + warpgroups, slots] -> the figures above (us)."""
+    t = trace.double()
+    issued = t[:, 0]
+    if not (issued > 0).any():
+        raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
+    base = issued[issued > 0].min()
+    gaps_total, gaps_at_starts, last_issue, last_found = [], [], [], []
+    before_start: dict[int, list[float]] = {}
+    for c in range(t.shape[0]):
+        n = int((issued[c] > 0).sum())
+        if n == 0:
+            continue
+        times = (issued[c, :n] - base) / 1e3
+        gaps = times[1:] - times[:-1]  # gaps[k - 1]: before stage k
+        long = gaps > gap_us
+        gaps_total.append(float(gaps[long].sum()))
+        starts = tile_starts(n, l1_stages, l2_stages)
+        gaps_at_starts.append(sum(float(gaps[k - 1]) for k in starts if long[k - 1]))
+        for k in starts:
+            before_start.setdefault(k, []).append(float(gaps[k - 1]))
+        last_issue.append(float(times[-1]))
+        found = t[c, 1:]
+        last_found.append(float((found[found > 0].max() - base) / 1e3))
+    p50 = statistics.median
+    return {
+        "ctas": len(gaps_total),
+        "gaps_per_cta_us": {"p50": round(p50(gaps_total), 2), "max": round(max(gaps_total), 2)},
+        "gaps_before_tile_starts_p50_us": round(p50(gaps_at_starts), 2),
+        "gap_before_stage_p50_us": {k: round(p50(v), 2) for k, v in sorted(before_start.items())},
+        "last_issue_us": {"p50": round(p50(last_issue), 2), "max": round(max(last_issue), 2)},
+        "last_found_us": {"p50": round(p50(last_found), 2), "max": round(max(last_found), 2)},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--l1-stages", type=int, default=16)
+    ap.add_argument("--l2-stages", type=int, default=8)
+    ap.add_argument("--gap-us", type=float, default=1.0)
+    args = ap.parse_args()
+    for path in args.traces:
+        s = summarize(torch.load(path), args.l1_stages, args.l2_stages, args.gap_us)
+        print(path)
+        for k, v in s.items():
+            print(f"  {k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

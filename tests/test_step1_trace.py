@@ -1,0 +1,70 @@
+"""bench/device/step1_trace.py: where the 1-token CUDA step's load warp stopped, read from a saved trace (the
+traces themselves come from the H200). Checked on hand-made traces whose gaps are known."""
+
+import importlib.util
+import pathlib
+import random
+
+import pytest
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "device" / "step1_trace.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("step1_trace", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tile_starts_put_the_l1_tiles_first():
+    mod = _module()
+    assert mod.tile_starts(72, 16, 8) == [16, 32, 48, 56, 64]  # 3 L1 tiles, 3 L2 tiles
+    assert mod.tile_starts(48, 16, 8) == [16, 32, 40]  # 2 and 2
+    assert mod.tile_starts(24, 16, 8) == [16]  # 1 and 1
+    assert mod.tile_starts(40, 16, 8) == [16, 32]  # 2 L1 tiles and 1 L2 tile
+    assert mod.tile_starts(7, 16, 8) == []
+
+
+def _trace(issue_us, found_us, base_ns):
+    """One CTA per row: issue times (us) and the last found time (us) -> int64 [CTAs, 5, 80], -1 where unset."""
+    t = torch.full((len(issue_us), 5, 80), -1, dtype=torch.int64)
+    for c, (iss, found) in enumerate(zip(issue_us, found_us)):
+        t[c, 0, : len(iss)] = torch.tensor([base_ns + round(x * 1e3) for x in iss])
+        t[c, 1 + c % 4, 0] = base_ns + round(found * 1e3)
+    return t
+
+
+def test_the_summary_finds_the_gaps_put_in():
+    mod = _module()
+    rng = random.Random(7)
+    base = rng.randrange(10**12, 10**13)  # %globaltimer values are large
+    issue, found, stalls = [], [], []
+    for c in range(5):
+        stall = 2.0 + c  # before the second L1 tile (stage 16) only; every other step 0.5 us
+        times, now = [], rng.uniform(0.0, 0.3)
+        for k in range(72):
+            if k:
+                now += 0.5 + (stall if k == 16 else 0.0)
+            times.append(now)
+        issue.append(times)
+        found.append(times[-1] + 2.5)
+        stalls.append(stall + 0.5)
+    s = mod.summarize(_trace(issue, found, base))
+    first = min(x[0] for x in issue)
+    assert s["ctas"] == 5
+    assert s["gaps_per_cta_us"] == {"p50": pytest.approx(sorted(stalls)[2], abs=0.01),
+                                   "max": pytest.approx(max(stalls), abs=0.01)}
+    assert s["gaps_before_tile_starts_p50_us"] == pytest.approx(sorted(stalls)[2], abs=0.01)
+    assert s["gap_before_stage_p50_us"][16] == pytest.approx(sorted(stalls)[2], abs=0.01)
+    assert s["gap_before_stage_p50_us"][48] == pytest.approx(0.5, abs=0.01)
+    lasts = sorted(x[-1] - first for x in issue)
+    assert s["last_issue_us"]["max"] == pytest.approx(lasts[-1], abs=0.01)
+    assert s["last_found_us"]["p50"] == pytest.approx(lasts[2] + 2.5, abs=0.01)
+
+
+def test_a_trace_without_issue_times_is_refused():
+    mod = _module()
+    with pytest.raises(ValueError, match="no issue times"):
+        mod.summarize(torch.full((2, 5, 8), -1, dtype=torch.int64))
