@@ -1,0 +1,101 @@
+"""Versions of the 1-token CUDA step side by side on one H200 with nvcc. For each checkout directory, in turn on the
+same card: its selfcheck (the step's bits against the Triton launches and the reference) and its probe (the step
+beside the Triton launches and a plain read, in one process, with a trace of one launch). Then one table.
+
+    git worktree add ../rot step1-rotation && git worktree add ../rot-counts step1-rotation-counts
+    python3 bench/device/step1_ab.py . ../rot ../rot-counts --out $OUT
+    python3 bench/device/step1_ab.py --summarize $OUT          # the table again, on any machine
+
+Compare versions by each probe's ratio to its own Triton launches (code every checkout shares): each checkout
+runs in its own processes, so their absolute times are further apart than two launches in one process.
+Files: $OUT/<i>-<name>/{check.jsonl, check.log, probe.log, step1_probe.json, stamps-cuda.pt, trace-cuda.pt},
+$OUT/summary.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step1_trace import summarize as trace_summary  # noqa: E402
+
+
+def run_version(checkout: Path, out: Path, modes: list[str], timeout_s: int = 300) -> None:
+    """The selfcheck and the probe of one checkout, with its own package on the path, into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    with open(out / "check.jsonl", "w") as rows, open(out / "check.log", "w") as log:
+        subprocess.run([sys.executable, "-m", "megamoe.decode.selfcheck_step1", "--repeats", "4"], cwd=checkout,
+                       env=env, stdout=rows, stderr=log, timeout=timeout_s, check=False)
+    with open(out / "probe.log", "w") as log:
+        subprocess.run([sys.executable, "bench/device/step1_probe.py", "--out", str(out), "--stages", "--inflight",
+                        "--lags", "--modes", *modes, "--timelines", "cuda", "--traces", "cuda"], cwd=checkout,
+                       env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+
+
+def summarize(out: Path) -> list[dict]:
+    """One row per version folder of ``out`` (in their order): checks passed, the step and the Triton launches
+    (median us, p10, kineto), their ratio, a plain read, and the trace's stalls and last stage found."""
+    rows = []
+    for d in sorted(p for p in out.iterdir() if (p / "step1_probe.json").exists()):
+        probe = json.loads((d / "step1_probe.json").read_text())
+        checks = [json.loads(line) for line in (d / "check.jsonl").read_text().splitlines() if line.startswith("{")]
+        t = probe["rows"]
+        row = {"version": d.name, "commit": probe.get("commit"), "same_y": probe.get("same_y"),
+               "checks": f"{sum(bool(c.get('passed')) for c in checks)} of {len(checks)}",
+               "cuda_us": t["cuda"]["median_us"], "cuda_p10_us": t["cuda"]["p10_us"],
+               "triton_us": t["triton"]["median_us"], "read_us": t.get("read", {}).get("median_us"),
+               "cuda_kernel_us": sum(t["cuda"].get("kineto_us", {}).values()) or None}
+        row["cuda_over_triton"] = row["cuda_us"] / row["triton_us"]
+        trace = d / "trace-cuda.pt"
+        if trace.exists():
+            s = trace_summary(torch.load(trace))
+            row["stalls_p50_us"] = s["gaps_per_cta_us"]["p50"]
+            row["last_found_max_us"] = s["last_found_us"]["max"]
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| version | commit | checks passed | same y | step us (p10; kernel) | Triton us | step / Triton | "
+            "read us | load stalls per CTA, p50 us | last stage found, max us |\n|---|---|---|---|---:|---:|---:|---:|"
+            "---:|---:|")
+    f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = [f"| {r['version']} | {r['commit']} | {r['checks']} | {r['same_y']} | {f(r['cuda_us'])} "
+             f"({f(r['cuda_p10_us'])}; {f(r['cuda_kernel_us'])}) | {f(r['triton_us'])} | "
+             f"{f(r['cuda_over_triton'], 3)} | {f(r['read_us'])} | {f(r.get('stalls_p50_us'))} | "
+             f"{f(r.get('last_found_max_us'))} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkouts", nargs="*", help="repository checkouts, one per version")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--modes", nargs="*", default=["bare", "noload"], help="probe modes every version has")
+    ap.add_argument("--summarize", metavar="OUT", help="only print the table of an earlier run's folder")
+    args = ap.parse_args()
+    if args.summarize:
+        print(table(summarize(Path(args.summarize))))
+        return 0
+    if not args.checkouts or not args.out:
+        ap.error("give the checkouts and --out (or --summarize OUT)")
+    out = Path(args.out)
+    for i, c in enumerate(args.checkouts, 1):
+        checkout = Path(c).resolve()
+        print(f"[step1_ab] {checkout}", flush=True)
+        run_version(checkout, out / f"{i}-{checkout.name}", args.modes)
+    text = table(summarize(out))
+    (out / "summary.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""bench/device/step1_ab.py's table, read from two runs' saved files (run 36's kernel and run 37's LL version, one
+H200 each); running the versions needs the H200."""
+
+import importlib.util
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PATH = _ROOT / "bench" / "device" / "step1_ab.py"
+_RUNS = _ROOT / "bench" / "results" / "2026-12-04_nvidia-h200_decode-tc"
+_SAVED = {  # version folder -> (probe json, selfcheck rows, trace) of a run
+    "1-run36": tuple(f"run36-cuda-step1/{f}" for f in ("probe-11.json", "check-11.jsonl", "trace-784b68b.pt")),
+    "2-run37": tuple(f"run37-cuda-step1/{f}" for f in ("probe-1.json", "check-1.jsonl", "trace-4887964.pt")),
+}
+
+
+def _module():
+    sys.path.insert(0, str(_PATH.parent))
+    spec = importlib.util.spec_from_file_location("step1_ab", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def out(tmp_path):
+    for name, (probe, check, trace) in _SAVED.items():
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(_RUNS / probe, d / "step1_probe.json")
+        shutil.copy(_RUNS / check, d / "check.jsonl")
+        shutil.copy(_RUNS / trace, d / "trace-cuda.pt")
+    (tmp_path / "not-a-version").mkdir()  # no probe file: left out
+    return tmp_path
+
+
+def test_the_table_holds_each_versions_figures(out):
+    rows = _module().summarize(out)
+    assert [r["version"] for r in rows] == ["1-run36", "2-run37"]
+    for r, (probe, check, _) in zip(rows, _SAVED.values()):
+        saved = json.loads((_RUNS / probe).read_text())
+        assert r["commit"] == saved["commit"] and r["same_y"] is True
+        assert r["cuda_us"] == saved["rows"]["cuda"]["median_us"]
+        assert r["cuda_over_triton"] == pytest.approx(saved["rows"]["cuda"]["median_us"]
+                                                      / saved["rows"]["triton"]["median_us"])
+        assert r["read_us"] == saved["rows"]["read"]["median_us"]
+        n = sum(1 for line in (_RUNS / check).read_text().splitlines() if line.startswith("{"))
+        assert r["checks"] == f"{n} of {n}" and n == 5
+        assert 0 < r["stalls_p50_us"] < r["last_found_max_us"]
+
+
+def test_the_summary_prints_from_the_command_line(out):
+    run = subprocess.run([sys.executable, str(_PATH), "--summarize", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "| 1-run36 | 784b68b | 5 of 5 | True | 41.8 (40.4; 40.4) | 42.3 | 0.989 |" in run.stdout
+    assert "| 2-run37 | 4887964 | 5 of 5 | True | 43.4 (42.3; 41.3) | 42.3 | 1.026 |" in run.stdout
