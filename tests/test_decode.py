@@ -5,7 +5,6 @@ TRITON_INTERPRET must be set before triton is imported) against its twin and the
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -143,14 +142,9 @@ def test_on_the_gpu(case):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_decode_probe_bytes_and_table(weights_for, capsys):
+def test_decode_probe_bytes_and_table(weights_for, capsys, device_script):
     """The device script's arithmetic and its last table, on synthetic rows (it runs once on the H200)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "device", "decode_probe.py")
-    spec = importlib.util.spec_from_file_location("decode_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = device_script("decode_probe")
     g, w = weights_for("tiny")
     nb = probe.launch_bytes(g, 3, 5, 6, prepare_decode_weights(w))
     assert nb["weights"] == 5 * g.expert_weight_bytes()  # 0.53125 bytes per weight, scales included

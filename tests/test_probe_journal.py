@@ -1,25 +1,13 @@
 """bench/device/probe_journal.py: the H200 probes' shared log stamp and JSON dump (the probes themselves only
 run on the device)."""
 
-import importlib.util
 import json
-import pathlib
 import re
 
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "device" / "probe_journal.py"
-
-
-def _journal_module():
-    spec = importlib.util.spec_from_file_location("probe_journal", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_log_is_stamped_with_seconds_since_start(tmp_path, capsys):
-    mod = _journal_module()
+def test_log_is_stamped_with_seconds_since_start(tmp_path, capsys, device_script):
+    mod = device_script("probe_journal")
     journal = mod.ProbeJournal(str(tmp_path), "p.json", {}, t0=mod.time.time() - 12.5)
     journal.log("case", 7)
     line = capsys.readouterr().out.strip()
@@ -28,8 +16,8 @@ def test_log_is_stamped_with_seconds_since_start(tmp_path, capsys):
     assert 12.5 <= float(m.group(1)) < 20.0
 
 
-def test_dump_writes_the_current_record_and_prints_what_json_cannot_hold_as_text(tmp_path):
-    mod = _journal_module()
+def test_dump_writes_the_current_record_and_prints_what_json_cannot_hold_as_text(tmp_path, device_script):
+    mod = device_script("probe_journal")
     record = {"cases": [], "errors": []}
     journal = mod.ProbeJournal(str(tmp_path / "new"), "p.json", record)
     journal.dump()
@@ -41,8 +29,8 @@ def test_dump_writes_the_current_record_and_prints_what_json_cannot_hold_as_text
     assert got["cases"] == [{"dtype": "torch.float8_e4m3fn", "shape": [3, 5], "v": value}]
 
 
-def test_guard_records_results_errors_and_the_deadline(tmp_path):
-    mod = _journal_module()
+def test_guard_records_results_errors_and_the_deadline(tmp_path, device_script):
+    mod = device_script("probe_journal")
     record = {"errors": []}
     journal = mod.ProbeJournal(str(tmp_path), "p.json", record)
     assert journal.guard("ok", 60.0, key="ok")(lambda x: {"twice": 2 * x})(21) == {"twice": 42}

@@ -1,7 +1,6 @@
 """bench/device/step1_ab.py's table, read from two runs' saved files (run 36's kernel and run 37's LL version, one
 H200 each); running the versions needs the H200."""
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -19,14 +18,6 @@ _SAVED = {  # version folder -> (probe json, selfcheck rows, trace) of a run
 }
 
 
-def _module():
-    sys.path.insert(0, str(_PATH.parent))
-    spec = importlib.util.spec_from_file_location("step1_ab", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def out(tmp_path):
     for name, (probe, check, trace) in _SAVED.items():
@@ -39,8 +30,8 @@ def out(tmp_path):
     return tmp_path
 
 
-def test_the_table_holds_each_versions_figures(out):
-    rows = _module().summarize(out)
+def test_the_table_holds_each_versions_figures(out, device_script):
+    rows = device_script("step1_ab").summarize(out)
     assert [r["version"] for r in rows] == ["1-run36", "2-run37"]
     for r, (probe, check, _) in zip(rows, _SAVED.values()):
         saved = json.loads((_RUNS / probe).read_text())

@@ -1,25 +1,13 @@
 """bench/device/step1_trace.py: where the 1-token CUDA step's load warp stopped, read from a saved trace (the
 traces themselves come from the H200). Checked on hand-made traces whose gaps are known."""
 
-import importlib.util
-import pathlib
 import random
 
 import pytest
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "device" / "step1_trace.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("step1_trace", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_tile_starts_put_the_l1_tiles_first():
-    mod = _module()
+def test_tile_starts_put_the_l1_tiles_first(device_script):
+    mod = device_script("step1_trace")
     assert mod.tile_starts(72, 16, 8) == [16, 32, 48, 56, 64]  # 3 L1 tiles, 3 L2 tiles
     assert mod.tile_starts(48, 16, 8) == [16, 32, 40]  # 2 and 2
     assert mod.tile_starts(24, 16, 8) == [16]  # 1 and 1
@@ -36,8 +24,8 @@ def _trace(issue_us, found_us, base_ns):
     return t
 
 
-def test_the_summary_finds_the_gaps_put_in():
-    mod = _module()
+def test_the_summary_finds_the_gaps_put_in(device_script):
+    mod = device_script("step1_trace")
     rng = random.Random(7)
     base = rng.randrange(10**12, 10**13)  # %globaltimer values are large
     issue, found, stalls = [], [], []
@@ -64,7 +52,7 @@ def test_the_summary_finds_the_gaps_put_in():
     assert s["last_found_us"]["p50"] == pytest.approx(lasts[2] + 2.5, abs=0.01)
 
 
-def test_a_trace_without_issue_times_is_refused():
-    mod = _module()
+def test_a_trace_without_issue_times_is_refused(device_script):
+    mod = device_script("step1_trace")
     with pytest.raises(ValueError, match="no issue times"):
         mod.summarize(torch.full((2, 5, 8), -1, dtype=torch.int64))
