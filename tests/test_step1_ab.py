@@ -12,20 +12,27 @@ import pytest
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _PATH = _ROOT / "bench" / "device" / "step1_ab.py"
 _RUNS = _ROOT / "bench" / "results" / "2026-12-04_nvidia-h200_decode-tc"
-_SAVED = {  # version folder -> (probe json, selfcheck rows, trace) of a run
-    "1-run36": tuple(f"run36-cuda-step1/{f}" for f in ("probe-11.json", "check-11.jsonl", "trace-784b68b.pt")),
-    "2-run37": tuple(f"run37-cuda-step1/{f}" for f in ("probe-1.json", "check-1.jsonl", "trace-4887964.pt")),
+_SAVED = {  # version folder -> (probe json, selfcheck rows, trace, timeline) of a run
+    "1-run36": tuple(f"run36-cuda-step1/{f}" for f in ("probe-11.json", "check-11.jsonl", "trace-784b68b.pt",
+                                                        "stamps-784b68b.pt")),
+    "2-run37": tuple(f"run37-cuda-step1/{f}" for f in ("probe-1.json", "check-1.jsonl", "trace-4887964.pt",
+                                                        "stamps-4887964.pt")),
 }
+_LATER = {"1-run36": "run36-cuda-step1/probe-10.json"}  # run 36's other run of the same kernel, as a second round
 
 
 @pytest.fixture
 def out(tmp_path):
-    for name, (probe, check, trace) in _SAVED.items():
+    for name, (probe, check, trace, stamps) in _SAVED.items():
         d = tmp_path / name
         d.mkdir()
         shutil.copy(_RUNS / probe, d / "step1_probe.json")
         shutil.copy(_RUNS / check, d / "check.jsonl")
         shutil.copy(_RUNS / trace, d / "trace-cuda.pt")
+        shutil.copy(_RUNS / stamps, d / "stamps-cuda.pt")
+    for name, probe in _LATER.items():
+        (tmp_path / name / "round-2").mkdir()
+        shutil.copy(_RUNS / probe, tmp_path / name / "round-2" / "step1_probe.json")
     (tmp_path / "not-a-version").mkdir()  # no probe file: left out
     return tmp_path
 
@@ -33,7 +40,7 @@ def out(tmp_path):
 def test_the_table_holds_each_versions_figures(out, device_script):
     rows = device_script("step1_ab").summarize(out)
     assert [r["version"] for r in rows] == ["1-run36", "2-run37"]
-    for r, (probe, check, _) in zip(rows, _SAVED.values()):
+    for r, (probe, check, _, _) in zip(rows, _SAVED.values()):
         saved = json.loads((_RUNS / probe).read_text())
         assert r["commit"] == saved["commit"] and r["same_y"] is True
         assert r["cuda_us"] == saved["rows"]["cuda"]["median_us"]
@@ -43,10 +50,17 @@ def test_the_table_holds_each_versions_figures(out, device_script):
         n = sum(1 for line in (_RUNS / check).read_text().splitlines() if line.startswith("{"))
         assert r["checks"] == f"{n} of {n}" and n == 5
         assert 0 < r["stalls_p50_us"] < r["last_found_max_us"]
+        assert 0 < r["signal_p50_us"] < 10 and 0 < r["after_input_p50_us"] < 10
+    later = json.loads((_RUNS / _LATER["1-run36"]).read_text())["rows"]
+    assert rows[0]["rounds"] == [pytest.approx(rows[0]["cuda_over_triton"]),
+                                 pytest.approx(later["cuda"]["median_us"] / later["triton"]["median_us"])]
+    assert rows[0]["rounds_median"] == pytest.approx(sum(rows[0]["rounds"]) / 2)
+    assert rows[1]["rounds"] == [rows[1]["cuda_over_triton"]]
 
 
 def test_the_summary_prints_from_the_command_line(out):
     run = subprocess.run([sys.executable, str(_PATH), "--summarize", str(out)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert "| 1-run36 | 784b68b | 5 of 5 | True | 41.8 (40.4; 40.4) | 42.3 | 0.989 |" in run.stdout
-    assert "| 2-run37 | 4887964 | 5 of 5 | True | 43.4 (42.3; 41.3) | 42.3 | 1.026 |" in run.stdout
+    assert "| 1-run36 | 784b68b | 5 of 5 | True | 41.8 (40.4; 40.4) | 42.3 | 0.989 | 0.989 0.971 (0.980) |" in run.stdout
+    assert "| 2-run37 | 4887964 | 5 of 5 | True | 43.4 (42.3; 41.3) | 42.3 | 1.026 | 1.026 (1.026) |" in run.stdout
+    assert "| 5.9, 5.4 |" in run.stdout and "| 1.3, 6.1 |" in run.stdout  # the last item's signal, then to done

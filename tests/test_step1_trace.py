@@ -56,3 +56,17 @@ def test_a_trace_without_issue_times_is_refused(device_script):
     mod = device_script("step1_trace")
     with pytest.raises(ValueError, match="no issue times"):
         mod.summarize(torch.full((2, 5, 8), -1, dtype=torch.int64))
+
+
+def test_issue_windows_count_every_issue_and_find_the_hole(device_script):
+    mod = device_script("step1_trace")
+    rng = random.Random(3)
+    base = rng.randrange(10**12, 10**13)
+    # three CTAs issuing every 0.25 us from 0 to 5.75 us, then nothing until 8.0 us, then to 10.75 us
+    issue = [[0.25 * k for k in range(24)] + [8.0 + 0.25 * k for k in range(12)] for _ in range(3)]
+    w = mod.issue_windows(_trace(issue, [x[-1] + 1.0 for x in issue], base), window_us=1.0)
+    assert sum(w["issued"]) == 3 * 36
+    assert w["issued"][:6] == [12] * 6 and w["issued"][8:] == [12, 12, 12]
+    assert w["idle"] == [6.0, 7.0]
+    with pytest.raises(ValueError, match="no issue times"):
+        mod.issue_windows(torch.full((2, 5, 8), -1, dtype=torch.int64))

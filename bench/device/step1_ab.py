@@ -3,19 +3,23 @@ same card: its selfcheck (the step's bits against the Triton launches and the re
 beside the Triton launches and a plain read, in one process, with a trace of one launch). Then one table.
 
     git worktree add build/rot step1-rotation && git worktree add build/rot-counts step1-rotation-counts
-    python3 bench/device/step1_ab.py . build/rot build/rot-counts --out $OUT
+    python3 bench/device/step1_ab.py . build/rot build/rot-counts --out $OUT --rounds 3
     python3 bench/device/step1_ab.py --summarize $OUT          # the table again, on any machine
 
 Compare versions by each probe's ratio to its own Triton launches (code every checkout shares): each checkout
-runs in its own processes, so their absolute times are further apart than two launches in one process.
-Files: $OUT/<i>-<name>/{check.jsonl, check.log, probe.log, step1_probe.json, stamps-cuda.pt, trace-cuda.pt},
-$OUT/summary.md."""
+runs in its own processes, so their absolute times are further apart than two launches in one process. With
+``--rounds N`` the versions then take turns N - 1 more times (A B C A B C ...), each turn a short probe of the
+step, the Triton launches and the read alone, so that a version's ratio is seen in several processes spread over
+the run: the table gives each round's ratio and their median.
+Files: $OUT/<i>-<name>/{check.jsonl, check.log, probe.log, step1_probe.json, stamps-cuda.pt, trace-cuda.pt,
+round-<r>/step1_probe.json}, $OUT/summary.md."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +27,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step1_stamps import last_item  # noqa: E402
 from step1_trace import summarize as trace_summary  # noqa: E402
+
+
+def _probe(checkout: Path, out: Path, extra: list[str], timeout_s: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "probe.log", "w") as log:
+        subprocess.run([sys.executable, "bench/device/step1_probe.py", "--out", str(out), "--stages", "--inflight",
+                        "--lags", *extra], cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout)}, stdout=log,
+                       stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
 
 
 def run_version(checkout: Path, out: Path, modes: list[str], timeout_s: int = 300) -> None:
@@ -33,10 +46,19 @@ def run_version(checkout: Path, out: Path, modes: list[str], timeout_s: int = 30
     with open(out / "check.jsonl", "w") as rows, open(out / "check.log", "w") as log:
         subprocess.run([sys.executable, "-m", "megamoe.decode.selfcheck_step1", "--repeats", "4"], cwd=checkout,
                        env=env, stdout=rows, stderr=log, timeout=timeout_s, check=False)
-    with open(out / "probe.log", "w") as log:
-        subprocess.run([sys.executable, "bench/device/step1_probe.py", "--out", str(out), "--stages", "--inflight",
-                        "--lags", "--modes", *modes, "--timelines", "cuda", "--traces", "cuda"], cwd=checkout,
-                       env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+    _probe(checkout, out, ["--modes", *modes, "--timelines", "cuda", "--traces", "cuda"], timeout_s)
+
+
+def run_round(checkout: Path, out: Path, timeout_s: int = 120) -> None:
+    """A later round of one checkout: the step, the Triton launches and the read, nothing else."""
+    _probe(checkout, out, ["--modes", "--timelines", "--traces"], timeout_s)
+
+
+def _ratio(probe_json: Path) -> float | None:
+    rows = json.loads(probe_json.read_text()).get("rows", {})
+    if "cuda" not in rows or "triton" not in rows:
+        return None
+    return rows["cuda"]["median_us"] / rows["triton"]["median_us"]
 
 
 def summarize(out: Path) -> list[dict]:
@@ -53,6 +75,14 @@ def summarize(out: Path) -> list[dict]:
                "triton_us": t["triton"]["median_us"], "read_us": t.get("read", {}).get("median_us"),
                "cuda_kernel_us": sum(t["cuda"].get("kineto_us", {}).values()) or None}
         row["cuda_over_triton"] = row["cuda_us"] / row["triton_us"]
+        later = sorted(d.glob("round-*/step1_probe.json"), key=lambda f: int(f.parent.name.split("-")[1]))
+        row["rounds"] = [row["cuda_over_triton"], *(r for r in map(_ratio, later) if r is not None)]
+        row["rounds_median"] = statistics.median(row["rounds"])
+        stamps = d / "stamps-cuda.pt"
+        if stamps.exists():
+            s = last_item(torch.load(stamps))
+            row["signal_p50_us"] = s["signal_us"]["p50"]
+            row["after_input_p50_us"] = s["after_input_us"]["p50"]
         trace = d / "trace-cuda.pt"
         if trace.exists():
             s = trace_summary(torch.load(trace))
@@ -64,13 +94,14 @@ def summarize(out: Path) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("| version | commit | checks passed | same y | step us (p10; kernel) | Triton us | step / Triton | "
-            "read us | load stalls per CTA, p50 us | last stage found, max us |\n|---|---|---|---|---:|---:|---:|---:|"
-            "---:|---:|")
+            "each round (median) | read us | load stalls per CTA, p50 us | last stage found, max us | "
+            "last item: signal, then to done, p50 us |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [f"| {r['version']} | {r['commit']} | {r['checks']} | {r['same_y']} | {f(r['cuda_us'])} "
              f"({f(r['cuda_p10_us'])}; {f(r['cuda_kernel_us'])}) | {f(r['triton_us'])} | "
-             f"{f(r['cuda_over_triton'], 3)} | {f(r['read_us'])} | {f(r.get('stalls_p50_us'))} | "
-             f"{f(r.get('last_found_max_us'))} |" for r in rows]
+             f"{f(r['cuda_over_triton'], 3)} | {' '.join(f(x, 3) for x in r['rounds'])} ({f(r['rounds_median'], 3)}) | "
+             f"{f(r['read_us'])} | {f(r.get('stalls_p50_us'))} | {f(r.get('last_found_max_us'))} | "
+             f"{f(r.get('signal_p50_us'))}, {f(r.get('after_input_p50_us'))} |" for r in rows]
     return "\n".join([head, *lines])
 
 
@@ -79,18 +110,25 @@ def main() -> int:
     ap.add_argument("checkouts", nargs="*", help="repository checkouts, one per version")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--modes", nargs="*", default=["bare", "noload"], help="probe modes every version has")
+    ap.add_argument("--rounds", type=int, default=1, help="turns each version takes (the first one full)")
     ap.add_argument("--summarize", metavar="OUT", help="only print the table of an earlier run's folder")
     args = ap.parse_args()
     if args.summarize:
+        if not Path(args.summarize).is_dir():
+            ap.error(f"--summarize: {args.summarize} is not a folder")
         print(table(summarize(Path(args.summarize))))
         return 0
     if not args.checkouts or not args.out:
         ap.error("give the checkouts and --out (or --summarize OUT)")
     out = Path(args.out)
-    for i, c in enumerate(args.checkouts, 1):
-        checkout = Path(c).resolve()
+    versions = [(Path(c).resolve(), out / f"{i}-{Path(c).resolve().name}") for i, c in enumerate(args.checkouts, 1)]
+    for checkout, d in versions:
         print(f"[step1_ab] {checkout}", flush=True)
-        run_version(checkout, out / f"{i}-{checkout.name}", args.modes)
+        run_version(checkout, d, args.modes)
+    for r in range(2, args.rounds + 1):
+        for checkout, d in versions:
+            print(f"[step1_ab] round {r}: {checkout}", flush=True)
+            run_round(checkout, d / f"round-{r}")
     text = table(summarize(out))
     (out / "summary.md").write_text(text + "\n")
     print(text)

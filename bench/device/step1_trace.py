@@ -8,7 +8,9 @@ Per trace, in us from the first issue of any CTA:
 - the load warp's gaps longer than ``--gap-us`` between two issues, summed per CTA (p50 / max), and how much of it
   fell just before a tile's first stage;
 - the p50 over CTAs of the gap before each tile's first stage;
-- when the last stage was issued, and when its warpgroup found the CTA's last stage (p50 / max).
+- when the last stage was issued, and when its warpgroup found the CTA's last stage (p50 / max);
+- the whole grid's issues per ``--window-us`` window, and the windows in which no CTA issued anything
+  (``issue_windows``): a hole there is time the DRAM stream lost everywhere at once.
 
 Tile boundaries assume the CTA's L1 tiles come before its L2 tiles, in equal numbers or one more L1 tile (the
 step's default `lag` with as many L1 as L2 tiles per expert, as at DeepSeek-V4-Flash: 16 stages per L1 tile and
@@ -68,18 +70,35 @@ def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_
     }
 
 
+def issue_windows(trace: torch.Tensor, window_us: float = 1.0) -> dict:
+    """Stages issued by the whole grid per window of ``window_us`` from the first issue (``issued``, one count per
+    window up to the last issue), and the starts (us) of the windows with none (``idle``)."""
+    issued = trace[:, 0].double()
+    times = issued[issued > 0]
+    if times.numel() == 0:
+        raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
+    k = ((times - times.min()) / 1e3 / window_us).floor().long()
+    counts = torch.bincount(k).tolist()
+    return {"window_us": window_us, "issued": counts,
+            "idle": [round(i * window_us, 2) for i, n in enumerate(counts) if n == 0]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--l1-stages", type=int, default=16)
     ap.add_argument("--l2-stages", type=int, default=8)
     ap.add_argument("--gap-us", type=float, default=1.0)
+    ap.add_argument("--window-us", type=float, default=1.0)
     args = ap.parse_args()
     for path in args.traces:
         s = summarize(torch.load(path), args.l1_stages, args.l2_stages, args.gap_us)
         print(path)
         for k, v in s.items():
             print(f"  {k}: {v}")
+        w = issue_windows(torch.load(path), args.window_us)
+        print(f"  stages issued per {w['window_us']} us, all CTAs: {w['issued']}")
+        print(f"  windows with no issue anywhere, from (us): {w['idle']}")
     return 0
 
 
