@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     {  // ---- the load warp ----
       const int lane = tid - kComputeThreads;
       if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
+        if (p.mode & kModeTouch) touch_tiles(p, sched, it.expert, lane);
         if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }

@@ -39,8 +39,9 @@ struct Params {
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
 // only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
 // block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
-// warpgroups alone; y is wrong).
-constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8;
+// warpgroups alone; y is wrong); touch: read one word at the start of each of the CTA's tiles first (touch_tiles; y
+// right).
+constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -84,6 +85,25 @@ struct Schedule {
     }
   }
 };
+
+// Probe mode touch: lanes 1..31 of the load warp each read one word at the start of some of the CTA's tiles (codes
+// and scales, L1 and L2), so that every page the CTA will stream is asked for once, at the start, beside the first
+// tile's copies. The question it asks: the load warp stops for microseconds before a tile's first stage while the
+// ring has free slots (run 37's README); if those stops wait for the new tile's address translations, this takes
+// them off the stream's path.
+__device__ __forceinline__ void touch_tiles(const Params& p, const Schedule& sched, const int* expert, int lane) {
+  const int nb1 = p.H / 128, nb2 = p.I / 128, tpe1 = p.I / 32, tpe2 = p.H / 64;
+  int i = 0;
+  auto touch = [&](const uint8_t* codes, const uint8_t* scales, size_t first_block) {
+    if (i++ % 31 != lane - 1) return;
+    // volatile: the value is never used, and ptxas drops a plain load whose value is never used (checked in SASS)
+    asm volatile("{\n .reg .b32 w;\n ld.volatile.global.u32 w, [%0];\n}\n" ::"l"(codes + first_block * 4096));
+    asm volatile("{\n .reg .b32 w;\n ld.volatile.global.u32 w, [%0];\n}\n" ::"l"(scales + first_block * 256));
+  };
+  sched.for_each(
+      [&](int tile, bool) { touch(p.l1_codes, p.l1_scales, (size_t(expert[tile / tpe1]) * tpe1 + tile % tpe1) * nb1); },
+      [&](int tile) { touch(p.l2_codes, p.l2_scales, (size_t(expert[tile / tpe2]) * tpe2 + tile % tpe2) * nb2); });
+}
 
 // The step's routing (K <= 8 slots of one token) -> it: the valid slots in slot order, each one's pool row as
 // routing.route_torch numbers them (stable by expert).
