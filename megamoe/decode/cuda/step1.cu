@@ -37,6 +37,9 @@
 
 namespace {
 
+// kTouch: probe mode touch (step1_params.cuh), compiled only into its own instance so that the step's own code is
+// the same with or without it.
+template <bool kTouch>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int H = p.H, I = p.I;
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     {  // ---- the load warp ----
       const int lane = tid - kComputeThreads;
       if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
-        if (p.mode & kModeTouch) touch_tiles(p, sched, it.expert, lane);
+        if (kTouch) touch_tiles(p, sched, it.expert, lane);
         if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }
@@ -333,14 +336,16 @@ int megamoe_step1_parts() { return kParts; }
 int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return int(err);
-  const cudaError_t set = cudaFuncSetAttribute(step1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (set != cudaSuccess) return int(set);
-  // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in what
-  // the last warpgroup gives back, or their setmaxnreg.inc would wait forever. -registers per thread if not.
-  cudaFuncAttributes attr;
-  const cudaError_t got = cudaFuncGetAttributes(&attr, step1_kernel);
-  if (got != cudaSuccess) return int(got);
-  if (kComputeThreads * (kComputeRegs - attr.numRegs) > 128 * (attr.numRegs - kOtherRegs)) return -attr.numRegs;
+  for (auto kernel : {step1_kernel<false>, step1_kernel<true>}) {
+    const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (set != cudaSuccess) return int(set);
+    // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
+    // what the last warpgroup gives back, or their setmaxnreg.inc would wait forever. -registers per thread if not.
+    cudaFuncAttributes attr;
+    const cudaError_t got = cudaFuncGetAttributes(&attr, kernel);
+    if (got != cudaSuccess) return int(got);
+    if (kComputeThreads * (kComputeRegs - attr.numRegs) > 128 * (attr.numRegs - kOtherRegs)) return -attr.numRegs;
+  }
   return 0;
 }
 
@@ -374,7 +379,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return int(cudaLaunchKernelEx(&cfg, step1_kernel, p));
+  return int(cudaLaunchKernelEx(&cfg, (mode & kModeTouch) ? step1_kernel<true> : step1_kernel<false>, p));
 }
 
 }  // extern "C"
