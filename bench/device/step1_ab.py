@@ -2,8 +2,9 @@
 same card: its selfcheck (the step's bits against the Triton launches and the reference) and its probe (the step
 beside the Triton launches and a plain read, in one process, with a trace of one launch). Then one table.
 
+    git worktree add build/ew step1-epilogue-warp && git worktree add build/ll 4887964
     git worktree add build/rot step1-rotation && git worktree add build/rot-counts step1-rotation-counts
-    python3 bench/device/step1_ab.py . build/rot build/rot-counts --out $OUT --rounds 3
+    python3 bench/device/step1_ab.py . build/ew build/ll build/rot build/rot-counts --out $OUT --rounds 3
     python3 bench/device/step1_ab.py --summarize $OUT          # the table again, on any machine
 
 Compare versions by each probe's ratio to its own Triton launches (code every checkout shares): each checkout
