@@ -70,3 +70,21 @@ def test_issue_windows_count_every_issue_and_find_the_hole(device_script):
     assert w["idle"] == [6.0, 7.0]
     with pytest.raises(ValueError, match="no issue times"):
         mod.issue_windows(torch.full((2, 5, 8), -1, dtype=torch.int64))
+
+
+def test_ring_stops_tell_a_full_ring_from_a_free_one(device_script):
+    mod = device_script("step1_trace")
+    base = 10**12
+    ring, n = 8, 16
+    t = torch.full((1, 5, 40), -1, dtype=torch.int64)
+    issue = [0.25 * k for k in range(n)]
+    issue[12:] = [x + 3.0 for x in issue[12:]]  # a 3.25 us gap before stage 12, whose slot stage 4 held
+    issue[14:] = [x + 2.0 for x in issue[14:]]  # and a 2.25 us gap before stage 14 (slot of stage 6)
+    found = [x + 1.0 for x in issue]
+    found[4] = issue[11] + 2.0  # stage 4 read 2 us into the first gap: the ring explains 2.5 us of it
+    t[0, 0, :n] = torch.tensor([base + round(x * 1e3) for x in issue])
+    for k in range(n):
+        t[0, 1 + k % 4, k // 4] = base + round(found[k] * 1e3)
+    s = mod.ring_stops(t, ring=ring, gap_us=1.0, free_us=0.5)
+    assert s["long_gaps_us"] == pytest.approx(3.25 + 2.25, abs=0.01)
+    assert s["after_the_slot_was_free_us"] == pytest.approx((3.25 - 2.5) + 2.25, abs=0.01)

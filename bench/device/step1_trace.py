@@ -10,7 +10,10 @@ Per trace, in us from the first issue of any CTA:
 - the p50 over CTAs of the gap before each tile's first stage;
 - when the last stage was issued, and when its warpgroup found the CTA's last stage (p50 / max);
 - the whole grid's issues per ``--window-us`` window, and the windows in which no CTA issued anything
-  (``issue_windows``): a hole there is time the DRAM stream lost everywhere at once.
+  (``issue_windows``): a hole there is time the DRAM stream lost everywhere at once;
+- whether the long gaps were a full ring (``ring_stops``): stage k goes to ring slot k % ``--ring``, freed once
+  warpgroup (k - ring) % 4 has read stage k - ring; the time of each gap after that read (plus ``--free-us`` for
+  the decode that frees it) is time the ring did not explain.
 
 Tile boundaries assume the CTA's L1 tiles come before its L2 tiles, in equal numbers or one more L1 tile (the
 step's default `lag` with as many L1 as L2 tiles per expert, as at DeepSeek-V4-Flash: 16 stages per L1 tile and
@@ -83,6 +86,32 @@ def issue_windows(trace: torch.Tensor, window_us: float = 1.0) -> dict:
             "idle": [round(i * window_us, 2) for i, n in enumerate(counts) if n == 0]}
 
 
+def ring_stops(trace: torch.Tensor, ring: int = 20, gap_us: float = 1.0, free_us: float = 0.5) -> dict:
+    """The load warp's gaps longer than ``gap_us`` (us, summed over CTAs): in all, and the part of them after the slot
+    the next issue needed was read (found) plus ``free_us``. A stage k < ring finds its slot unused."""
+    t = trace.double()
+    issued = t[:, 0]
+    if not (issued > 0).any():
+        raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
+    base = issued[issued > 0].min()
+    parts = t.shape[1] - 1
+    total = unexplained = 0.0
+    for c in range(t.shape[0]):
+        n = int((issued[c] > 0).sum())
+        times = ((issued[c, :n] - base) / 1e3).tolist()
+        for k in range(1, n):
+            if times[k] - times[k - 1] <= gap_us:
+                continue
+            free = float("-inf")
+            if k >= ring:
+                j = k - ring
+                found = t[c, 1 + j % parts, j // parts]
+                free = float((found - base) / 1e3) + free_us if found > 0 else float("inf")
+            total += times[k] - times[k - 1]
+            unexplained += max(0.0, times[k] - max(times[k - 1], free))
+    return {"long_gaps_us": round(total, 1), "after_the_slot_was_free_us": round(unexplained, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
@@ -90,6 +119,8 @@ def main() -> int:
     ap.add_argument("--l2-stages", type=int, default=8)
     ap.add_argument("--gap-us", type=float, default=1.0)
     ap.add_argument("--window-us", type=float, default=1.0)
+    ap.add_argument("--ring", type=int, default=20, help="ring stages (step1_probe.json's 'stages')")
+    ap.add_argument("--free-us", type=float, default=0.5)
     args = ap.parse_args()
     for path in args.traces:
         s = summarize(torch.load(path), args.l1_stages, args.l2_stages, args.gap_us)
@@ -99,6 +130,7 @@ def main() -> int:
         w = issue_windows(torch.load(path), args.window_us)
         print(f"  stages issued per {w['window_us']} us, all CTAs: {w['issued']}")
         print(f"  windows with no issue anywhere, from (us): {w['idle']}")
+        print(f"  long gaps, all CTAs: {ring_stops(torch.load(path), args.ring, args.gap_us, args.free_us)}")
     return 0
 
 
