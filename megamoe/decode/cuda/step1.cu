@@ -37,10 +37,14 @@
 
 namespace {
 
-// kTouch: probe mode touch (step1_params.cuh), compiled only into its own instance so that the step's own code is
-// the same with or without it.
-template <bool kTouch>
+// kProbe: 0, or probe mode touch or empty (step1_params.cuh), each compiled only into its own instance so that the
+// step's own code is the same with or without them.
+template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
+  if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
+    if (threadIdx.x == 0) stamp(p, 6);
+    return;
+  }
   extern __shared__ __align__(1024) uint8_t smem[];
   const int H = p.H, I = p.I;
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
@@ -125,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     {  // ---- the load warp ----
       const int lane = tid - kComputeThreads;
       if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
-        if (kTouch) touch_tiles(p, sched, it.expert, lane);
+        if constexpr (kProbe == kModeTouch) touch_tiles(p, sched, it.expert, lane);
         if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }
@@ -336,7 +340,10 @@ int megamoe_step1_parts() { return kParts; }
 int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return int(err);
-  for (auto kernel : {step1_kernel<false>, step1_kernel<true>}) {
+  const cudaError_t empty = cudaFuncSetAttribute(step1_kernel<kModeEmpty>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 smem_bytes);
+  if (empty != cudaSuccess) return int(empty);
+  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -379,7 +386,10 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return int(cudaLaunchKernelEx(&cfg, (mode & kModeTouch) ? step1_kernel<true> : step1_kernel<false>, p));
+  const auto kernel = (mode & kModeEmpty)   ? step1_kernel<kModeEmpty>
+                      : (mode & kModeTouch) ? step1_kernel<kModeTouch>
+                                            : step1_kernel<0>;
+  return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 }  // extern "C"
