@@ -87,3 +87,10 @@ def test_the_tile_order_takes_every_tile_once_and_cannot_deadlock(tmp_path):
 def test_step1_matches_the_triton_launches_and_the_reference(case):
     row = run_step1_case(case, repeats=4)
     assert passed_step1(row), row
+
+
+def test_an_unknown_probe_mode_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match="mode must be a sum of MODES' flags .* got 64"):
+        cuda_step1.step1(None, None, 0.0, mode=64)
+    with pytest.raises(ValueError, match="got -1"):
+        cuda_step1.step1(None, None, 0.0, mode=-1)

@@ -157,6 +157,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode``
     (``MODES``) a probe variant (``step1_params.cuh`` says which leave y wrong); ``inflight`` a bound on the stages
     on their way; ``lag`` L1 rounds between an item's last L1 tiles and its L2 tiles in each CTA's order (``LAG``)."""
+    if mode < 0 or mode & ~sum(MODES.values()):
+        raise ValueError(f"mode must be a sum of MODES' flags {MODES}, got {mode}")
     lib = _library()
     dev = tw.l1_codes.device
     index = device_index(dev)
