@@ -153,3 +153,44 @@ def test_torchrun_failing_rank():
     assert "rank 2 failed: RuntimeError: injected failure on rank 2" in text
     for r in (0, 1, 3):
         assert f"rank {r}: aborted because rank 2 failed: RuntimeError: injected failure" in text, text[-3000:]
+
+
+def _store():
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+def test_a_failed_rank_stays_until_the_others_have_settled():
+    """The failed rank writes the abort and stays until every other rank has reported it or finished (a launcher
+    like torchrun kills the rest as soon as one exits), and no longer than its bound when some never do."""
+    import threading
+
+    from megamoe.distributed import launch
+
+    store = _store()
+
+    def others():  # two ranks settle 1.0 s after the abort is written
+        while not store.check([launch.ABORT_KEY]):
+            time.sleep(0.01)
+        time.sleep(1.0)
+        for _ in range(2):
+            store.add(launch.SETTLED_KEY, 1)
+
+    threading.Thread(target=others, daemon=True).start()
+    t0 = time.monotonic()
+    launch._publish_failure(store, "rank 0 failed: RuntimeError: x", world_size=3, settle_s=8.0)
+    assert 1.0 <= time.monotonic() - t0 < 6.0
+    assert store.get(launch.ABORT_KEY).decode().startswith("rank 0 failed")
+
+    store = _store()  # nobody settles: the bound
+    t0 = time.monotonic()
+    launch._publish_failure(store, "rank 1 failed: RuntimeError: y", world_size=3, settle_s=0.6)
+    assert 0.6 <= time.monotonic() - t0 < 5.0
+
+    store = _store()  # a rank whose failure is another's abort settles and writes no abort of its own
+    launch._publish_failure(store, "rank 2: aborted because rank 0 failed: z\n(then, on this rank) ...", world_size=3)
+    assert store.add(launch.SETTLED_KEY, 0) == 1 and not store.check([launch.ABORT_KEY])

@@ -8,7 +8,10 @@ that describe themselves instead of hangs.
 
 Failure protocol: a rank that raises writes ``megamoe/abort`` into the rendezvous store; a watchdog
 thread on every rank polls that key and, when it appears, reports "aborted because rank r failed: ..."
-and exits, so ranks blocked in a collective do not wait for the collective's own timeout. The
+and exits, so ranks blocked in a collective do not wait for the collective's own timeout. Every rank
+counts itself in ``megamoe/settled`` once it will say nothing more (it reported the abort, or finished),
+and the failed rank stays until all the others have (at most ``SETTLE_S``): a launcher such as
+``torchrun`` that kills the remaining ranks as soon as one exits then cannot cut their reports short. The
 launcher bounds the whole run by ``timeout_s`` and kills stragglers; the process-group timeout is the
 second bound (collectives raise after it).
 """
@@ -32,6 +35,8 @@ import torch.multiprocessing as mp
 
 LOOPBACK = "127.0.0.1"
 ABORT_KEY = "megamoe/abort"
+SETTLED_KEY = "megamoe/settled"  # ranks that reported the abort or finished
+SETTLE_S = 10.0  # how long a failed rank waits for the others to settle before it exits
 
 
 class RankError(RuntimeError):
@@ -118,15 +123,31 @@ def _failure_report(store: dist.Store | None, rank: int, exc: BaseException) -> 
     return report
 
 
-def _publish_failure(store: dist.Store | None, report: str, linger_s: float = 0.5) -> None:
-    """Write the report under the abort key (first writer wins), then linger briefly so the other
-    ranks' watchdogs see it before this process's sockets close under their collectives."""
-    if store is None or " aborted because " in report.splitlines()[0]:
+def _settle(store: dist.Store | None) -> None:
+    """Count this rank in: it has said all it will (its abort report, or its result)."""
+    try:
+        if store is not None:
+            store.add(SETTLED_KEY, 1)
+    except Exception:  # store gone: the launcher is tearing everything down
+        pass
+
+
+def _publish_failure(store: dist.Store | None, report: str, world_size: int, settle_s: float = SETTLE_S) -> None:
+    """Write the report under the abort key (first writer wins), then stay until every other rank has
+    settled (its watchdog reported the abort, or it finished), at most ``settle_s``. A rank whose own
+    report is an abort (another rank failed first) settles instead."""
+    if store is None:
+        return
+    if " aborted because " in report.splitlines()[0]:
+        _settle(store)
         return
     try:
-        if not store.check([ABORT_KEY]):
-            store.set(ABORT_KEY, report)
-            time.sleep(linger_s)
+        if store.check([ABORT_KEY]):
+            return
+        store.set(ABORT_KEY, report)
+        deadline = time.monotonic() + settle_s
+        while store.add(SETTLED_KEY, 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
     except Exception:
         pass
 
@@ -141,16 +162,20 @@ def guarded(fn: Callable[..., Any], rank: int, world_size: int, *args, store: di
 
     def on_abort(report: str) -> None:
         print(f"rank {rank}: aborted because {_abort_line(report)}", file=sys.stderr, flush=True)
+        _settle(store)
         os._exit(1)
 
     stop = _start_watchdog(store, rank, on_abort)
     try:
-        return fn(rank, world_size, *args)
+        out = fn(rank, world_size, *args)
+        stop.set()
+        _settle(store)
+        return out
     except BaseException as exc:
         stop.set()
         report = _failure_report(store, rank, exc)
         print(report, file=sys.stderr, flush=True)
-        _publish_failure(store, report)
+        _publish_failure(store, report, world_size)
         raise
     finally:
         stop.set()
@@ -186,19 +211,23 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, repor
     def send(rep: _Report) -> None:
         reports.put(rep)
 
+    watch_store = None
+
     def on_abort(report: str) -> None:
         if done.is_set():
             return
         send(_Report(rank, "aborted", message=f"rank {rank}: aborted because {_abort_line(report)}"))
         reports.close()
         reports.join_thread()
+        _settle(watch_store)
         os._exit(3)
 
     store = None
     try:
         td = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=td)
-        stop = _start_watchdog(dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=td), rank, on_abort)
+        watch_store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=td)
+        stop = _start_watchdog(watch_store, rank, on_abort)
         kwargs = {}
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -208,11 +237,12 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, repor
         done.set()
         stop.set()
         send(_Report(rank, "ok", payload=_dumps(out)))
+        _settle(store)
     except BaseException as exc:
         done.set()
         report = _failure_report(store, rank, exc)
         send(_Report(rank, "error", message=report, extra={"type": type(exc).__name__, "text": str(exc)}))
-        _publish_failure(store, report)
+        _publish_failure(store, report, world_size)
     finally:
         if dist.is_initialized():
             try:
