@@ -64,3 +64,29 @@ def test_the_summary_prints_from_the_command_line(out):
     assert "| 1-run36 | 784b68b | 5 of 5 | True | 41.8 (40.4; 40.4) | 42.3 | 0.989 | 0.989 0.971 (0.980) |" in run.stdout
     assert "| 2-run37 | 4887964 | 5 of 5 | True | 43.4 (42.3; 41.3) | 42.3 | 1.026 | 1.026 (1.026) |" in run.stdout
     assert "| 5.9, 5.4 |" in run.stdout and "| 1.3, 6.1 |" in run.stdout  # the last item's signal, then to done
+
+
+def _git(*args):
+    return subprocess.run(["git", "-C", str(_ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(not (_ROOT / ".git").exists(), reason="needs the repository's git metadata")
+def test_an_export_runs_without_git_and_names_its_commit(tmp_path, device_script):
+    mod = device_script("step1_ab")
+    (d,) = mod.export(["HEAD"], tmp_path, repo=_ROOT)
+    head = _git("rev-parse", "--short=10", "HEAD")
+    assert (d / "COMMIT").read_text().strip() == head and mod.commit_of(d) == head
+    for f in ("megamoe/decode/cuda/step1.cu", "megamoe/decode/selfcheck_step1.py", "bench/device/step1_probe.py"):
+        assert (d / f).read_bytes() == (_ROOT / f).read_bytes() or _git("status", "--porcelain", f), f
+    assert not (d / "tests").exists() and not (d / "bench" / "results").exists()
+    assert mod.commit_of(_ROOT) == head
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert mod.commit_of(plain) == "unknown"
+
+
+def test_a_step_past_its_time_is_noted_and_the_comparison_goes_on(tmp_path, device_script):
+    mod = device_script("step1_ab")
+    with open(tmp_path / "x.log", "w") as log:
+        mod._run([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path, log, timeout_s=1)
+    assert "ran past 1 s and was stopped" in (tmp_path / "x.log").read_text()

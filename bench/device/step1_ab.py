@@ -13,7 +13,14 @@ runs in its own processes, so their absolute times are further apart than two la
 step, the Triton launches and the read alone, so that a version's ratio is seen in several processes spread over
 the run: the table gives each round's ratio and their median.
 Files: $OUT/<i>-<name>/{check.jsonl, check.log, probe.log, step1_probe.json, stamps-cuda.pt, trace-cuda.pt,
-round-<r>/step1_probe.json}, $OUT/summary.md."""
+round-<r>/step1_probe.json}, $OUT/summary.md.
+
+Where the machine that runs them has no git metadata, export the versions first, on a machine that has it: each
+revision's package and device scripts, with a COMMIT file that names it (the probes record it):
+
+    python3 bench/device/step1_ab.py --export build/ab main step1-epilogue-warp 4887964 step1-rotation \
+        step1-rotation-counts
+    python3 bench/device/step1_ab.py build/ab/* --out $OUT --rounds 3          # then, on the H200"""
 
 from __future__ import annotations
 
@@ -32,21 +39,61 @@ from step1_stamps import last_item  # noqa: E402
 from step1_trace import summarize as trace_summary  # noqa: E402
 
 
+EXPORTED = ("megamoe", "bench/device")  # what a version needs to run its selfcheck and probe
+
+
+def commit_of(checkout: Path) -> str:
+    """The version a checkout holds: its COMMIT file (an export), else its own git HEAD, else 'unknown'."""
+    if (checkout / "COMMIT").exists():
+        return (checkout / "COMMIT").read_text().strip()
+    if (checkout / ".git").exists():  # its own checkout or worktree, not a folder inside another one
+        run = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                             text=True, check=False)
+        if run.returncode == 0:
+            return run.stdout.strip()
+    return "unknown"
+
+
+def export(revisions: list[str], dest: Path, repo: Path = Path(".")) -> list[Path]:
+    """Each revision's EXPORTED folders into dest/<revision> (a '/' becomes '-'), with its short hash in COMMIT."""
+    out = []
+    for rev in revisions:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=10", rev], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        d = dest / rev.replace("/", "-")
+        d.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", rev, *EXPORTED],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(d)], input=archive, check=True)
+        (d / "COMMIT").write_text(commit + "\n")
+        out.append(d)
+    return out
+
+
+def _run(cmd: list[str], checkout: Path, log, timeout_s: int, stdout=None) -> None:
+    """One step of a version, with the version's package first on the path and its commit named; a step that runs
+    past its time is noted in its log and the comparison goes on."""
+    env = {**os.environ, "PYTHONPATH": str(checkout), "MEGAMOE_COMMIT": commit_of(checkout)}
+    try:
+        subprocess.run(cmd, cwd=checkout, env=env, stdout=stdout or log, stderr=log if stdout else subprocess.STDOUT,
+                       timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        log.write(f"\n[step1_ab] {' '.join(cmd[1:3])} ran past {timeout_s} s and was stopped\n")
+
+
 def _probe(checkout: Path, out: Path, extra: list[str], timeout_s: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "probe.log", "w") as log:
-        subprocess.run([sys.executable, "bench/device/step1_probe.py", "--out", str(out), "--stages", "--inflight",
-                        "--lags", *extra], cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout)}, stdout=log,
-                       stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        _run([sys.executable, "bench/device/step1_probe.py", "--out", str(out), "--stages", "--inflight", "--lags",
+              *extra], checkout, log, timeout_s)
 
 
 def run_version(checkout: Path, out: Path, modes: list[str], timeout_s: int = 300) -> None:
     """The selfcheck and the probe of one checkout, with its own package on the path, into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
     with open(out / "check.jsonl", "w") as rows, open(out / "check.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "megamoe.decode.selfcheck_step1", "--repeats", "4"], cwd=checkout,
-                       env=env, stdout=rows, stderr=log, timeout=timeout_s, check=False)
+        _run([sys.executable, "-m", "megamoe.decode.selfcheck_step1", "--repeats", "4"], checkout, log, timeout_s,
+             stdout=rows)
     _probe(checkout, out, ["--modes", *modes, "--timelines", "cuda", "--traces", "cuda"], timeout_s)
 
 
@@ -113,11 +160,16 @@ def main() -> int:
     ap.add_argument("--modes", nargs="*", default=["bare", "noload"], help="probe modes every version has")
     ap.add_argument("--rounds", type=int, default=1, help="turns each version takes (the first one full)")
     ap.add_argument("--summarize", metavar="OUT", help="only print the table of an earlier run's folder")
+    ap.add_argument("--export", metavar="DEST", help="only export the revisions given as checkouts into DEST")
     args = ap.parse_args()
     if args.summarize:
         if not Path(args.summarize).is_dir():
             ap.error(f"--summarize: {args.summarize} is not a folder")
         print(table(summarize(Path(args.summarize))))
+        return 0
+    if args.export:
+        for d in export(args.checkouts, Path(args.export)):
+            print(f"[step1_ab] {d} ({commit_of(d)})")
         return 0
     if not args.checkouts or not args.out:
         ap.error("give the checkouts and --out (or --summarize OUT)")
