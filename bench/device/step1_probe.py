@@ -105,6 +105,7 @@ def main() -> int:
     variants = {"cuda": {}, "bare": {"mode": M["bare"]}, "bare_noscales": {"mode": M["bare"] | M["no-scales"]},
                 "prefetch": {"mode": M["prefetch"]}, "noload": {"mode": M["no-load"]}, "touch": {"mode": M["touch"]},
                 "touch_bare": {"mode": M["touch"] | M["bare"]}, "empty": {"mode": M["empty"]},
+                "plain": {"mode": M["plain"]}, "empty_plain": {"mode": M["empty"] | M["plain"]},
                 "noload_bare": {"mode": M["no-load"] | M["bare"]},
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},

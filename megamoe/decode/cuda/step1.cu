@@ -385,7 +385,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = (mode & kModePlain) ? 0 : 1;
   const auto kernel = (mode & kModeEmpty)   ? step1_kernel<kModeEmpty>
                       : (mode & kModeTouch) ? step1_kernel<kModeTouch>
                                             : step1_kernel<0>;

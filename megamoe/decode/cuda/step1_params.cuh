@@ -40,8 +40,10 @@ struct Params {
 // only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
 // block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
 // warpgroups alone; y is wrong); touch: read one word at the start of each of the CTA's tiles first (touch_tiles; y
-// right); empty: every thread returns at once (the launch of this shape alone; y is wrong).
-constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32;
+// right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain: the step launched
+// without the cooperative attribute (what the attribute costs; y right while nothing else holds an SM).
+constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
+              kModePlain = 64;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
