@@ -90,3 +90,15 @@ def test_a_step_past_its_time_is_noted_and_the_comparison_goes_on(tmp_path, devi
     with open(tmp_path / "x.log", "w") as log:
         mod._run([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path, log, timeout_s=1)
     assert "ran past 1 s and was stopped" in (tmp_path / "x.log").read_text()
+
+
+def test_a_version_whose_launch_stopped_short_still_gets_its_row(out, device_script):
+    import torch
+
+    torch.save(torch.full((132, 8), -1, dtype=torch.int64), out / "2-run37" / "stamps-cuda.pt")
+    torch.save(torch.full((132, 5, 160), -1, dtype=torch.int64), out / "2-run37" / "trace-cuda.pt")
+    mod = device_script("step1_ab")
+    rows = mod.summarize(out)
+    assert "no set-up stamps" in rows[1]["stamps_error"] and "no issue times" in rows[1]["trace_error"]
+    assert "signal_p50_us" not in rows[1] and "stalls_p50_us" not in rows[1]
+    assert "| 2-run37 | 4887964 |" in mod.table(rows) and rows[0]["signal_p50_us"] > 0

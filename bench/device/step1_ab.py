@@ -128,14 +128,20 @@ def summarize(out: Path) -> list[dict]:
         row["rounds_median"] = statistics.median(row["rounds"])
         stamps = d / "stamps-cuda.pt"
         if stamps.exists():
-            s = last_item(torch.load(stamps))
-            row["signal_p50_us"] = s["signal_us"]["p50"]
-            row["after_input_p50_us"] = s["after_input_us"]["p50"]
+            try:
+                s = last_item(torch.load(stamps))
+                row["signal_p50_us"] = s["signal_us"]["p50"]
+                row["after_input_p50_us"] = s["after_input_us"]["p50"]
+            except ValueError as exc:  # a launch that stopped short: the row says so, the table goes on
+                row["stamps_error"] = str(exc)
         trace = d / "trace-cuda.pt"
         if trace.exists():
-            s = trace_summary(torch.load(trace))
-            row["stalls_p50_us"] = s["gaps_per_cta_us"]["p50"]
-            row["last_found_max_us"] = s["last_found_us"]["max"]
+            try:
+                s = trace_summary(torch.load(trace))
+                row["stalls_p50_us"] = s["gaps_per_cta_us"]["p50"]
+                row["last_found_max_us"] = s["last_found_us"]["max"]
+            except ValueError as exc:
+                row["trace_error"] = str(exc)
         rows.append(row)
     return rows
 
