@@ -109,6 +109,19 @@ def _ratio(probe_json: Path) -> float | None:
     return rows["cuda"]["median_us"] / rows["triton"]["median_us"]
 
 
+def _figures(path: Path, read, pick: dict[str, tuple[str, str]]) -> dict:
+    """The figures ``read`` gives of a saved file (``pick``: row key -> (section, figure)), none if it is missing. A
+    file that holds too little (a launch that stopped short) gives its reason under "<file stem>_error" instead, and
+    the table goes on."""
+    if not path.exists():
+        return {}
+    try:
+        s = read(torch.load(path))
+    except ValueError as exc:
+        return {f"{path.stem.split('-')[0]}_error": str(exc)}
+    return {key: s[section][figure] for key, (section, figure) in pick.items()}
+
+
 def summarize(out: Path) -> list[dict]:
     """One row per version folder of ``out`` (in their order): checks passed, the step and the Triton launches
     (median us, p10, kineto), their ratio, a plain read, and the trace's stalls and last stage found."""
@@ -126,22 +139,10 @@ def summarize(out: Path) -> list[dict]:
         later = sorted(d.glob("round-*/step1_probe.json"), key=lambda f: int(f.parent.name.split("-")[1]))
         row["rounds"] = [row["cuda_over_triton"], *(r for r in map(_ratio, later) if r is not None)]
         row["rounds_median"] = statistics.median(row["rounds"])
-        stamps = d / "stamps-cuda.pt"
-        if stamps.exists():
-            try:
-                s = last_item(torch.load(stamps))
-                row["signal_p50_us"] = s["signal_us"]["p50"]
-                row["after_input_p50_us"] = s["after_input_us"]["p50"]
-            except ValueError as exc:  # a launch that stopped short: the row says so, the table goes on
-                row["stamps_error"] = str(exc)
-        trace = d / "trace-cuda.pt"
-        if trace.exists():
-            try:
-                s = trace_summary(torch.load(trace))
-                row["stalls_p50_us"] = s["gaps_per_cta_us"]["p50"]
-                row["last_found_max_us"] = s["last_found_us"]["max"]
-            except ValueError as exc:
-                row["trace_error"] = str(exc)
+        row.update(_figures(d / "stamps-cuda.pt", last_item, {"signal_p50_us": ("signal_us", "p50"),
+                                                              "after_input_p50_us": ("after_input_us", "p50")}))
+        row.update(_figures(d / "trace-cuda.pt", trace_summary, {"stalls_p50_us": ("gaps_per_cta_us", "p50"),
+                                                                 "last_found_max_us": ("last_found_us", "max")}))
         rows.append(row)
     return rows
 
