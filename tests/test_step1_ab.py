@@ -102,3 +102,17 @@ def test_a_version_whose_launch_stopped_short_still_gets_its_row(out, device_scr
     assert "no set-up stamps" in rows[1]["stamps_error"] and "no issue times" in rows[1]["trace_error"]
     assert "signal_p50_us" not in rows[1] and "stalls_p50_us" not in rows[1]
     assert "| 2-run37 | 4887964 |" in mod.table(rows) and rows[0]["signal_p50_us"] > 0
+
+
+def test_a_version_whose_probe_left_nothing_is_named_with_its_last_log_line(out, device_script):
+    d = out / "3-broken"
+    d.mkdir()
+    (d / "check.log").write_text("Traceback ...\nRuntimeError: no GPU\n")
+    (d / "check.jsonl").write_text("")
+    (d / "probe.log").write_text("Traceback (most recent call last):\n  ...\nAssertionError: Torch not compiled with CUDA\n\n")
+    mod = device_script("step1_ab")
+    rows = mod.summarize(out)
+    assert [r["version"] for r in rows] == ["1-run36", "2-run37", "3-broken"]
+    assert rows[2] == {"version": "3-broken", "checks": "0 of 0",
+                       "failed": "AssertionError: Torch not compiled with CUDA"}
+    assert "| 3-broken | - | 0 of 0 | - | no probe results: AssertionError: Torch not compiled with CUDA |" in mod.table(rows)

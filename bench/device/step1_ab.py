@@ -122,19 +122,31 @@ def _figures(path: Path, read, pick: dict[str, tuple[str, str]]) -> dict:
     return {key: s[section][figure] for key, (section, figure) in pick.items()}
 
 
+def _last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    return lines[-1][:200] if lines else "no log"
+
+
 def summarize(out: Path) -> list[dict]:
     """One row per version folder of ``out`` (in their order): checks passed, the step and the Triton launches
-    (median us, p10, kineto), their ratio, a plain read, and the trace's stalls and last stage found."""
+    (median us, p10, kineto), their ratio, a plain read, and the trace's stalls and last stage found. A version
+    whose probe left no results gets a row that says so, with the last line of its probe's log."""
     rows = []
-    for d in sorted(p for p in out.iterdir() if (p / "step1_probe.json").exists()):
+    for d in sorted(p for p in out.iterdir() if (p / "step1_probe.json").exists() or (p / "probe.log").exists()):
+        check_file = d / "check.jsonl"
+        checks = ([json.loads(line) for line in check_file.read_text().splitlines() if line.startswith("{")]
+                  if check_file.exists() else [])
+        row = {"version": d.name, "checks": f"{sum(bool(c.get('passed')) for c in checks)} of {len(checks)}"}
+        if not (d / "step1_probe.json").exists():
+            row["failed"] = _last_line(d / "probe.log")
+            rows.append(row)
+            continue
         probe = json.loads((d / "step1_probe.json").read_text())
-        checks = [json.loads(line) for line in (d / "check.jsonl").read_text().splitlines() if line.startswith("{")]
         t = probe["rows"]
-        row = {"version": d.name, "commit": probe.get("commit"), "same_y": probe.get("same_y"),
-               "checks": f"{sum(bool(c.get('passed')) for c in checks)} of {len(checks)}",
-               "cuda_us": t["cuda"]["median_us"], "cuda_p10_us": t["cuda"]["p10_us"],
-               "triton_us": t["triton"]["median_us"], "read_us": t.get("read", {}).get("median_us"),
-               "cuda_kernel_us": sum(t["cuda"].get("kineto_us", {}).values()) or None}
+        row.update(commit=probe.get("commit"), same_y=probe.get("same_y"), cuda_us=t["cuda"]["median_us"],
+                   cuda_p10_us=t["cuda"]["p10_us"], triton_us=t["triton"]["median_us"],
+                   read_us=t.get("read", {}).get("median_us"),
+                   cuda_kernel_us=sum(t["cuda"].get("kineto_us", {}).values()) or None)
         row["cuda_over_triton"] = row["cuda_us"] / row["triton_us"]
         later = sorted(d.glob("round-*/step1_probe.json"), key=lambda f: int(f.parent.name.split("-")[1]))
         row["rounds"] = [row["cuda_over_triton"], *(r for r in map(_ratio, later) if r is not None)]
@@ -152,7 +164,8 @@ def table(rows: list[dict]) -> str:
             "each round (median) | read us | load stalls per CTA, p50 us | last stage found, max us | "
             "last item: signal, then to done, p50 us |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
-    lines = [f"| {r['version']} | {r['commit']} | {r['checks']} | {r['same_y']} | {f(r['cuda_us'])} "
+    lines = [f"| {r['version']} | - | {r['checks']} | - | no probe results: {r['failed']} |" if "failed" in r else
+             f"| {r['version']} | {r['commit']} | {r['checks']} | {r['same_y']} | {f(r['cuda_us'])} "
              f"({f(r['cuda_p10_us'])}; {f(r['cuda_kernel_us'])}) | {f(r['triton_us'])} | "
              f"{f(r['cuda_over_triton'], 3)} | {' '.join(f(x, 3) for x in r['rounds'])} ({f(r['rounds_median'], 3)}) | "
              f"{f(r['read_us'])} | {f(r.get('stalls_p50_us'))} | {f(r.get('last_found_max_us'))} | "
