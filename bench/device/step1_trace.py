@@ -38,20 +38,25 @@ def tile_starts(stages: int, l1_stages: int, l2_stages: int) -> list[int]:
     return []
 
 
-def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_us: float = 1.0) -> dict:
-    """trace int64 [CTAs, 1 + warpgroups, slots] -> the figures above (us)."""
+def _issues(trace: torch.Tensor) -> tuple[torch.Tensor, float, list[torch.Tensor]]:
+    """trace -> (the trace as float64, the first issue of any CTA in ns, per CTA its issue times in us from it)."""
     t = trace.double()
     issued = t[:, 0]
     if not (issued > 0).any():
         raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
-    base = issued[issued > 0].min()
+    base = float(issued[issued > 0].min())
+    return t, base, [(issued[c, : int((issued[c] > 0).sum())] - base) / 1e3 for c in range(t.shape[0])]
+
+
+def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_us: float = 1.0) -> dict:
+    """trace int64 [CTAs, 1 + warpgroups, slots] -> the figures above (us)."""
+    t, base, per_cta = _issues(trace)
     gaps_total, gaps_at_starts, last_issue, last_found = [], [], [], []
     before_start: dict[int, list[float]] = {}
-    for c in range(t.shape[0]):
-        n = int((issued[c] > 0).sum())
+    for c, times in enumerate(per_cta):
+        n = times.numel()
         if n == 0:
             continue
-        times = (issued[c, :n] - base) / 1e3
         gaps = times[1:] - times[:-1]  # gaps[k - 1]: before stage k
         long = gaps > gap_us
         gaps_total.append(float(gaps[long].sum()))
@@ -76,11 +81,8 @@ def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_
 def issue_windows(trace: torch.Tensor, window_us: float = 1.0) -> dict:
     """Stages issued by the whole grid per window of ``window_us`` from the first issue (``issued``, one count per
     window up to the last issue), and the starts (us) of the windows with none (``idle``)."""
-    issued = trace[:, 0].double()
-    times = issued[issued > 0]
-    if times.numel() == 0:
-        raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
-    k = ((times - times.min()) / 1e3 / window_us).floor().long()
+    times = torch.cat(_issues(trace)[2])  # us from the first issue
+    k = (times / window_us).floor().long()
     counts = torch.bincount(k).tolist()
     return {"window_us": window_us, "issued": counts,
             "idle": [round(i * window_us, 2) for i, n in enumerate(counts) if n == 0]}
@@ -89,17 +91,11 @@ def issue_windows(trace: torch.Tensor, window_us: float = 1.0) -> dict:
 def ring_stops(trace: torch.Tensor, ring: int = 20, gap_us: float = 1.0, free_us: float = 0.5) -> dict:
     """The load warp's gaps longer than ``gap_us`` (us, summed over CTAs): in all, and the part of them after the slot
     the next issue needed was read (found) plus ``free_us``. A stage k < ring finds its slot unused."""
-    t = trace.double()
-    issued = t[:, 0]
-    if not (issued > 0).any():
-        raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
-    base = issued[issued > 0].min()
+    t, base, per_cta = _issues(trace)
     parts = t.shape[1] - 1
     total = unexplained = 0.0
-    for c in range(t.shape[0]):
-        n = int((issued[c] > 0).sum())
-        times = ((issued[c, :n] - base) / 1e3).tolist()
-        for k in range(1, n):
+    for c, times in enumerate(map(torch.Tensor.tolist, per_cta)):
+        for k in range(1, len(times)):
             if times[k] - times[k - 1] <= gap_us:
                 continue
             free = float("-inf")
@@ -123,14 +119,14 @@ def main() -> int:
     ap.add_argument("--free-us", type=float, default=0.5)
     args = ap.parse_args()
     for path in args.traces:
-        s = summarize(torch.load(path), args.l1_stages, args.l2_stages, args.gap_us)
+        trace = torch.load(path)
         print(path)
-        for k, v in s.items():
+        for k, v in summarize(trace, args.l1_stages, args.l2_stages, args.gap_us).items():
             print(f"  {k}: {v}")
-        w = issue_windows(torch.load(path), args.window_us)
+        w = issue_windows(trace, args.window_us)
         print(f"  stages issued per {w['window_us']} us, all CTAs: {w['issued']}")
         print(f"  windows with no issue anywhere, from (us): {w['idle']}")
-        print(f"  long gaps, all CTAs: {ring_stops(torch.load(path), args.ring, args.gap_us, args.free_us)}")
+        print(f"  long gaps, all CTAs: {ring_stops(trace, args.ring, args.gap_us, args.free_us)}")
     return 0
 
 
