@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_probe import L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
+from step1_stamps import points  # noqa: E402
 from megamoe.bench.meta import tree_commit  # noqa: E402
 from megamoe.decode import cuda_step1, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
@@ -34,7 +35,7 @@ KERNELS = ("step1_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "re
 
 def timeline(fn, stamps: torch.Tensor, flush, replays: int = 5) -> dict:
     """Per stamp point (cuda_step1.STAMP_POINTS): min / median / max over CTAs, us from the first CTA's set-up, of
-    the replay with the median last point."""
+    the replay with the median last point (step1_stamps.points, as a saved timeline is read on any machine)."""
     reps = []
     for _ in range(replays):
         stamps.fill_(-1)
@@ -43,15 +44,7 @@ def timeline(fn, stamps: torch.Tensor, flush, replays: int = 5) -> dict:
         torch.cuda.synchronize()
         reps.append(stamps.clone())
     ends = [int(r[:, 5].max()) - int(r[:, 0].min()) for r in reps]
-    r = reps[sorted(range(replays), key=ends.__getitem__)[replays // 2]]
-    t0 = int(r[:, 0].min())
-    out = {}
-    for k, name in enumerate(cuda_step1.STAMP_POINTS):
-        col = r[:, k][r[:, k] >= 0].double().sub(t0).div(1e3)
-        if col.numel():
-            out[name] = {"min": round(col.min().item(), 2), "p50": round(col.median().item(), 2),
-                         "max": round(col.max().item(), 2)}
-    return out
+    return points(reps[sorted(range(replays), key=ends.__getitem__)[replays // 2]].cpu())
 
 
 def main() -> int:
