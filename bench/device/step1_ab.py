@@ -102,8 +102,8 @@ def run_round(checkout: Path, out: Path, timeout_s: int = 120) -> None:
     _probe(checkout, out, ["--modes", "--timelines", "--traces"], timeout_s)
 
 
-def _ratio(probe_json: Path) -> float | None:
-    rows = json.loads(probe_json.read_text()).get("rows", {})
+def _ratio(rows: dict) -> float | None:
+    """A probe's step against its own Triton launches (median over median), None where either is missing."""
     if "cuda" not in rows or "triton" not in rows:
         return None
     return rows["cuda"]["median_us"] / rows["triton"]["median_us"]
@@ -147,9 +147,10 @@ def summarize(out: Path) -> list[dict]:
                    cuda_p10_us=t["cuda"]["p10_us"], triton_us=t["triton"]["median_us"],
                    read_us=t.get("read", {}).get("median_us"),
                    cuda_kernel_us=sum(t["cuda"].get("kineto_us", {}).values()) or None)
-        row["cuda_over_triton"] = row["cuda_us"] / row["triton_us"]
+        row["cuda_over_triton"] = _ratio(t)
         later = sorted(d.glob("round-*/step1_probe.json"), key=lambda f: int(f.parent.name.split("-")[1]))
-        row["rounds"] = [row["cuda_over_triton"], *(r for r in map(_ratio, later) if r is not None)]
+        ratios = (_ratio(json.loads(f.read_text()).get("rows", {})) for f in later)
+        row["rounds"] = [row["cuda_over_triton"], *(r for r in ratios if r is not None)]
         row["rounds_median"] = statistics.median(row["rounds"])
         row.update(_figures(d / "stamps-cuda.pt", last_item, {"signal_p50_us": ("signal_us", "p50"),
                                                               "after_input_p50_us": ("after_input_us", "p50")}))
