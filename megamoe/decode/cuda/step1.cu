@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       };
       // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
       auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
-        const size_t base = size_t(it.expert[tile / tpe]) * tpe + tile % tpe;
+        const size_t base = weight_tile(it.expert, tile, tpe);
         for (int b = 0; b < nb / kParts; b += kBlocks)
           for (int q = 0; q < kParts; ++q) {
             const size_t blk = base * nb + q * (nb / kParts) + b;
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             stamp(p, 1);  // the last L1 block asked for
             if (!(p.mode & kModePrefetch)) return;
             for (int k = next_l2; k < sched.n2; k += gridDim.x) {
-              const size_t base = size_t(it.expert[k / tpe2]) * tpe2 + k % tpe2;
+              const size_t base = weight_tile(it.expert, k, tpe2);
               bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
               bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
             }

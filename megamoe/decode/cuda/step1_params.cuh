@@ -88,6 +88,12 @@ struct Schedule {
   }
 };
 
+// Step tile `tile` (tiles numbered item-major, tpe per item) -> its tile in the weights' layout: the item's expert's
+// tile tile % tpe (whose K blocks start at this times the tile's blocks).
+__device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int tpe) {
+  return size_t(expert[tile / tpe]) * tpe + tile % tpe;
+}
+
 // Probe mode touch: lanes 1..31 of the load warp each read one word at the start of some of the CTA's tiles (codes
 // and scales, L1 and L2), so that every page the CTA will stream is asked for once, at the start, beside the first
 // tile's copies. The question it asks: the load warp stops for microseconds before a tile's first stage while the
@@ -103,8 +109,8 @@ __device__ __forceinline__ void touch_tiles(const Params& p, const Schedule& sch
     asm volatile("{\n .reg .b32 w;\n ld.volatile.global.u32 w, [%0];\n}\n" ::"l"(scales + first_block * 256));
   };
   sched.for_each(
-      [&](int tile, bool) { touch(p.l1_codes, p.l1_scales, (size_t(expert[tile / tpe1]) * tpe1 + tile % tpe1) * nb1); },
-      [&](int tile) { touch(p.l2_codes, p.l2_scales, (size_t(expert[tile / tpe2]) * tpe2 + tile % tpe2) * nb2); });
+      [&](int tile, bool) { touch(p.l1_codes, p.l1_scales, weight_tile(expert, tile, tpe1) * nb1); },
+      [&](int tile) { touch(p.l2_codes, p.l2_scales, weight_tile(expert, tile, tpe2) * nb2); });
 }
 
 // The step's routing (K <= 8 slots of one token) -> it: the valid slots in slot order, each one's pool row as
