@@ -99,6 +99,7 @@ def main() -> int:
                 "prefetch": {"mode": M["prefetch"]}, "noload": {"mode": M["no-load"]}, "touch": {"mode": M["touch"]},
                 "touch_bare": {"mode": M["touch"] | M["bare"]}, "empty": {"mode": M["empty"]},
                 "plain": {"mode": M["plain"]}, "empty_plain": {"mode": M["empty"] | M["plain"]},
+                "ahead": {"mode": M["ahead"]}, "ahead_bare": {"mode": M["ahead"] | M["bare"]},
                 "noload_bare": {"mode": M["no-load"] | M["bare"]},
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},

@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch or empty (step1_params.cuh), each compiled only into its own instance so that the
-// step's own code is the same with or without them.
+// kProbe: 0, or probe mode touch, empty or ahead (step1_params.cuh), each compiled only into its own instance so that
+// the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -173,6 +173,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       int next_l2 = blockIdx.x;
       sched.for_each(
           [&](int tile, bool last) {
+            if constexpr (kProbe == kModeAhead) {  // the CTA's next tile: its next L1 tile, else its first L2 tile
+              if (!last) prefetch_tile_l2(p.l1_codes, p.l1_scales, weight_tile(it.expert, tile + gridDim.x, tpe1) * nb1);
+              else if (next_l2 < sched.n2) prefetch_tile_l2(p.l2_codes, p.l2_scales, weight_tile(it.expert, next_l2, tpe2) * nb2);
+            }
             issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
             stamp(p, 1);  // the last L1 block asked for
@@ -184,6 +188,9 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             }
           },
           [&](int tile) {
+            if constexpr (kProbe == kModeAhead)
+              if (tile + int(gridDim.x) < sched.n2)
+                prefetch_tile_l2(p.l2_codes, p.l2_scales, weight_tile(it.expert, tile + gridDim.x, tpe2) * nb2);
             issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
             next_l2 = tile + gridDim.x;
           });
@@ -343,7 +350,7 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t empty = cudaFuncSetAttribute(step1_kernel<kModeEmpty>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  smem_bytes);
   if (empty != cudaSuccess) return int(empty);
-  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>}) {
+  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -388,6 +395,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   cfg.numAttrs = (mode & kModePlain) ? 0 : 1;
   const auto kernel = (mode & kModeEmpty)   ? step1_kernel<kModeEmpty>
                       : (mode & kModeTouch) ? step1_kernel<kModeTouch>
+                      : (mode & kModeAhead) ? step1_kernel<kModeAhead>
                                             : step1_kernel<0>;
   return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }

@@ -41,9 +41,10 @@ struct Params {
 // block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
 // warpgroups alone; y is wrong); touch: read one word at the start of each of the CTA's tiles first (touch_tiles; y
 // right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain: the step launched
-// without the cooperative attribute (what the attribute costs; y right while nothing else holds an SM).
+// without the cooperative attribute (what the attribute costs; y right while nothing else holds an SM); ahead: as a
+// tile's copies start, the first line of the CTA's next tile is asked of the L2 cache (prefetch_tile_l2; y right).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
-              kModePlain = 64;
+              kModePlain = 64, kModeAhead = 128;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -111,6 +112,16 @@ __device__ __forceinline__ void touch_tiles(const Params& p, const Schedule& sch
   sched.for_each(
       [&](int tile, bool) { touch(p.l1_codes, p.l1_scales, weight_tile(expert, tile, tpe1) * nb1); },
       [&](int tile) { touch(p.l2_codes, p.l2_scales, weight_tile(expert, tile, tpe2) * nb2); });
+}
+
+// Probe mode ahead: the first line of a tile's codes and of its scales (block `first_block`) asked of the L2 cache by
+// the load warp as the tile before it starts. Where touch_tiles asks for every page of the CTA at the start, this asks
+// one tile ahead, so that a page's translation, if that is what holds the copies of a new tile, is done while the
+// tile before it streams. prefetch.global.L2 goes through the load-store path, not the copy engine, and nothing
+// waits for it.
+__device__ __forceinline__ void prefetch_tile_l2(const uint8_t* codes, const uint8_t* scales, size_t first_block) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(codes + first_block * 4096));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + first_block * 256));
 }
 
 // The step's routing (K <= 8 slots of one token) -> it: the valid slots in slot order, each one's pool row as
