@@ -174,8 +174,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       sched.for_each(
           [&](int tile, bool last) {
             if constexpr (kProbe == kModeAhead) {  // the CTA's next tile: its next L1 tile, else its first L2 tile
-              if (!last) prefetch_tile_l2(p.l1_codes, p.l1_scales, weight_tile(it.expert, tile + gridDim.x, tpe1) * nb1);
-              else if (next_l2 < sched.n2) prefetch_tile_l2(p.l2_codes, p.l2_scales, weight_tile(it.expert, next_l2, tpe2) * nb2);
+              if (!last)
+                prefetch_tile_l2(p.l1_codes, p.l1_scales, weight_tile(it.expert, tile + gridDim.x, tpe1) * nb1);
+              else if (next_l2 < sched.n2)
+                prefetch_tile_l2(p.l2_codes, p.l2_scales, weight_tile(it.expert, next_l2, tpe2) * nb2);
             }
             issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
