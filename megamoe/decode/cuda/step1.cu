@@ -173,12 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       int next_l2 = blockIdx.x;
       sched.for_each(
           [&](int tile, bool last) {
-            if constexpr (kProbe == kModeAhead) {  // the CTA's next tile: its next L1 tile, else its first L2 tile
-              if (!last)
-                prefetch_tile_l2(p.l1_codes, p.l1_scales, weight_tile(it.expert, tile + gridDim.x, tpe1) * nb1);
-              else if (next_l2 < sched.n2)
-                prefetch_tile_l2(p.l2_codes, p.l2_scales, weight_tile(it.expert, next_l2, tpe2) * nb2);
-            }
+            if constexpr (kProbe == kModeAhead)
+              prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
             issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
             stamp(p, 1);  // the last L1 block asked for
@@ -190,9 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             }
           },
           [&](int tile) {
-            if constexpr (kProbe == kModeAhead)
-              if (tile + int(gridDim.x) < sched.n2)
-                prefetch_tile_l2(p.l2_codes, p.l2_scales, weight_tile(it.expert, tile + gridDim.x, tpe2) * nb2);
+            if constexpr (kProbe == kModeAhead) prefetch_tile_l2(p, sched, it.expert, tile + gridDim.x, false);
             issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
             next_l2 = tile + gridDim.x;
           });

@@ -114,14 +114,19 @@ __device__ __forceinline__ void touch_tiles(const Params& p, const Schedule& sch
       [&](int tile) { touch(p.l2_codes, p.l2_scales, weight_tile(expert, tile, tpe2) * nb2); });
 }
 
-// Probe mode ahead: the first line of a tile's codes and of its scales (block `first_block`) asked of the L2 cache by
-// the load warp as the tile before it starts. Where touch_tiles asks for every page of the CTA at the start, this asks
-// one tile ahead, so that a page's translation, if that is what holds the copies of a new tile, is done while the
-// tile before it streams. prefetch.global.L2 goes through the load-store path, not the copy engine, and nothing
-// waits for it.
-__device__ __forceinline__ void prefetch_tile_l2(const uint8_t* codes, const uint8_t* scales, size_t first_block) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(codes + first_block * 4096));
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + first_block * 256));
+// Probe mode ahead: the first line of the codes and of the scales of step tile `tile` (an L1 tile if l1, else L2;
+// none past the step's tiles) asked of the L2 cache by the load warp as the tile before it starts: the CTA's next
+// L1 tile, or after its last one its first L2 tile (exact with the default lag, where the CTA's L2 tiles follow all
+// its L1 tiles). Where touch_tiles asks for every page of the CTA at the start, this asks one tile ahead, so that a
+// page's translation, if that is what holds a new tile's copies, is done while the tile before it streams.
+// prefetch.global.L2 goes through the load-store path, not the copy engine, and nothing waits for it.
+__device__ __forceinline__ void prefetch_tile_l2(const Params& p, const Schedule& sched, const int* expert, int tile,
+                                                 bool l1) {
+  if (tile >= (l1 ? sched.n1 : sched.n2)) return;
+  const size_t blk = l1 ? weight_tile(expert, tile, p.I / 32) * (p.H / 128)  // the tile's first K block
+                        : weight_tile(expert, tile, p.H / 64) * (p.I / 128);
+  asm volatile("prefetch.global.L2 [%0];" ::"l"((l1 ? p.l1_codes : p.l2_codes) + blk * 4096));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"((l1 ? p.l1_scales : p.l2_scales) + blk * 256));
 }
 
 // The step's routing (K <= 8 slots of one token) -> it: the valid slots in slot order, each one's pool row as
