@@ -4,7 +4,8 @@ replaces and against the eager reference (recipe megamoe-decode-tc):
     stages   route's outputs, l2_q, l2_sf and slot_out equal to the Triton launches' bit for bit, from the same
              staged token (both buffers poisoned first)
     whole    y equal to the Triton launches' and to the reference bit for bit (calc_diff 0); rows past the step
-             still poisoned; ``repeats`` poisoned relaunches bit-identical
+             still poisoned; ``repeats`` poisoned relaunches bit-identical; every count the step keeps between
+             its CTAs (``DecodeBuffers.step_sync``) back at zero after its launches, as the next launch needs
 
     python3 -m megamoe.decode.selfcheck_step1 [--repeats 8]      (one H200) -> JSON rows; exit 1 on a failure
 """
@@ -79,15 +80,18 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2) -> dic
         moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
         differ += any(first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1)) for f in FIELDS)
     row["relaunches_differing"] = f"{differ} of {repeats}"
+    torch.cuda.synchronize()
+    row["counts_left"] = int((bufs[1].step_sync != 0).sum())  # a relaunch passes its waits early if any is left
     row["seconds"] = round(time.time() - t0, 2)
     return row
 
 
 def passed_step1(row: dict) -> bool:
     """The CUDA step ran (not the Triton fallback), every stage equal to the Triton launches', y bit-identical to
-    the reference, poison kept, no relaunch differing."""
+    the reference, poison kept, no relaunch differing, no count left for the next launch."""
     return (row["launch"] and row["unsupported"] is None and not row["stages"] and row["bitwise_frac"] == 1.0
-            and row["poison_kept"] and not row["nan"] and row["relaunches_differing"].startswith("0 of"))
+            and row["poison_kept"] and not row["nan"] and row["relaunches_differing"].startswith("0 of")
+            and row["counts_left"] == 0)
 
 
 def main(argv=None) -> int:
