@@ -47,6 +47,10 @@ def test_the_table_holds_each_versions_figures(out, device_script):
         assert r["cuda_over_triton"] == pytest.approx(saved["rows"]["cuda"]["median_us"]
                                                       / saved["rows"]["triton"]["median_us"])
         assert r["read_us"] == saved["rows"]["read"]["median_us"]
+        extra = [m for m in saved["rows"] if m not in ("cuda", "triton", "read")]
+        assert list(r["modes"]) == extra and "bare" in extra
+        assert r["modes"]["bare"] == pytest.approx(saved["rows"]["bare"]["median_us"]
+                                                   / saved["rows"]["triton"]["median_us"])
         n = sum(1 for line in (_RUNS / check).read_text().splitlines() if line.startswith("{"))
         assert r["checks"] == f"{n} of {n}" and n == 5
         assert 0 < r["stalls_p50_us"] < r["last_found_max_us"]
@@ -64,6 +68,8 @@ def test_the_summary_prints_from_the_command_line(out):
     assert "| 1-run36 | 784b68b | 5 of 5 | True | 41.8 (40.4; 40.4) | 42.3 | 0.989 | 0.989 0.971 (0.980) |" in run.stdout
     assert "| 2-run37 | 4887964 | 5 of 5 | True | 43.4 (42.3; 41.3) | 42.3 | 1.026 | 1.026 (1.026) |" in run.stdout
     assert "| 5.9, 5.4 |" in run.stdout and "| 1.3, 6.1 |" in run.stdout  # the last item's signal, then to done
+    # run 36: 46.11, 41.76, 45.54, 37.18 and 26.4 us against the Triton launches' 42.3
+    assert "| cuda_lag1 1.090, bare 0.987, prefetch 1.076, noload 0.879, noload_bare 0.624 |" in run.stdout
 
 
 def _git(*args):

@@ -1,10 +1,10 @@
 """Versions of the 1-token CUDA step side by side on one H200 with nvcc. For each checkout directory, in turn on the
 same card: its selfcheck (the step's bits against the Triton launches and the reference) and its probe (the step
-beside the Triton launches and a plain read, in one process, with a trace of one launch). Then one table.
+beside the Triton launches, the probe modes ``--modes`` names and a plain read, in one process, with a trace of one
+launch). Then one table.
 
-    git worktree add build/ew step1-epilogue-warp && git worktree add build/ll 4887964
-    git worktree add build/rot step1-rotation && git worktree add build/rot-counts step1-rotation-counts
-    python3 bench/device/step1_ab.py . build/ew build/ll build/rot build/rot-counts --out $OUT --rounds 3
+    git worktree add build/lean step1-lean-stage && git worktree add build/ew step1-epilogue-warp
+    python3 bench/device/step1_ab.py . build/lean build/ew --out $OUT --rounds 3 --modes touch
     python3 bench/device/step1_ab.py --summarize $OUT          # the table again, on any machine
 
 Compare versions by each probe's ratio to its own Triton launches (code every checkout shares): each checkout
@@ -18,9 +18,8 @@ round-<r>/step1_probe.json}, $OUT/summary.md.
 Where the machine that runs them has no git metadata, export the versions first, on a machine that has it: each
 revision's package and device scripts, with a COMMIT file that names it (the probes record it):
 
-    python3 bench/device/step1_ab.py --export build/ab main step1-epilogue-warp 4887964 step1-rotation \
-        step1-rotation-counts
-    python3 bench/device/step1_ab.py build/ab/* --out $OUT --rounds 3          # then, on the H200"""
+    python3 bench/device/step1_ab.py --export build/ab main step1-lean-stage step1-epilogue-warp
+    python3 bench/device/step1_ab.py build/ab/* --out $OUT --rounds 3 --modes touch          # then, on the H200"""
 
 from __future__ import annotations
 
@@ -148,6 +147,8 @@ def summarize(out: Path) -> list[dict]:
                    read_us=t.get("read", {}).get("median_us"),
                    cuda_kernel_us=sum(t["cuda"].get("kineto_us", {}).values()) or None)
         row["cuda_over_triton"] = _ratio(t)
+        row["modes"] = {name: r["median_us"] / t["triton"]["median_us"] for name, r in t.items()
+                        if name not in ("cuda", "triton", "read")}  # each probe mode's time against the same Triton
         later = sorted(d.glob("round-*/step1_probe.json"), key=lambda f: int(f.parent.name.split("-")[1]))
         ratios = (_ratio(json.loads(f.read_text()).get("rows", {})) for f in later)
         row["rounds"] = [row["cuda_over_triton"], *(r for r in ratios if r is not None)]
@@ -163,14 +164,16 @@ def summarize(out: Path) -> list[dict]:
 def table(rows: list[dict]) -> str:
     head = ("| version | commit | checks passed | same y | step us (p10; kernel) | Triton us | step / Triton | "
             "each round (median) | read us | load stalls per CTA, p50 us | last stage found, max us | "
-            "last item: signal, then to done, p50 us |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "last item: signal, then to done, p50 us | modes / Triton (round 1) |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [f"| {r['version']} | - | {r['checks']} | - | no probe results: {r['failed']} |" if "failed" in r else
              f"| {r['version']} | {r['commit']} | {r['checks']} | {r['same_y']} | {f(r['cuda_us'])} "
              f"({f(r['cuda_p10_us'])}; {f(r['cuda_kernel_us'])}) | {f(r['triton_us'])} | "
              f"{f(r['cuda_over_triton'], 3)} | {' '.join(f(x, 3) for x in r['rounds'])} ({f(r['rounds_median'], 3)}) | "
              f"{f(r['read_us'])} | {f(r.get('stalls_p50_us'))} | {f(r.get('last_found_max_us'))} | "
-             f"{f(r.get('signal_p50_us'))}, {f(r.get('after_input_p50_us'))} |" for r in rows]
+             f"{f(r.get('signal_p50_us'))}, {f(r.get('after_input_p50_us'))} | "
+             f"{', '.join(f'{m} {f(v, 3)}' for m, v in r['modes'].items()) or '-'} |" for r in rows]
     return "\n".join([head, *lines])
 
 
