@@ -122,3 +122,22 @@ def test_a_version_whose_probe_left_nothing_is_named_with_its_last_log_line(out,
     assert rows[2] == {"version": "3-broken", "checks": "0 of 0",
                        "failed": "AssertionError: Torch not compiled with CUDA"}
     assert "| 3-broken | - | 0 of 0 | - | no probe results: AssertionError: Torch not compiled with CUDA |" in mod.table(rows)
+
+
+def test_from_round_runs_only_the_later_rounds(tmp_path, device_script, monkeypatch):
+    mod = device_script("step1_ab")
+    calls = []
+    monkeypatch.setattr(mod, "run_version", lambda checkout, d, modes: calls.append(("full", d.name)))
+    monkeypatch.setattr(mod, "run_round", lambda checkout, d: calls.append(("round", d.parent.name, d.name)))
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    monkeypatch.setattr(sys, "argv", ["step1_ab.py", str(a), str(b), "--out", str(tmp_path / "out"), "--rounds", "3",
+                                      "--from-round", "2"])
+    assert mod.main() == 0
+    assert calls == [("round", "1-a", "round-2"), ("round", "2-b", "round-2"), ("round", "1-a", "round-3"),
+                     ("round", "2-b", "round-3")]
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["step1_ab.py", str(a), "--out", str(tmp_path / "out2"), "--rounds", "2"])
+    assert mod.main() == 0
+    assert calls == [("full", "1-a"), ("round", "1-a", "round-2")]

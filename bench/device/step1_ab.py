@@ -11,7 +11,8 @@ Compare versions by each probe's ratio to its own Triton launches (code every ch
 runs in its own processes, so their absolute times are further apart than two launches in one process. With
 ``--rounds N`` the versions then take turns N - 1 more times (A B C A B C ...), each turn a short probe of the
 step, the Triton launches and the read alone, so that a version's ratio is seen in several processes spread over
-the run: the table gives each round's ratio and their median.
+the run: the table gives each round's ratio and their median. Where one sitting cannot hold every round,
+``--from-round R`` runs only rounds R.. into a second folder, whose round folders then join the first's.
 Files: $OUT/<i>-<name>/{check.jsonl, check.log, probe.log, step1_probe.json, stamps-cuda.pt, trace-cuda.pt,
 round-<r>/step1_probe.json}, $OUT/summary.md.
 
@@ -183,6 +184,9 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--modes", nargs="*", default=["bare", "noload"], help="probe modes every version has")
     ap.add_argument("--rounds", type=int, default=1, help="turns each version takes (the first one full)")
+    ap.add_argument("--from-round", type=int, default=1, metavar="R",
+                    help="run rounds R.. only: the earlier ones ran before, into another folder of the same layout, "
+                         "and the two are merged before --summarize")
     ap.add_argument("--summarize", metavar="OUT", help="only print the table of an earlier run's folder")
     ap.add_argument("--export", metavar="DEST", help="only export the revisions given as checkouts into DEST")
     args = ap.parse_args()
@@ -198,11 +202,14 @@ def main() -> int:
     if not args.checkouts or not args.out:
         ap.error("give the checkouts and --out (or --summarize OUT)")
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     versions = [(Path(c).resolve(), out / f"{i}-{Path(c).resolve().name}") for i, c in enumerate(args.checkouts, 1)]
-    for checkout, d in versions:
+    if args.from_round < 1:
+        ap.error(f"--from-round must be at least 1, got {args.from_round}")
+    for checkout, d in versions if args.from_round == 1 else []:
         print(f"[step1_ab] {checkout}", flush=True)
         run_version(checkout, d, args.modes)
-    for r in range(2, args.rounds + 1):
+    for r in range(max(2, args.from_round), args.rounds + 1):
         for checkout, d in versions:
             print(f"[step1_ab] round {r}: {checkout}", flush=True)
             run_round(checkout, d / f"round-{r}")
