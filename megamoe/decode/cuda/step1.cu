@@ -85,7 +85,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
     regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
-    if (tid >= kComputeThreads + 96) return;  // the idle warp
+    if (tid >= kComputeThreads + 96) {  // the idle warp; in probe mode touch it asks for the CTA's pages first
+      if constexpr (kProbe == kModeTouch) touch_tiles(p, sched, it.expert, tid % 32);
+      return;
+    }
     // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
     // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
     // while the weights stream.
@@ -129,7 +132,6 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     {  // ---- the load warp ----
       const int lane = tid - kComputeThreads;
       if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
-        if constexpr (kProbe == kModeTouch) touch_tiles(p, sched, it.expert, lane);
         if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }

@@ -39,10 +39,11 @@ struct Params {
 // Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
 // only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
 // block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
-// warpgroups alone; y is wrong); touch: read one word at the start of each of the CTA's tiles first (touch_tiles; y
-// right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain: the step launched
-// without the cooperative attribute (what the attribute costs; y right while nothing else holds an SM); ahead: as a
-// tile's copies start, the first line of the CTA's next tile is asked of the L2 cache (prefetch_tile_l2; y right).
+// warpgroups alone; y is wrong); touch: the idle warp reads one word at the start of each of the CTA's tiles first
+// (touch_tiles; y right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain:
+// the step launched without the cooperative attribute (what the attribute costs; y right while nothing else holds
+// an SM); ahead: as a tile's copies start, the first line of the CTA's next tile is asked of the L2 cache
+// (prefetch_tile_l2; y right).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
               kModePlain = 64, kModeAhead = 128;
 
@@ -95,16 +96,17 @@ __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int t
   return size_t(expert[tile / tpe]) * tpe + tile % tpe;
 }
 
-// Probe mode touch: lanes 1..31 of the load warp each read one word at the start of some of the CTA's tiles (codes
+// Probe mode touch: the lanes of the idle warp each read one word at the start of some of the CTA's tiles (codes
 // and scales, L1 and L2), so that every page the CTA will stream is asked for once, at the start, beside the first
 // tile's copies. The question it asks: the load warp stops for microseconds before a tile's first stage while the
 // ring has free slots (run 37's README); if those stops wait for the new tile's address translations, this takes
-// them off the stream's path.
+// them off the stream's path. The idle warp, not the load warp's other lanes: a lane waiting on its load there
+// could hold up the issuing lane's divergent path.
 __device__ __forceinline__ void touch_tiles(const Params& p, const Schedule& sched, const int* expert, int lane) {
   const int nb1 = p.H / 128, nb2 = p.I / 128, tpe1 = p.I / 32, tpe2 = p.H / 64;
   int i = 0;
   auto touch = [&](const uint8_t* codes, const uint8_t* scales, size_t first_block) {
-    if (i++ % 31 != lane - 1) return;
+    if (i++ % 32 != lane) return;
     // volatile: the value is never used, and ptxas drops a plain load whose value is never used (checked in SASS)
     asm volatile("{\n .reg .b32 w;\n ld.volatile.global.u32 w, [%0];\n}\n" ::"l"(codes + first_block * 4096));
     asm volatile("{\n .reg .b32 w;\n ld.volatile.global.u32 w, [%0];\n}\n" ::"l"(scales + first_block * 256));
