@@ -3,8 +3,8 @@ same card: its selfcheck (the step's bits against the Triton launches and the re
 beside the Triton launches, the probe modes ``--modes`` names and a plain read, in one process, with a trace of one
 launch). Then one table.
 
-    git worktree add build/adopt step1-adopt && git worktree add build/lean step1-lean-stage
-    python3 bench/device/step1_ab.py . build/adopt build/lean --out $OUT --rounds 3 --modes touch
+    git worktree add build/adopt step1-adopt && git worktree add build/adopt-ew step1-adopt-ew
+    python3 bench/device/step1_ab.py . build/adopt build/adopt-ew --out $OUT --rounds 3 --modes touch
     python3 bench/device/step1_ab.py --summarize $OUT          # the table again, on any machine
 
 Compare versions by each probe's ratio to its own Triton launches (code every checkout shares): each checkout
@@ -19,7 +19,7 @@ round-<r>/step1_probe.json}, $OUT/summary.md.
 Where the machine that runs them has no git metadata, export the versions first, on a machine that has it: each
 revision's package and device scripts, with a COMMIT file that names it (the probes record it):
 
-    python3 bench/device/step1_ab.py --export build/ab main step1-adopt step1-lean-stage step1-epilogue-warp
+    python3 bench/device/step1_ab.py --export build/ab main step1-adopt step1-adopt-ew
     python3 bench/device/step1_ab.py build/ab/* --out $OUT --rounds 3 --modes touch          # then, on the H200"""
 
 from __future__ import annotations
