@@ -31,7 +31,7 @@ def test_the_last_items_ctas_follow_the_schedule(device_script):
 def test_the_last_item_is_followed_through_known_times(device_script):
     mod = device_script("step1_stamps")
     rng = random.Random(11)
-    base = rng.randrange(10**12, 10**13)  # %globaltimer values are large
+    base = rng.randrange(17 * 10**17, 19 * 10**17)  # %globaltimer: ns since 1970, where a float64 step is 256 ns
     ctas, items, tiles = 10, 3, 4  # L1 and L2 tiles 8..11 of the last item: CTAs 8, 9, 0, 1
     last = {0, 1, 8, 9}
     rows = []

@@ -1,6 +1,7 @@
 """bench/device/step1_trace.py: where the 1-token CUDA step's load warp stopped, read from a saved trace (the
 traces themselves come from the H200). Checked on hand-made traces whose gaps are known."""
 
+import pathlib
 import random
 
 import pytest
@@ -27,7 +28,7 @@ def _trace(issue_us, found_us, base_ns):
 def test_the_summary_finds_the_gaps_put_in(device_script):
     mod = device_script("step1_trace")
     rng = random.Random(7)
-    base = rng.randrange(10**12, 10**13)  # %globaltimer values are large
+    base = rng.randrange(17 * 10**17, 19 * 10**17)  # %globaltimer: ns since 1970, where a float64 step is 256 ns
     issue, found, stalls = [], [], []
     for c in range(5):
         stall = 2.0 + c  # before the second L1 tile (stage 16) only; every other step 0.5 us
@@ -61,7 +62,7 @@ def test_a_trace_without_issue_times_is_refused(device_script):
 def test_issue_windows_count_every_issue_and_find_the_hole(device_script):
     mod = device_script("step1_trace")
     rng = random.Random(3)
-    base = rng.randrange(10**12, 10**13)
+    base = rng.randrange(17 * 10**17, 19 * 10**17)
     # three CTAs issuing every 0.25 us from 0 to 5.75 us, then nothing until 8.0 us, then to 10.75 us
     issue = [[0.25 * k for k in range(24)] + [8.0 + 0.25 * k for k in range(12)] for _ in range(3)]
     w = mod.issue_windows(_trace(issue, [x[-1] + 1.0 for x in issue], base), window_us=1.0)
@@ -88,3 +89,41 @@ def test_ring_stops_tell_a_full_ring_from_a_free_one(device_script):
     s = mod.ring_stops(t, ring=ring, gap_us=1.0, free_us=0.5)
     assert s["long_gaps_us"] == pytest.approx(3.25 + 2.25, abs=0.01)
     assert s["after_the_slot_was_free_us"] == pytest.approx((3.25 - 2.5) + 2.25, abs=0.01)
+
+
+def test_warpgroup_pace_reads_the_steps_put_in(device_script):
+    mod = device_script("step1_trace")
+    base = 5 * 10**12
+    t = torch.full((2, 5, 8), -1, dtype=torch.int64)
+    t[0, 1, :3] = torch.tensor([base, base + 1000, base + 3000])  # warpgroup 0 of CTA 0: 1 us, then 2 us
+    t[1, 3, :2] = torch.tensor([base + 500, base + 4500])  # warpgroup 2 of CTA 1: 4 us
+    t[1, 2, 0] = base  # one stage only: no step
+    pace = mod.warpgroup_pace(t)
+    assert pace["steps"] == 3 and pace["p50"] == 2.0 and pace["mean"] == pytest.approx(7 / 3, abs=1e-3)
+    with pytest.raises(ValueError, match="no two stages found"):
+        mod.warpgroup_pace(torch.full((2, 5, 8), -1, dtype=torch.int64))
+
+
+def test_warpgroup_pace_of_run_36_sets_the_skeleton_below_the_decode_below_the_step(device_script):
+    """Run 36's traces: with no loads a warpgroup takes longer per stage with the decode and MMAs than without
+    (the skeleton), and the step with its loads is slower than both."""
+    mod = device_script("step1_trace")
+    runs = pathlib.Path(__file__).resolve().parents[1] / "bench/results/2026-12-04_nvidia-h200_decode-tc/run36-cuda-step1"
+    p50 = {name: mod.warpgroup_pace(torch.load(runs / f))["p50"] for name, f in
+           (("skeleton", "trace-noload_bare-f1dd35e.pt"), ("noload", "trace-noload-784b68b.pt"),
+            ("step", "trace-784b68b.pt"))}
+    assert 0.3 < p50["skeleton"] < p50["noload"] < p50["step"] < 3, p50
+
+
+def test_times_keep_their_ns_at_the_timers_magnitude(device_script):
+    """%globaltimer counts ns since 1970 (~1.8e18 in 2026), where a float64 step is 256 ns: the differences are
+    taken in int64 first, so gaps of 100 ns and 1,100 ns come out as 0.1 and 1.1 us, not 0 / 0.256 and 1.024."""
+    mod = device_script("step1_trace")
+    base = 1_796_415_275_896_614_592  # a value from run 36's trace
+    issue = [0.0, 0.1, 1.2, 1.3]  # us: gaps of 0.1, 1.1 and 0.1
+    t = _trace([issue], [2.45], base)
+    s = mod.summarize(t, l1_stages=2, l2_stages=2, gap_us=1.0)
+    assert s["gaps_per_cta_us"] == {"p50": 1.1, "max": 1.1}
+    assert s["last_issue_us"]["p50"] == 1.3 and s["last_found_us"]["p50"] == 2.45
+    t[0, 1, :2] = torch.tensor([base + 100, base + 1300])
+    assert mod.warpgroup_pace(t)["p50"] == 1.2

@@ -45,12 +45,12 @@ def _spread(v: torch.Tensor) -> dict:
 
 
 def _us(stamps: torch.Tensor) -> torch.Tensor:
-    """int64 [CTAs, 8] ns -> float64 us from the first set-up (NaN where a point was not reached)."""
-    t = stamps.double()
-    if not (t[:, SET_UP] >= 0).any():
+    """int64 [CTAs, 8] ns -> float64 us from the first set-up (NaN where a point was not reached). The difference is
+    taken in int64: the timer counts ns since 1970 (~1.8e18), where a float64 step is 256 ns."""
+    if not (stamps[:, SET_UP] >= 0).any():
         raise ValueError("the timeline holds no set-up stamps (column 0): was it recorded?")
-    us = (t - t[:, SET_UP][t[:, SET_UP] >= 0].min()) / 1e3
-    return us.masked_fill(t < 0, float("nan"))
+    us = (stamps - stamps[:, SET_UP][stamps[:, SET_UP] >= 0].min()).double() / 1e3
+    return us.masked_fill(stamps < 0, float("nan"))
 
 
 def points(stamps: torch.Tensor) -> dict:

@@ -11,6 +11,7 @@ Per trace, in us from the first issue of any CTA:
 - when the last stage was issued, and when its warpgroup found the CTA's last stage (p50 / max);
 - the whole grid's issues per ``--window-us`` window, and the windows in which no CTA issued anything
   (``issue_windows``): a hole there is time the DRAM stream lost everywhere at once;
+- the computing warpgroups' pace, from one stage found to the next (``warpgroup_pace``; no-load traces too);
 - whether the long gaps were a full ring (``ring_stops``): stage k goes to ring slot k % ``--ring``, freed once
   warpgroup (k - ring) % 4 has read stage k - ring; the time of each gap after that read (plus ``--free-us`` for
   the decode that frees it) is time the ring did not explain.
@@ -38,19 +39,25 @@ def tile_starts(stages: int, l1_stages: int, l2_stages: int) -> list[int]:
     return []
 
 
-def _issues(trace: torch.Tensor) -> tuple[torch.Tensor, float, list[torch.Tensor]]:
-    """trace -> (the trace as float64, the first issue of any CTA in ns, per CTA its issue times in us from it)."""
-    t = trace.double()
-    issued = t[:, 0]
+def _relative(trace: torch.Tensor, base: int) -> torch.Tensor:
+    """int64 %globaltimer ns -> float64 ns from ``base`` (meaningless where nothing was recorded). The difference is
+    taken in int64: the timer counts ns since 1970 (~1.8e18), where a float64 step is 256 ns."""
+    return (trace - base).double()
+
+
+def _issues(trace: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """trace -> (the trace in float64 us from the first issue of any CTA, NaN where nothing was recorded; per CTA
+    its issue times, in the same us)."""
+    issued = trace[:, 0]
     if not (issued > 0).any():
         raise ValueError("the trace holds no issue times (row 0); a no-load probe mode records none")
-    base = float(issued[issued > 0].min())
-    return t, base, [(issued[c, : int((issued[c] > 0).sum())] - base) / 1e3 for c in range(t.shape[0])]
+    t = (_relative(trace, int(issued[issued > 0].min())) / 1e3).masked_fill(trace <= 0, float("nan"))
+    return t, [t[c, 0, : int((issued[c] > 0).sum())] for c in range(t.shape[0])]
 
 
 def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_us: float = 1.0) -> dict:
     """trace int64 [CTAs, 1 + warpgroups, slots] -> the figures above (us)."""
-    t, base, per_cta = _issues(trace)
+    t, per_cta = _issues(trace)
     gaps_total, gaps_at_starts, last_issue, last_found = [], [], [], []
     before_start: dict[int, list[float]] = {}
     for c, times in enumerate(per_cta):
@@ -66,7 +73,7 @@ def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_
             before_start.setdefault(k, []).append(float(gaps[k - 1]))
         last_issue.append(float(times[-1]))
         found = t[c, 1:]
-        last_found.append(float((found[found > 0].max() - base) / 1e3))
+        last_found.append(float(found[~found.isnan()].max()))
     p50 = statistics.median
     return {
         "ctas": len(gaps_total),
@@ -81,7 +88,7 @@ def summarize(trace: torch.Tensor, l1_stages: int = 16, l2_stages: int = 8, gap_
 def issue_windows(trace: torch.Tensor, window_us: float = 1.0) -> dict:
     """Stages issued by the whole grid per window of ``window_us`` from the first issue (``issued``, one count per
     window up to the last issue), and the starts (us) of the windows with none (``idle``)."""
-    times = torch.cat(_issues(trace)[2])  # us from the first issue
+    times = torch.cat(_issues(trace)[1])  # us from the first issue
     k = (times / window_us).floor().long()
     counts = torch.bincount(k).tolist()
     return {"window_us": window_us, "issued": counts,
@@ -91,7 +98,7 @@ def issue_windows(trace: torch.Tensor, window_us: float = 1.0) -> dict:
 def ring_stops(trace: torch.Tensor, ring: int = 20, gap_us: float = 1.0, free_us: float = 0.5) -> dict:
     """The load warp's gaps longer than ``gap_us`` (us, summed over CTAs): in all, and the part of them after the slot
     the next issue needed was read (found) plus ``free_us``. A stage k < ring finds its slot unused."""
-    t, base, per_cta = _issues(trace)
+    t, per_cta = _issues(trace)
     parts = t.shape[1] - 1
     total = unexplained = 0.0
     for c, times in enumerate(map(torch.Tensor.tolist, per_cta)):
@@ -101,11 +108,30 @@ def ring_stops(trace: torch.Tensor, ring: int = 20, gap_us: float = 1.0, free_us
             free = float("-inf")
             if k >= ring:
                 j = k - ring
-                found = t[c, 1 + j % parts, j // parts]
-                free = float((found - base) / 1e3) + free_us if found > 0 else float("inf")
+                found = float(t[c, 1 + j % parts, j // parts])
+                free = found + free_us if found == found else float("inf")  # NaN: never found
             total += times[k] - times[k - 1]
             unexplained += max(0.0, times[k] - max(times[k - 1], free))
     return {"long_gaps_us": round(total, 1), "after_the_slot_was_free_us": round(unexplained, 1)}
+
+
+def warpgroup_pace(trace: torch.Tensor) -> dict:
+    """The computing warpgroups' pace: per CTA and warpgroup, the time (us) from finding one of its stages landed to
+    finding its next (rows 1 + w, which every probe mode records, no-load ones included): p10 / p50 / p90 and the
+    mean over all of them. Where the stream keeps ahead (no-load modes) this is the time a warpgroup takes per
+    stage, tile ends included in the mean; in the step it is the larger of that and the stream's pace."""
+    steps = []
+    for c in range(trace.shape[0]):
+        for w in range(1, trace.shape[1]):
+            found = trace[c, w]
+            found = found[found > 0]
+            steps.append((found[1:] - found[:-1]).double() / 1e3)  # differences in int64 (``_relative``)
+    steps = torch.cat(steps) if steps else torch.empty(0, dtype=torch.float64)
+    if steps.numel() == 0:
+        raise ValueError("the trace holds no two stages found by one warpgroup (rows 1..)")
+    q = torch.quantile(steps, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+    return {"steps": steps.numel(), "p10": round(q[0], 3), "p50": round(q[1], 3), "p90": round(q[2], 3),
+            "mean": round(float(steps.mean()), 3)}
 
 
 def main() -> int:
@@ -121,6 +147,10 @@ def main() -> int:
     for path in args.traces:
         trace = torch.load(path)
         print(path)
+        print(f"  a warpgroup from one stage found to its next, us: {warpgroup_pace(trace)}")
+        if not (trace[:, 0] > 0).any():
+            print("  no issue times (a no-load probe mode): nothing more to say of the load warp")
+            continue
         for k, v in summarize(trace, args.l1_stages, args.l2_stages, args.gap_us).items():
             print(f"  {k}: {v}")
         w = issue_windows(trace, args.window_us)
