@@ -127,3 +127,32 @@ def test_times_keep_their_ns_at_the_timers_magnitude(device_script):
     assert s["last_issue_us"]["p50"] == 1.3 and s["last_found_us"]["p50"] == 2.45
     t[0, 1, :2] = torch.tensor([base + 100, base + 1300])
     assert mod.warpgroup_pace(t)["p50"] == 1.2
+
+
+def test_page_stops_sort_tile_starts_by_when_their_page_was_first_asked_for(device_script):
+    """8 CTAs, experts 3 and 0 (16 L1 and 16 L2 tiles each at H = 1024, I = 512: 4 stages per L1 tile, 2 per L2
+    tile, 2 L1 tiles or 4 L2 tiles per 64 KB page). Every CTA has 4 L1 then 4 L2 tiles and issues a stage every
+    0.25 us, 2.0 us before each tile's first; CTA c starts 2.5 c us late. A page's tiles sit on neighbouring CTAs of
+    one round, so a CTA's lead on its page is 2.5 (c - c0) - 2.0 us, c0 the page's first CTA: L1 tile starts
+    -2.0 / 0.5 (first / recent), L2 tile starts -2.0 / 0.5 / 3.0 / 5.5 (first / recent / old / old, "old" from
+    2 us). Counted from the gap's end instead (2.5 (c - c0)) the L1 ones at 2.5 would be old."""
+    mod = device_script("step1_trace")
+    base = 1_796_415_275_896_614_592
+    starts = [4, 8, 12, 16, 18, 20, 22]  # tile starts among the 24 stages
+    issue = []
+    for c in range(8):
+        t, times = 2.5 * c, []
+        for i in range(24):
+            if i:
+                t += 2.0 if i in starts else 0.25
+            times.append(t)
+        issue.append(times)
+    t = torch.full((8, 5, 40), -1, dtype=torch.int64)
+    for c, times in enumerate(issue):
+        t[c, 0, :24] = torch.tensor([base + round(x * 1e3) for x in times])
+    s = mod.page_stops(t, [3, 0], hidden=1024, intermediate=512, page_bytes=64 << 10, old_us=2.0)
+    assert {k: v["n"] for k, v in s.items()} == {"first": 12 + 8, "recent": 12 + 8, "old": 16, "inside tiles": 128}
+    assert all(s[k]["p50"] == 2.0 for k in ("first", "recent", "old")) and s["inside tiles"]["mean"] == 0.25
+    with pytest.raises(ValueError, match="CTA 0 issued 23 stages where the schedule gives it 24"):
+        t[0, 0, 23] = -1
+        mod.page_stops(t, [3, 0], hidden=1024, intermediate=512, page_bytes=64 << 10)

@@ -12,6 +12,8 @@ Per trace, in us from the first issue of any CTA:
 - the whole grid's issues per ``--window-us`` window, and the windows in which no CTA issued anything
   (``issue_windows``): a hole there is time the DRAM stream lost everywhere at once;
 - the computing warpgroups' pace, from one stage found to the next (``warpgroup_pace``; no-load traces too);
+- with ``--experts``, the gaps before tile starts by how long before them the tile's page was first asked for
+  (``page_stops``), against the gaps inside tiles;
 - whether the long gaps were a full ring (``ring_stops``): stage k goes to ring slot k % ``--ring``, freed once
   warpgroup (k - ring) % 4 has read stage k - ring; the time of each gap after that read (plus ``--free-us`` for
   the decode that frees it) is time the ring did not explain.
@@ -134,6 +136,53 @@ def warpgroup_pace(trace: torch.Tensor) -> dict:
             "mean": round(float(steps.mean()), 3)}
 
 
+def page_stops(trace: torch.Tensor, experts: list[int], hidden: int = 4096, intermediate: int = 2048,
+               page_bytes: int = 2 << 20, old_us: float = 3.0) -> dict:
+    """The load warp's gaps before each tile's first stage, by how long before the gap began the tile's code page
+    (``page_bytes``, weights assumed to start on a page) was first issued by any CTA: "first" (not before the
+    gap began: this gap may include its first translation), "recent" (under ``old_us``) and "old"; and the gaps
+    inside tiles. n, p50 and mean (us) each. ``experts``: the step's items in slot order (``step1_probe.py``'s
+    token: 183 59 202 95 89 31). Assumes the step's default schedule: a CTA's L1 tiles blockIdx.x + r G, then its
+    L2 tiles the same way; a CTA whose stage count disagrees raises ValueError."""
+    _, per_cta = _issues(trace)
+    G, tpe1, tpe2 = trace.shape[0], intermediate // 32, hidden // 64
+    stages1, stages2 = hidden // 128 // 2, intermediate // 128 // 2  # two K blocks per stage
+    per1, per2 = page_bytes // (hidden // 128 * 4096), page_bytes // (intermediate // 128 * 4096)  # tiles per page
+    n = len(experts) * tpe1
+
+    def tiles(c):  # (first stage, page) of each of CTA c's tiles
+        out, k = [], 0
+        for j in range(c, n, G):
+            out.append((k, ("L1", (experts[j // tpe1] * tpe1 + j % tpe1) // per1)))
+            k += stages1
+        for j in range(c, len(experts) * tpe2, G):
+            out.append((k, ("L2", (experts[j // tpe2] * tpe2 + j % tpe2) // per2)))
+            k += stages2
+        return out, k
+
+    first: dict = {}
+    plans = []
+    for c, times in enumerate(per_cta):
+        plan, total = tiles(c)
+        if total != times.numel():
+            raise ValueError(f"CTA {c} issued {times.numel()} stages where the schedule gives it {total}")
+        plans.append(plan)
+        for k, page in plan:
+            first[page] = min(first.get(page, float("inf")), float(times[k]))
+    groups: dict[str, list[float]] = {"first": [], "recent": [], "old": [], "inside tiles": []}
+    for times, plan in zip(per_cta, plans):
+        starts = dict(plan)
+        for k in range(1, times.numel()):
+            gap = float(times[k] - times[k - 1])
+            if k not in starts:
+                groups["inside tiles"].append(gap)
+                continue
+            lead = float(times[k - 1]) - first[starts[k]]
+            groups["first" if lead <= 0 else "recent" if lead < old_us else "old"].append(gap)
+    return {name: {"n": len(v), "p50": round(statistics.median(v), 3), "mean": round(statistics.fmean(v), 3)}
+            for name, v in groups.items() if v}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
@@ -143,6 +192,8 @@ def main() -> int:
     ap.add_argument("--window-us", type=float, default=1.0)
     ap.add_argument("--ring", type=int, default=20, help="ring stages (step1_probe.json's 'stages')")
     ap.add_argument("--free-us", type=float, default=0.5)
+    ap.add_argument("--experts", type=int, nargs="*", help="the step's experts in slot order: tile-start gaps by "
+                    "when their page was first asked for (page_stops; step1_probe.py's token: 183 59 202 95 89 31)")
     args = ap.parse_args()
     for path in args.traces:
         trace = torch.load(path)
@@ -157,6 +208,8 @@ def main() -> int:
         print(f"  stages issued per {w['window_us']} us, all CTAs: {w['issued']}")
         print(f"  windows with no issue anywhere, from (us): {w['idle']}")
         print(f"  long gaps, all CTAs: {ring_stops(trace, args.ring, args.gap_us, args.free_us)}")
+        if args.experts:
+            print(f"  gaps by when the tile's page was first asked for: {page_stops(trace, args.experts)}")
     return 0
 
 
