@@ -201,11 +201,11 @@ def main() -> int:
         return 0
     if not args.checkouts or not args.out:
         ap.error("give the checkouts and --out (or --summarize OUT)")
+    if args.from_round < 1:
+        ap.error(f"--from-round must be at least 1, got {args.from_round}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     versions = [(Path(c).resolve(), out / f"{i}-{Path(c).resolve().name}") for i, c in enumerate(args.checkouts, 1)]
-    if args.from_round < 1:
-        ap.error(f"--from-round must be at least 1, got {args.from_round}")
     for checkout, d in versions if args.from_round == 1 else []:
         print(f"[step1_ab] {checkout}", flush=True)
         run_version(checkout, d, args.modes)
