@@ -10,8 +10,8 @@
 #
 # The probe runs from the exported main line ($AB/main), so the probe and the A/B's first version are the same
 # commit, named by its COMMIT file. Each part has its own time limit (PROBE_S, AB_S; together under ten minutes);
-# what a part finished is kept when a later one stops short, and a version the A/B did not reach says so in its
-# table (run it alone, or with the later rounds). The kernels build with nvcc on first use into $MEGAMOE_CACHE (default
+# what a part finished is kept when a later one stops short. The version the A/B was running when its limit came
+# says so in the table; one it had not begun is missing from it (run it alone, or with the later rounds). The kernels build with nvcc on first use into $MEGAMOE_CACHE (default
 # build/step1-cache), which is copied to $OUT/cache at the end so that a later run can start from it.
 # Files: $OUT/probe/ (step1_probe.json, stamps-*.pt, trace-*.pt), $OUT/probe.log, $OUT/ab/ (step1_ab.py's folders
 # and summary.md), $OUT/ab.log, $OUT/cache/.
@@ -21,7 +21,7 @@ OUT=${OUT:?set OUT to the folder the results go to}
 AB=${AB:-build/ab}
 VERSIONS=${VERSIONS:-main step1-adopt-ew step1-adopt}  # the first must be main: the probe runs from it
 PROBE_S=${PROBE_S:-200}
-AB_S=${AB_S:-370}  # about 2 min per version (its checks, then its probe): the last may not fit
+AB_S=${AB_S:-370}  # about 2 min per version (its checks, then its probe)
 PY=${PYTHON:-python3}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MEGAMOE_CACHE=${MEGAMOE_CACHE:-$PWD/build/step1-cache}
