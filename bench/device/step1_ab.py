@@ -11,7 +11,7 @@ Compare versions by each probe's ratio to its own Triton launches (code every ch
 runs in its own processes, so their absolute times are further apart than two launches in one process. With
 ``--rounds N`` the versions then take turns N - 1 more times (A B C A B C ...), each turn a short probe of the
 step, the Triton launches and the read alone, so that a version's ratio is seen in several processes spread over
-the run: the table gives each round's ratio and their median. Where one sitting cannot hold every round,
+the run: the table gives each round's ratio and their median. Where the rounds do not fit in one run,
 ``--from-round R`` runs only rounds R.. into a second folder, whose round folders then join the first's.
 Files: $OUT/<i>-<name>/{check.jsonl, check.log, probe.log, step1_probe.json, stamps-cuda.pt, trace-cuda.pt,
 round-<r>/step1_probe.json}, $OUT/summary.md.
