@@ -1,0 +1,184 @@
+// The 1-token CUDA step's stream alone: one CTA per SM, one thread issuing cp.async.bulk stages into a ring of 20,
+// four consumer warpgroups that only read a word of each of their stages and free it. No decode, no MMA, no waits
+// between CTAs. The question behind it: the step's own `bare` mode streams as slowly as the whole step (run 36:
+// 39.8 against 40.4 us of kernel time) while a plain read of the same 80.2 MB takes 29.7, and its load warp stops
+// for microseconds before each tile's first stage. Is that the step's address pattern, or the step?
+//
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o pattern bench/device/step_pattern_bench.cu && ./pattern
+//
+// Patterns, each the same stages (two 4 KB code blocks and their two 256-byte scale words, like the step's):
+//   step      the step's tiles at DeepSeek-V4-Flash: per CTA its L1 tiles blockIdx.x + r * G, then its L2 tiles,
+//             of experts 183 59 202 95 89 31 (step1_probe.py's token) in weights for 256 experts, each tile's
+//             stages in the step's order (two blocks of each K quarter in turn);
+//   compact   the same with experts 0..5 (the six experts' weights adjacent);
+//   linear    each CTA's stages from one contiguous stretch of the code and scale buffers.
+// The L2 cache is flushed before every launch. Per pattern: the mean of 10 launches, and from one more launch
+// traced, the issuing thread's gaps over 1 us summed per CTA (p50) and the gap before a tile's first stage (p50).
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <algorithm>
+#include <vector>
+
+constexpr int kDepth = 20, kStage = 8192 + 512, kTraceSlots = 160, kH = 4096, kI = 2048, kExperts = 256;
+constexpr int kNb1 = kH / 128, kNb2 = kI / 128, kTpe1 = kI / 32, kTpe2 = kH / 64;
+
+__device__ __forceinline__ uint32_t sa(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+struct Weights {
+  const uint8_t *c1, *s1, *c2, *s2;  // codes [E, tiles, blocks, 4096], scale words [E, tiles, blocks, 256]
+  int experts[6];
+};
+
+__device__ __forceinline__ void issue(uint8_t* ring, uint64_t* full, uint64_t* empty, int u, const uint8_t* codes,
+                                      const uint8_t* scales) {
+  const int s = u % kDepth;
+  asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
+               ::"r"(sa(&empty[s])), "r"(((u / kDepth) & 1) ^ 1) : "memory");
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+               ::"r"(sa(&full[s])), "r"(kStage) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(sa(ring + size_t(s) * kStage)), "l"(codes), "r"(8192), "r"(sa(&full[s])) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(sa(ring + size_t(s) * kStage + 8192)), "l"(scales), "r"(512), "r"(sa(&full[s])) : "memory");
+}
+
+__global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, unsigned long long* sink,
+                                                         long long* trace) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(kDepth) * kStage);
+  uint64_t* empty = full + kDepth;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kDepth; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(sa(&empty[s])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int G = gridDim.x, c = blockIdx.x, n1 = 6 * kTpe1, n2 = 6 * kTpe2;
+  int stages = 0;  // this CTA's: the step's count whatever the pattern
+  for (int j = c; j < n1; j += G) stages += kNb1 / 2;
+  for (int j = c; j < n2; j += G) stages += kNb2 / 2;
+  if (threadIdx.x == 512) {  // the issuing thread
+    int u = 0;
+    auto stamp = [&]() {
+      if (trace) {
+        long long t;
+        asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+        trace[size_t(c) * kTraceSlots + min(u, kTraceSlots - 1)] = t;
+      }
+      ++u;
+    };
+    if (linear) {  // the same number of stages from one contiguous stretch per CTA
+      const size_t first = size_t(c) * 80;
+      for (int k = 0; k < stages; ++k, stamp())
+        issue(smem, full, empty, u, w.c1 + (first + k) * 8192, w.s1 + (first + k) * 512);
+    } else {
+      for (int j = c; j < n1; j += G) {
+        const size_t tile = size_t(w.experts[j / kTpe1]) * kTpe1 + j % kTpe1;
+        for (int b = 0; b < kNb1 / 4; b += 2)
+          for (int q = 0; q < 4; ++q, stamp()) {
+            const size_t blk = tile * kNb1 + q * (kNb1 / 4) + b;
+            issue(smem, full, empty, u, w.c1 + blk * 4096, w.s1 + blk * 256);
+          }
+      }
+      for (int j = c; j < n2; j += G) {
+        const size_t tile = size_t(w.experts[j / kTpe2]) * kTpe2 + j % kTpe2;
+        for (int b = 0; b < kNb2 / 4; b += 2)
+          for (int q = 0; q < 4; ++q, stamp()) {
+            const size_t blk = tile * kNb2 + q * (kNb2 / 4) + b;
+            issue(smem, full, empty, u, w.c2 + blk * 4096, w.s2 + blk * 256);
+          }
+      }
+    }
+  } else if (threadIdx.x < 512) {  // four consumer warpgroups: stages wg, wg + 4, ...
+    unsigned long long x = 0;
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    for (int u = wg; u < stages; u += 4) {
+      const int s = u % kDepth;
+      asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
+                   ::"r"(sa(&full[s])), "r"((u / kDepth) & 1) : "memory");
+      x ^= reinterpret_cast<const uint32_t*>(smem + size_t(s) * kStage)[t];
+      __syncwarp();
+      if (t % 32 == 0)
+        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(sa(&empty[s])) : "memory");
+    }
+    if (x == 0x12345) sink[0] = x;
+  }
+}
+
+__global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32) * 40503u;
+    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13; x *= 3266489917u; x ^= x >> 16;
+    p[i] = x;
+  }
+}
+
+int main() {
+  const size_t c1 = size_t(kExperts) * kTpe1 * kNb1 * 4096, c2 = size_t(kExperts) * kTpe2 * kNb2 * 4096;
+  const size_t flush_bytes = 256u << 20;
+  uint8_t *buf[4], *flush;
+  const size_t sizes[4] = {c1, c1 / 16, c2, c2 / 16};
+  for (int i = 0; i < 4; ++i) {
+    if (cudaMalloc(&buf[i], sizes[i]) != cudaSuccess) { printf("cudaMalloc %zu failed\n", sizes[i]); return 1; }
+    fill_random<<<1024, 256>>>(reinterpret_cast<uint32_t*>(buf[i]), sizes[i] / 4, 17u * i);
+  }
+  unsigned long long* sink;
+  long long* trace;
+  cudaMalloc(&flush, flush_bytes);
+  cudaMalloc(&sink, 8);
+  int sms;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaMalloc(&trace, size_t(sms) * kTraceSlots * 8);
+  const int smem = kDepth * kStage + 16 * kDepth;
+  cudaFuncSetAttribute(pattern_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  struct Case { const char* name; int experts[6]; int linear; };
+  const Case cases[] = {{"step", {183, 59, 202, 95, 89, 31}, 0}, {"compact", {0, 1, 2, 3, 4, 5}, 0},
+                        {"linear", {0, 1, 2, 3, 4, 5}, 1}, {"step", {183, 59, 202, 95, 89, 31}, 0}};
+  for (const Case& cs : cases) {
+    Weights w{buf[0], buf[1], buf[2], buf[3], {}};
+    std::copy(cs.experts, cs.experts + 6, w.experts);
+    float sum = 0;
+    for (int r = 0; r < 12; ++r) {
+      cudaMemsetAsync(flush, r, flush_bytes);
+      cudaEventRecord(a);
+      pattern_kernel<<<sms, 544, smem>>>(w, cs.linear, sink, nullptr);
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      float ms;
+      cudaEventElapsedTime(&ms, a, b);
+      if (r >= 2) sum += ms;
+    }
+    cudaMemset(trace, 0, size_t(sms) * kTraceSlots * 8);
+    cudaMemsetAsync(flush, 99, flush_bytes);
+    pattern_kernel<<<sms, 544, smem>>>(w, cs.linear, sink, trace);
+    std::vector<long long> tr(size_t(sms) * kTraceSlots);
+    cudaMemcpy(tr.data(), trace, tr.size() * 8, cudaMemcpyDeviceToHost);
+    std::vector<double> stops, at_tile;
+    for (int c = 0; c < sms; ++c) {
+      double total = 0;
+      int n1 = 0;
+      for (int j = c; j < 6 * kTpe1; j += sms) ++n1;
+      for (int k = 1; k < kTraceSlots && tr[size_t(c) * kTraceSlots + k] > 0; ++k) {
+        const double gap = (tr[size_t(c) * kTraceSlots + k] - tr[size_t(c) * kTraceSlots + k - 1]) / 1e3;
+        if (gap > 1.0) total += gap;
+        const bool tile_start = k < n1 * kNb1 / 2 ? k % (kNb1 / 2) == 0 : (k - n1 * kNb1 / 2) % (kNb2 / 2) == 0;
+        if (tile_start) at_tile.push_back(gap);
+      }
+      stops.push_back(total);
+    }
+    std::sort(stops.begin(), stops.end());
+    std::sort(at_tile.begin(), at_tile.end());
+    printf("%-8s %-28s %.1f us; issuing thread's gaps over 1 us per CTA p50 %.2f us; before a tile start p50 %.2f\n",
+           cs.name, cs.linear ? "(contiguous per CTA)" : "", sum / 10 * 1e3, stops[stops.size() / 2],
+           at_tile.empty() ? 0.0 : at_tile[at_tile.size() / 2]);
+  }
+  printf("%s\n", cudaGetErrorString(cudaDeviceSynchronize()));
+  return 0;
+}
