@@ -75,23 +75,19 @@ __global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, 
       const size_t first = size_t(c) * 80;
       for (int k = 0; k < stages; ++k, stamp())
         issue(smem, full, empty, u, w.c1 + (first + k) * 8192, w.s1 + (first + k) * 512);
-    } else {
-      for (int j = c; j < n1; j += G) {
-        const size_t tile = size_t(w.experts[j / kTpe1]) * kTpe1 + j % kTpe1;
-        for (int b = 0; b < kNb1 / 4; b += 2)
-          for (int q = 0; q < 4; ++q, stamp()) {
-            const size_t blk = tile * kNb1 + q * (kNb1 / 4) + b;
-            issue(smem, full, empty, u, w.c1 + blk * 4096, w.s1 + blk * 256);
-          }
-      }
-      for (int j = c; j < n2; j += G) {
-        const size_t tile = size_t(w.experts[j / kTpe2]) * kTpe2 + j % kTpe2;
-        for (int b = 0; b < kNb2 / 4; b += 2)
-          for (int q = 0; q < 4; ++q, stamp()) {
-            const size_t blk = tile * kNb2 + q * (kNb2 / 4) + b;
-            issue(smem, full, empty, u, w.c2 + blk * 4096, w.s2 + blk * 256);
-          }
-      }
+    } else {  // the CTA's L1 tiles, then its L2 tiles; each tile's stages two blocks of each K quarter in turn
+      auto tiles = [&](int n, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
+        for (int j = c; j < n; j += G) {
+          const size_t tile = size_t(w.experts[j / tpe]) * tpe + j % tpe;
+          for (int b = 0; b < nb / 4; b += 2)
+            for (int q = 0; q < 4; ++q, stamp()) {
+              const size_t blk = tile * nb + q * (nb / 4) + b;
+              issue(smem, full, empty, u, codes + blk * 4096, scales + blk * 256);
+            }
+        }
+      };
+      tiles(n1, kTpe1, kNb1, w.c1, w.s1);
+      tiles(n2, kTpe2, kNb2, w.c2, w.s2);
     }
   } else if (threadIdx.x < 512) {  // four consumer warpgroups: stages wg, wg + 4, ...
     unsigned long long x = 0;
