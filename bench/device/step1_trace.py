@@ -127,7 +127,7 @@ def warpgroup_pace(trace: torch.Tensor) -> dict:
         for w in range(1, trace.shape[1]):
             found = trace[c, w]
             found = found[found > 0]
-            steps.append((found[1:] - found[:-1]).double() / 1e3)  # differences in int64 (``_relative``)
+            steps.append((found[1:] - found[:-1]).double() / 1e3)  # differences in int64, as ``_relative``
     steps = torch.cat(steps) if steps else torch.empty(0, dtype=torch.float64)
     if steps.numel() == 0:
         raise ValueError("the trace holds no two stages found by one warpgroup (rows 1..)")

@@ -14,17 +14,16 @@
 //   linear    each CTA's stages from one contiguous stretch of the code and scale buffers.
 // The L2 cache is flushed before every launch. Per pattern: the mean of 10 launches, and from one more launch
 // traced, the issuing thread's gaps over 1 us summed per CTA (p50) and the gap before a tile's first stage (p50).
-#include <cuda_runtime.h>
-#include <stdint.h>
 #include <stdio.h>
 
 #include <algorithm>
 #include <vector>
 
-constexpr int kDepth = 20, kStage = 8192 + 512, kTraceSlots = 160, kH = 4096, kI = 2048, kExperts = 256;
-constexpr int kNb1 = kH / 128, kNb2 = kI / 128, kTpe1 = kI / 32, kTpe2 = kH / 64;
+// The step's own PTX wrappers (mbarriers, bulk copies) and stage shape: kStageBytes, kCodeBytes, kTraceSlots.
+#include "../../megamoe/decode/cuda/step1_ops.cuh"
 
-__device__ __forceinline__ uint32_t sa(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+constexpr int kDepth = 20, kH = 4096, kI = 2048, kExperts = 256;
+constexpr int kNb1 = kH / 128, kNb2 = kI / 128, kTpe1 = kI / 32, kTpe2 = kH / 64;
 
 struct Weights {
   const uint8_t *c1, *s1, *c2, *s2;  // codes [E, tiles, blocks, 4096], scale words [E, tiles, blocks, 256]
@@ -34,25 +33,21 @@ struct Weights {
 __device__ __forceinline__ void issue(uint8_t* ring, uint64_t* full, uint64_t* empty, int u, const uint8_t* codes,
                                       const uint8_t* scales) {
   const int s = u % kDepth;
-  asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
-               ::"r"(sa(&empty[s])), "r"(((u / kDepth) & 1) ^ 1) : "memory");
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
-               ::"r"(sa(&full[s])), "r"(kStage) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(sa(ring + size_t(s) * kStage)), "l"(codes), "r"(8192), "r"(sa(&full[s])) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(sa(ring + size_t(s) * kStage + 8192)), "l"(scales), "r"(512), "r"(sa(&full[s])) : "memory");
+  mbar_wait(&empty[s], ((u / kDepth) & 1) ^ 1);
+  mbar_expect_tx(&full[s], kStageBytes);
+  bulk_load(ring + size_t(s) * kStageBytes, codes, kCodeBytes, &full[s]);
+  bulk_load(ring + size_t(s) * kStageBytes + kCodeBytes, scales, kStageBytes - kCodeBytes, &full[s]);
 }
 
 __global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, unsigned long long* sink,
                                                          long long* trace) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(kDepth) * kStage);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(kDepth) * kStageBytes);
   uint64_t* empty = full + kDepth;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kDepth; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(sa(&empty[s])));
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4);  // one arrival per warp of the consuming warpgroup
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -94,12 +89,11 @@ __global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     for (int u = wg; u < stages; u += 4) {
       const int s = u % kDepth;
-      asm volatile("{\n .reg .pred p;\n W_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W_%=;\n}\n"
-                   ::"r"(sa(&full[s])), "r"((u / kDepth) & 1) : "memory");
-      x ^= reinterpret_cast<const uint32_t*>(smem + size_t(s) * kStage)[t];
+      mbar_wait(&full[s], (u / kDepth) & 1);
+      x ^= reinterpret_cast<const uint32_t*>(smem + size_t(s) * kStageBytes)[t];
       __syncwarp();
       if (t % 32 == 0)
-        asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(sa(&empty[s])) : "memory");
+        mbar_arrive(&empty[s]);
     }
     if (x == 0x12345) sink[0] = x;
   }
@@ -129,7 +123,7 @@ int main() {
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   cudaMalloc(&trace, size_t(sms) * kTraceSlots * 8);
-  const int smem = kDepth * kStage + 16 * kDepth;
+  const int smem = kDepth * kStageBytes + 16 * kDepth;
   cudaFuncSetAttribute(pattern_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaEvent_t a, b;
   cudaEventCreate(&a);
