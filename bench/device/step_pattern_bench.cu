@@ -10,8 +10,13 @@
 //   step      the step's tiles at DeepSeek-V4-Flash: per CTA its L1 tiles blockIdx.x + r * G, then its L2 tiles,
 //             of experts 183 59 202 95 89 31 (step1_probe.py's token) in weights for 256 experts, each tile's
 //             stages in the step's order (two blocks of each K quarter in turn);
-//   compact   the same with experts 0..5 (the six experts' weights adjacent);
-//   linear    each CTA's stages from one contiguous stretch of the code and scale buffers.
+//   blocked   the step's experts, each CTA's tiles consecutive (c * n / G up to (c + 1) * n / G), not strided;
+//   in-order  the step's tiles, each tile's stages in address order, not the K quarters in turn;
+//   compact   the step's order with experts 0..5 (the six experts' weights adjacent);
+//   linear    each CTA's stages from one contiguous stretch of the code and scale buffers;
+//   polled    the step's pattern with its cross-CTA counts' traffic: a warp per CTA spins on a global count that
+//             each CTA raises (red.release.gpu) as it finishes reading an L1 tile, as the step's input warp does;
+//   LDG read  no ring: a plain grid-stride LDG.128 read of the same 80.2 MB, 4 CTAs of 512 threads per SM.
 // The L2 cache is flushed before every launch. Per pattern: the mean of 10 launches, and from one more launch
 // traced, the issuing thread's gaps over 1 us summed per CTA (p50) and the gap before a tile's first stage (p50).
 #include <stdio.h>
@@ -30,6 +35,22 @@ struct Weights {
   int experts[6];
 };
 
+struct Pattern {
+  int linear;    // one contiguous stretch per CTA (the tile options below are then unused)
+  int blocked;   // a CTA's tiles consecutive, not strided by the grid
+  int in_order;  // a tile's stages in address order, not the K quarters in turn
+  int poll;      // the step's cross-CTA counts: one warp per CTA spins on a global count (ld.relaxed.gpu) until
+                 // every CTA has added its L1 tiles (red.release.gpu after each tile's last stage is read)
+};
+
+// How many of the n tiles CTA c of G takes, and its i-th: strided (c, c + G, ...) or blocked (consecutive).
+__host__ __device__ int tile_count(int c, int G, int n, int blocked) {
+  return blocked ? (c + 1) * n / G - c * n / G : (c < n ? (n - c + G - 1) / G : 0);
+}
+__host__ __device__ int tile_at(int c, int G, int n, int blocked, int i) {
+  return blocked ? c * n / G + i : c + i * G;
+}
+
 __device__ __forceinline__ void issue(uint8_t* ring, uint64_t* full, uint64_t* empty, int u, const uint8_t* codes,
                                       const uint8_t* scales) {
   const int s = u % kDepth;
@@ -39,8 +60,8 @@ __device__ __forceinline__ void issue(uint8_t* ring, uint64_t* full, uint64_t* e
   bulk_load(ring + size_t(s) * kStageBytes + kCodeBytes, scales, kStageBytes - kCodeBytes, &full[s]);
 }
 
-__global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, unsigned long long* sink,
-                                                         long long* trace) {
+__global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, uint32_t* count,
+                                                         unsigned long long* sink, long long* trace) {
   extern __shared__ __align__(1024) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(kDepth) * kStageBytes);
   uint64_t* empty = full + kDepth;
@@ -53,9 +74,8 @@ __global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, 
   }
   __syncthreads();
   const int G = gridDim.x, c = blockIdx.x, n1 = 6 * kTpe1, n2 = 6 * kTpe2;
-  int stages = 0;  // this CTA's: the step's count whatever the pattern
-  for (int j = c; j < n1; j += G) stages += kNb1 / 2;
-  for (int j = c; j < n2; j += G) stages += kNb2 / 2;
+  // this CTA's stages: the step's count (tiles of L1 then L2, strided) whatever the pattern
+  const int stages = tile_count(c, G, n1, p.blocked) * kNb1 / 2 + tile_count(c, G, n2, p.blocked) * kNb2 / 2;
   if (threadIdx.x == 512) {  // the issuing thread
     int u = 0;
     auto stamp = [&]() {
@@ -66,27 +86,34 @@ __global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, 
       }
       ++u;
     };
-    if (linear) {  // the same number of stages from one contiguous stretch per CTA
+    if (p.linear) {  // the same number of stages from one contiguous stretch per CTA
       const size_t first = size_t(c) * 80;
       for (int k = 0; k < stages; ++k, stamp())
         issue(smem, full, empty, u, w.c1 + (first + k) * 8192, w.s1 + (first + k) * 512);
-    } else {  // the CTA's L1 tiles, then its L2 tiles; each tile's stages two blocks of each K quarter in turn
+    } else {  // the CTA's L1 tiles, then its L2 tiles
       auto tiles = [&](int n, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
-        for (int j = c; j < n; j += G) {
+        for (int i = 0; i < tile_count(c, G, n, p.blocked); ++i) {
+          const int j = tile_at(c, G, n, p.blocked, i);
           const size_t tile = size_t(w.experts[j / tpe]) * tpe + j % tpe;
-          for (int b = 0; b < nb / 4; b += 2)
-            for (int q = 0; q < 4; ++q, stamp()) {
-              const size_t blk = tile * nb + q * (nb / 4) + b;
-              issue(smem, full, empty, u, codes + blk * 4096, scales + blk * 256);
-            }
+          for (int k = 0; k < nb / 2; ++k, stamp()) {  // stage k: blocks blk, blk + 1 of the tile
+            const int b = k / 4 * 2, q = k % 4;  // the step's order: two blocks of each K quarter in turn
+            const size_t blk = tile * nb + (p.in_order ? 2 * k : q * (nb / 4) + b);
+            issue(smem, full, empty, u, codes + blk * 4096, scales + blk * 256);
+          }
         }
       };
       tiles(n1, kTpe1, kNb1, w.c1, w.s1);
       tiles(n2, kTpe2, kNb2, w.c2, w.s2);
     }
+  } else if (threadIdx.x == 544 && p.poll) {  // the spinning warp (its other lanes idle, as in the step)
+    uint32_t now;
+    do {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
+    } while (now < uint32_t(n1));
   } else if (threadIdx.x < 512) {  // four consumer warpgroups: stages wg, wg + 4, ...
     unsigned long long x = 0;
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    const int l1_stages = tile_count(c, G, n1, p.blocked) * kNb1 / 2;
     for (int u = wg; u < stages; u += 4) {
       const int s = u % kDepth;
       mbar_wait(&full[s], (u / kDepth) & 1);
@@ -94,9 +121,21 @@ __global__ void __launch_bounds__(544, 1) pattern_kernel(Weights w, int linear, 
       __syncwarp();
       if (t % 32 == 0)
         mbar_arrive(&empty[s]);
+      if (p.poll && t == 0 && u < l1_stages && u % (kNb1 / 2) == kNb1 / 2 - 1)  // an L1 tile's last stage
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
     }
     if (x == 0x12345) sink[0] = x;
   }
+}
+
+// The reference: every 16 bytes of n16 * 16 read once, grid-stride, streaming (evict-first) loads.
+__global__ void ldg_read(const uint4* src, size_t n16, unsigned long long* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(src + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x12345) sink[0] = x;
 }
 
 __global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
@@ -118,6 +157,8 @@ int main() {
   }
   unsigned long long* sink;
   long long* trace;
+  uint32_t* count;
+  cudaMalloc(&count, 4);
   cudaMalloc(&flush, flush_bytes);
   cudaMalloc(&sink, 8);
   int sms;
@@ -128,46 +169,61 @@ int main() {
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  struct Case { const char* name; int experts[6]; int linear; };
-  const Case cases[] = {{"step", {183, 59, 202, 95, 89, 31}, 0}, {"compact", {0, 1, 2, 3, 4, 5}, 0},
-                        {"linear", {0, 1, 2, 3, 4, 5}, 1}, {"step", {183, 59, 202, 95, 89, 31}, 0}};
-  for (const Case& cs : cases) {
-    Weights w{buf[0], buf[1], buf[2], buf[3], {}};
-    std::copy(cs.experts, cs.experts + 6, w.experts);
+  auto elapsed_us = [&](auto launch) {  // mean of 10 launches after 2, each after an L2 flush
     float sum = 0;
     for (int r = 0; r < 12; ++r) {
+      cudaMemsetAsync(count, 0, 4);
       cudaMemsetAsync(flush, r, flush_bytes);
       cudaEventRecord(a);
-      pattern_kernel<<<sms, 544, smem>>>(w, cs.linear, sink, nullptr);
+      launch();
       cudaEventRecord(b);
       cudaEventSynchronize(b);
       float ms;
       cudaEventElapsedTime(&ms, a, b);
       if (r >= 2) sum += ms;
     }
+    return sum / 10 * 1e3;  // (the count is reset before each flush, outside the events)
+  };
+  struct Case { const char* name; int experts[6]; Pattern p; };
+  const Case cases[] = {{"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0}},
+                        {"blocked", {183, 59, 202, 95, 89, 31}, {0, 1, 0, 0}},
+                        {"in-order", {183, 59, 202, 95, 89, 31}, {0, 0, 1, 0}},
+                        {"compact", {0, 1, 2, 3, 4, 5}, {0, 0, 0, 0}},
+                        {"linear", {0, 1, 2, 3, 4, 5}, {1, 0, 0, 0}},
+                        {"polled", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 1}},
+                        {"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0}}};
+  const size_t step_bytes = size_t(6) * (kTpe1 * kNb1 + kTpe2 * kNb2) * (4096 + 256);
+  const float ldg_us = elapsed_us([&] {
+    ldg_read<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(buf[0]), step_bytes / 16, sink);
+  });
+  printf("%-8s %.1f us for %.1f MB (%.2f TB/s)\n", "LDG read", ldg_us, step_bytes / 1e6, step_bytes / ldg_us / 1e6);
+  for (const Case& cs : cases) {
+    Weights w{buf[0], buf[1], buf[2], buf[3], {}};
+    std::copy(cs.experts, cs.experts + 6, w.experts);
+    const float us = elapsed_us([&] { pattern_kernel<<<sms, 576, smem>>>(w, cs.p, count, sink, nullptr); });
     cudaMemset(trace, 0, size_t(sms) * kTraceSlots * 8);
+    cudaMemsetAsync(count, 0, 4);
     cudaMemsetAsync(flush, 99, flush_bytes);
-    pattern_kernel<<<sms, 544, smem>>>(w, cs.linear, sink, trace);
+    pattern_kernel<<<sms, 576, smem>>>(w, cs.p, count, sink, trace);
     std::vector<long long> tr(size_t(sms) * kTraceSlots);
     cudaMemcpy(tr.data(), trace, tr.size() * 8, cudaMemcpyDeviceToHost);
     std::vector<double> stops, at_tile;
     for (int c = 0; c < sms; ++c) {
       double total = 0;
-      int n1 = 0;
-      for (int j = c; j < 6 * kTpe1; j += sms) ++n1;
+      const int l1_stages = tile_count(c, sms, 6 * kTpe1, cs.p.blocked) * kNb1 / 2;
       for (int k = 1; k < kTraceSlots && tr[size_t(c) * kTraceSlots + k] > 0; ++k) {
         const double gap = (tr[size_t(c) * kTraceSlots + k] - tr[size_t(c) * kTraceSlots + k - 1]) / 1e3;
         if (gap > 1.0) total += gap;
-        const bool tile_start = k < n1 * kNb1 / 2 ? k % (kNb1 / 2) == 0 : (k - n1 * kNb1 / 2) % (kNb2 / 2) == 0;
-        if (tile_start) at_tile.push_back(gap);
+        const bool tile_start = k < l1_stages ? k % (kNb1 / 2) == 0 : (k - l1_stages) % (kNb2 / 2) == 0;
+        if (tile_start && !cs.p.linear) at_tile.push_back(gap);
       }
       stops.push_back(total);
     }
     std::sort(stops.begin(), stops.end());
     std::sort(at_tile.begin(), at_tile.end());
-    printf("%-8s %-28s %.1f us; issuing thread's gaps over 1 us per CTA p50 %.2f us; before a tile start p50 %.2f\n",
-           cs.name, cs.linear ? "(contiguous per CTA)" : "", sum / 10 * 1e3, stops[stops.size() / 2],
-           at_tile.empty() ? 0.0 : at_tile[at_tile.size() / 2]);
+    printf("%-8s %.1f us (%.2fx the LDG read); the issuing thread's gaps over 1 us per CTA p50 %.2f us; "
+           "before a tile's first stage p50 %.2f\n",
+           cs.name, us, us / ldg_us, stops[stops.size() / 2], at_tile.empty() ? 0.0 : at_tile[at_tile.size() / 2]);
   }
   printf("%s\n", cudaGetErrorString(cudaDeviceSynchronize()));
   return 0;
