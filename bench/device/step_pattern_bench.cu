@@ -14,6 +14,7 @@
 //   in-order  the step's tiles, each tile's stages in address order, not the K quarters in turn;
 //   compact   the step's order with experts 0..5 (the six experts' weights adjacent);
 //   linear    each CTA's stages from one contiguous stretch of the code and scale buffers;
+//   reload    the step's pattern, the issuing thread waiting at each tile start for a word from the L2 cache;
 //   polled    the step's pattern with its cross-CTA counts' traffic: a warp per CTA spins on a global count that
 //             each CTA raises (red.release.gpu) as it finishes reading an L1 tile, as the step's input warp does;
 //   LDG read  no ring: a plain grid-stride LDG.128 read of the same 80.2 MB, 4 CTAs of 512 threads per SM.
@@ -41,6 +42,8 @@ struct Pattern {
   int in_order;  // a tile's stages in address order, not the K quarters in turn
   int poll;      // the step's cross-CTA counts: one warp per CTA spins on a global count (ld.relaxed.gpu) until
                  // every CTA has added its L1 tiles (red.release.gpu after each tile's last stage is read)
+  int reload;    // at each tile start the issuing thread waits for one word from the L2 cache (ld.global.cg, a zero
+                 // its tile's address depends on), as a spilled register reloaded there whose line is not in L1 would
 };
 
 // How many of the n tiles CTA c of G takes, and its i-th: strided (c, c + G, ...) or blocked (consecutive).
@@ -94,7 +97,9 @@ __global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, u
       auto tiles = [&](int n, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
         for (int i = 0; i < tile_count(c, G, n, p.blocked); ++i) {
           const int j = tile_at(c, G, n, p.blocked, i);
-          const size_t tile = size_t(w.experts[j / tpe]) * tpe + j % tpe;
+          uint32_t zero = 0;
+          if (p.reload) asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(zero) : "l"(count + 32 + c) : "memory");
+          const size_t tile = size_t(w.experts[j / tpe]) * tpe + j % tpe + zero;
           for (int k = 0; k < nb / 2; ++k, stamp()) {  // stage k: blocks blk, blk + 1 of the tile
             const int b = k / 4 * 2, q = k % 4;  // the step's order: two blocks of each K quarter in turn
             const size_t blk = tile * nb + (p.in_order ? 2 * k : q * (nb / 4) + b);
@@ -158,7 +163,8 @@ int main() {
   unsigned long long* sink;
   long long* trace;
   uint32_t* count;
-  cudaMalloc(&count, 4);
+  cudaMalloc(&count, 4096);  // [0] the polled count, [32 + c] CTA c's zero for reload
+  cudaMemset(count, 0, 4096);
   cudaMalloc(&flush, flush_bytes);
   cudaMalloc(&sink, 8);
   int sms;
@@ -185,13 +191,14 @@ int main() {
     return sum / 10 * 1e3;  // (the count is reset before each flush, outside the events)
   };
   struct Case { const char* name; int experts[6]; Pattern p; };
-  const Case cases[] = {{"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0}},
-                        {"blocked", {183, 59, 202, 95, 89, 31}, {0, 1, 0, 0}},
-                        {"in-order", {183, 59, 202, 95, 89, 31}, {0, 0, 1, 0}},
-                        {"compact", {0, 1, 2, 3, 4, 5}, {0, 0, 0, 0}},
-                        {"linear", {0, 1, 2, 3, 4, 5}, {1, 0, 0, 0}},
-                        {"polled", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 1}},
-                        {"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0}}};
+  const Case cases[] = {{"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0, 0}},
+                        {"blocked", {183, 59, 202, 95, 89, 31}, {0, 1, 0, 0, 0}},
+                        {"in-order", {183, 59, 202, 95, 89, 31}, {0, 0, 1, 0, 0}},
+                        {"compact", {0, 1, 2, 3, 4, 5}, {0, 0, 0, 0, 0}},
+                        {"linear", {0, 1, 2, 3, 4, 5}, {1, 0, 0, 0, 0}},
+                        {"reload", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0, 1}},
+                        {"polled", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 1, 0}},
+                        {"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0, 0}}};
   const size_t step_bytes = size_t(6) * (kTpe1 * kNb1 + kTpe2 * kNb2) * (4096 + 256);
   const float ldg_us = elapsed_us([&] {
     ldg_read<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(buf[0]), step_bytes / 16, sink);
