@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch, empty or ahead (step1_params.cuh), each compiled only into its own instance so that
-// the step's own code is the same with or without them.
+// kProbe: 0, or probe mode touch, empty, ahead or no wait (step1_params.cuh), each compiled only into its own
+// instance so that the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         const int item = tile / tpe2;
         if (have >> item & 1) return;
         have |= 1u << item;
-        if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+        if constexpr (kProbe != kModeNoWait)
+          if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
         __syncwarp();
         const size_t src = size_t(it.row[item]);
         for (int c = lane; c < I / 16; c += 32)
@@ -348,7 +349,7 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t empty = cudaFuncSetAttribute(step1_kernel<kModeEmpty>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  smem_bytes);
   if (empty != cudaSuccess) return int(empty);
-  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>}) {
+  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -394,6 +395,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   const auto kernel = (mode & kModeEmpty)   ? step1_kernel<kModeEmpty>
                       : (mode & kModeTouch) ? step1_kernel<kModeTouch>
                       : (mode & kModeAhead) ? step1_kernel<kModeAhead>
+                      : (mode & kModeNoWait) ? step1_kernel<kModeNoWait>
                                             : step1_kernel<0>;
   return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }

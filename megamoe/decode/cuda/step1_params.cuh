@@ -43,9 +43,11 @@ struct Params {
 // (touch_tiles; y right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain:
 // the step launched without the cooperative attribute (what the attribute costs; y right while nothing else holds
 // an SM); ahead: as a tile's copies start, the first line of the CTA's next tile is asked of the L2 cache
-// (prefetch_tile_l2; y right).
+// (prefetch_tile_l2; y right); no wait: the input warp reads each item's L2 input row without waiting for the
+// item's L1 tiles in every CTA (the step without its one dependency between CTAs, what that dependency costs; y is
+// wrong).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
-              kModePlain = 64, kModeAhead = 128;
+              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
