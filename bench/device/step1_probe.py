@@ -101,7 +101,7 @@ def main() -> int:
                 "plain": {"mode": M["plain"]}, "empty_plain": {"mode": M["empty"] | M["plain"]},
                 "ahead": {"mode": M["ahead"]}, "ahead_bare": {"mode": M["ahead"] | M["bare"]},
                 "noload_bare": {"mode": M["no-load"] | M["bare"]}, "nowait": {"mode": M["no-wait"]},
-                "nowait_bare": {"mode": M["no-wait"] | M["bare"]},
+                "nowait_bare": {"mode": M["no-wait"] | M["bare"]}, "relaxed": {"mode": M["relaxed"]},
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},
                 **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}

@@ -17,6 +17,7 @@
 //   reload    the step's pattern, the issuing thread waiting at each tile start for a word from the L2 cache;
 //   polled    the step's pattern with its cross-CTA counts' traffic: a warp per CTA spins on a global count that
 //             each CTA raises (red.release.gpu) as it finishes reading an L1 tile, as the step's input warp does;
+//   released  the same additions with no spinning warp; relaxed: the additions without the release (no fence);
 //   LDG read  no ring: a plain grid-stride LDG.128 read of the same 80.2 MB, 4 CTAs of 512 threads per SM.
 // The L2 cache is flushed before every launch. Per pattern: the mean of 10 launches, and from one more launch
 // traced, the issuing thread's gaps over 1 us summed per CTA (p50) and the gap before a tile's first stage (p50).
@@ -41,7 +42,8 @@ struct Pattern {
   int blocked;   // a CTA's tiles consecutive, not strided by the grid
   int in_order;  // a tile's stages in address order, not the K quarters in turn
   int poll;      // the step's cross-CTA counts: one warp per CTA spins on a global count (ld.relaxed.gpu) until
-                 // every CTA has added its L1 tiles (red.release.gpu after each tile's last stage is read)
+                 // every CTA has added its L1 tiles (red.release.gpu after each tile's last stage is read);
+                 // 2: only the additions, red.release.gpu; 3: only the additions, red.relaxed.gpu (no fence)
   int reload;    // at each tile start the issuing thread waits for one word from the L2 cache (ld.global.cg, a zero
                  // its tile's address depends on), as a spilled register reloaded there whose line is not in L1 would
 };
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, u
       tiles(n1, kTpe1, kNb1, w.c1, w.s1);
       tiles(n2, kTpe2, kNb2, w.c2, w.s2);
     }
-  } else if (threadIdx.x == 544 && p.poll) {  // the spinning warp (its other lanes idle, as in the step)
+  } else if (threadIdx.x == 544 && p.poll == 1) {  // the spinning warp (its other lanes idle, as in the step)
     uint32_t now;
     do {
       asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(count) : "memory");
@@ -126,8 +128,12 @@ __global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, u
       __syncwarp();
       if (t % 32 == 0)
         mbar_arrive(&empty[s]);
-      if (p.poll && t == 0 && u < l1_stages && u % (kNb1 / 2) == kNb1 / 2 - 1)  // an L1 tile's last stage
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+      if (p.poll && t == 0 && u < l1_stages && u % (kNb1 / 2) == kNb1 / 2 - 1) {  // an L1 tile's last stage
+        if (p.poll == 3)
+          asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+        else
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+      }
     }
     if (x == 0x12345) sink[0] = x;
   }
@@ -198,6 +204,8 @@ int main() {
                         {"linear", {0, 1, 2, 3, 4, 5}, {1, 0, 0, 0, 0}},
                         {"reload", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0, 1}},
                         {"polled", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 1, 0}},
+                        {"released", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 2, 0}},
+                        {"relaxed", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 3, 0}},
                         {"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0, 0}}};
   const size_t step_bytes = size_t(6) * (kTpe1 * kNb1 + kTpe2 * kNb2) * (4096 + 256);
   const float ldg_us = elapsed_us([&] {

@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch, empty, ahead or no wait (step1_params.cuh), each compiled only into its own
-// instance so that the step's own code is the same with or without them.
+// kProbe: 0, or probe mode touch, empty, ahead, no wait or relaxed (step1_params.cuh), each compiled only into its
+// own instance so that the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -122,7 +122,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         sched.for_each(
             [&](int tile, bool) {
               wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
-              add_release(l1_done + tile / tpe1, 1);
+              if constexpr (kProbe == kModeRelaxed)
+                add_relaxed(l1_done + tile / tpe1, 1);
+              else
+                add_release(l1_done + tile / tpe1, 1);
             },
             [](int) {});
       }
@@ -349,7 +352,8 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t empty = cudaFuncSetAttribute(step1_kernel<kModeEmpty>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  smem_bytes);
   if (empty != cudaSuccess) return int(empty);
-  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>}) {
+  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>,
+                      step1_kernel<kModeRelaxed>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -396,6 +400,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                       : (mode & kModeTouch) ? step1_kernel<kModeTouch>
                       : (mode & kModeAhead) ? step1_kernel<kModeAhead>
                       : (mode & kModeNoWait) ? step1_kernel<kModeNoWait>
+                      : (mode & kModeRelaxed) ? step1_kernel<kModeRelaxed>
                                             : step1_kernel<0>;
   return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }

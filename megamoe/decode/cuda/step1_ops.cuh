@@ -264,6 +264,10 @@ __device__ __forceinline__ void store_release_cta(uint32_t* count, uint32_t v) {
   asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(count)), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void add_relaxed(uint32_t* count, uint32_t v) {  // probe mode relaxed only
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(count), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void add_release(uint32_t* count, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(count), "r"(v) : "memory");
 }

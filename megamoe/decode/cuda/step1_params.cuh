@@ -45,9 +45,11 @@ struct Params {
 // an SM); ahead: as a tile's copies start, the first line of the CTA's next tile is asked of the L2 cache
 // (prefetch_tile_l2; y right); no wait: the input warp reads each item's L2 input row without waiting for the
 // item's L1 tiles in every CTA (the step without its one dependency between CTAs, what that dependency costs; y is
-// wrong).
+// wrong); relaxed: the release warp raises the per-item counts without the release (red.relaxed.gpu, so no
+// gpu-scope fence after each L1 tile; what those fences cost; y is right only if the counts happen to be seen after
+// the outputs they count, which nothing then guarantees).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
-              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256;
+              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
