@@ -28,6 +28,7 @@
 
 // The step's own PTX wrappers (mbarriers, bulk copies) and stage shape: kStageBytes, kCodeBytes, kTraceSlots.
 #include "../../megamoe/decode/cuda/step1_ops.cuh"
+#include "ldg_read.cuh"  // the reference read
 
 constexpr int kDepth = 20, kH = 4096, kI = 2048, kExperts = 256;
 constexpr int kNb1 = kH / 128, kNb2 = kI / 128, kTpe1 = kI / 32, kTpe2 = kH / 64;
@@ -139,15 +140,6 @@ __global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, u
   }
 }
 
-// The reference: every 16 bytes of n16 * 16 read once, grid-stride, streaming (evict-first) loads.
-__global__ void ldg_read(const uint4* src, size_t n16, unsigned long long* sink) {
-  uint32_t x = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(src + i);
-    x ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (x == 0x12345) sink[0] = x;
-}
 
 __global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "ldg_read.cuh"
+
 __device__ __forceinline__ uint32_t sa(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // Each stage's full barrier (one expect_tx) and empty barrier (one arrival per consumer warp), seen by all threads.
@@ -105,14 +107,6 @@ __global__ void shaped_kernel(const uint8_t* src, const uint8_t* side, size_t by
   }
 }
 
-__global__ void read_kernel(const uint4* src, size_t n16, unsigned long long* sink) {
-  uint32_t x = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(src + i);
-    x ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (x == 0x12345) sink[0] = x;
-}
 
 __global__ void fill_random(uint32_t* p, size_t n) {  // random words: no compressible pattern for the memory system
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -151,7 +145,7 @@ int main() {
     return sum / 10 * 1e3f;
   };
   printf("plain read (LDG.128, 4 x SMs x 512 threads): %.1f us\n",
-         time([&] { read_kernel<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, sink); }));
+         time([&] { ldg_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, sink); }));
   const int chunks[] = {4096, 16384, 32768};
   const int ring_kb[] = {64, 192};
   for (int per_sm = 1; per_sm <= 2; ++per_sm)
