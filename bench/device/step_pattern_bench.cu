@@ -28,7 +28,7 @@
 
 // The step's own PTX wrappers (mbarriers, bulk copies) and stage shape: kStageBytes, kCodeBytes, kTraceSlots.
 #include "../../megamoe/decode/cuda/step1_ops.cuh"
-#include "ldg_read.cuh"  // the reference read
+#include "bench_common.cuh"  // flushed_mean_us, ldg_read
 
 constexpr int kDepth = 20, kH = 4096, kI = 2048, kExperts = 256;
 constexpr int kNb1 = kH / 128, kNb2 = kI / 128, kTpe1 = kI / 32, kTpe2 = kH / 64;
@@ -170,23 +170,8 @@ int main() {
   cudaMalloc(&trace, size_t(sms) * kTraceSlots * 8);
   const int smem = kDepth * kStageBytes + 16 * kDepth;
   cudaFuncSetAttribute(pattern_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  auto elapsed_us = [&](auto launch) {  // mean of 10 launches after 2, each after an L2 flush
-    float sum = 0;
-    for (int r = 0; r < 12; ++r) {
-      cudaMemsetAsync(count, 0, 4);
-      cudaMemsetAsync(flush, r, flush_bytes);
-      cudaEventRecord(a);
-      launch();
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float ms;
-      cudaEventElapsedTime(&ms, a, b);
-      if (r >= 2) sum += ms;
-    }
-    return sum / 10 * 1e3;  // (the count is reset before each flush, outside the events)
+  auto elapsed_us = [&](auto launch) {  // the polled count reset before each launch, outside the timed span
+    return flushed_mean_us(flush, flush_bytes, [&] { cudaMemsetAsync(count, 0, 4); }, launch);
   };
   struct Case { const char* name; int experts[6]; Pattern p; };
   const Case cases[] = {{"step", {183, 59, 202, 95, 89, 31}, {0, 0, 0, 0, 0}},

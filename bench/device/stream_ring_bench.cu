@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "ldg_read.cuh"
+#include "bench_common.cuh"  // flushed_mean_us, ldg_read
 
 __device__ __forceinline__ uint32_t sa(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
@@ -127,23 +127,7 @@ int main() {
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  auto time = [&](auto launch) {
-    float best = 1e9, sum = 0;
-    for (int r = 0; r < 12; ++r) {
-      cudaMemsetAsync(flush, r, flush_bytes);
-      cudaEventRecord(a);
-      launch();
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float ms;
-      cudaEventElapsedTime(&ms, a, b);
-      if (r >= 2) { best = ms < best ? ms : best; sum += ms; }
-    }
-    return sum / 10 * 1e3f;
-  };
+  auto time = [&](auto launch) { return flushed_mean_us(flush, flush_bytes, [] {}, launch); };
   printf("plain read (LDG.128, 4 x SMs x 512 threads): %.1f us\n",
          time([&] { ldg_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, sink); }));
   const int chunks[] = {4096, 16384, 32768};
