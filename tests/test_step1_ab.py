@@ -145,12 +145,12 @@ def test_from_round_runs_only_the_later_rounds(tmp_path, device_script, monkeypa
 
 
 def test_the_next_runs_script_refuses_a_missing_export(tmp_path):
-    """bench/device/step1_next.sh (the probes, then the A/B's first round, on the H200) checks its exported versions
-    before it runs anything."""
+    """bench/device/step1_next.sh (the pattern bench, the probes, then the A/B, on the H200) checks its exported
+    versions before it runs anything."""
     script = _ROOT / "bench" / "device" / "step1_next.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "AB": str(tmp_path / "none"),
                               "MEGAMOE_CACHE": str(tmp_path / "cache")})
     assert run.returncode == 2 and f"no exported version {tmp_path / 'none'}/main" in run.stderr
-    assert not (tmp_path / "out" / "probe.log").exists()
+    assert not (tmp_path / "out" / "probe.log").exists() and not (tmp_path / "out" / "pattern.txt").exists()

@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
 # The 1-token CUDA step's next measurements on one H200 with nvcc (docs/decode-kernel-tc.md, "Next"), within a
-# wall-time budget: the main line's probe modes (touch, ahead, empty, plain and their bare twins, with timelines and
-# traces), then the first round of the A/B of the candidate versions against the main line, each checked bit for
-# bit before it is timed. Later rounds: the same A/B with --from-round 2 (bench/device/step1_ab.py).
+# wall-time budget, the cheapest question first:
+#   1. step_pattern_bench.cu: the step's stream alone through its ring, against an LDG.128 read of the same bytes
+#      and against the same stages loaded by the consumer warpgroups straight into registers (`regs D`, `frag D`):
+#      can the step's stream run at a plain read's pace without the ring? Also its `released` / `relaxed` cases;
+#   2. the main line's probe modes `relaxed` (the count additions without the release fence) and `no-wait`, with
+#      timelines and traces: does a gpu-scope release hold the SM's copies (the grid-wide hole at 6-7 us)?
+#   3. the A/B of the main line against the LL version (commit 4887964: every signal between CTAs as LL words, no
+#      counts, no release fences), each checked bit for bit before it is timed, in turns of one process each.
 #
-#   python3 bench/device/step1_ab.py --export build/ab main step1-adopt step1-adopt-ew   # where git is
-#   OUT=/tmp/next bash bench/device/step1_next.sh                                        # on the H200
-#   python3 bench/device/step1_trace.py $OUT/probe/trace-*.pt --experts 183 59 202 95 89 31   # any machine
+#   python3 bench/device/step1_ab.py --export build/ab main 4887964      # where git is
+#   OUT=/tmp/next bash bench/device/step1_next.sh                        # on the H200
+#   python3 bench/device/step1_trace.py $OUT/probe/trace-*.pt            # any machine
 #
 # The probe runs from the exported main line ($AB/main), so the probe and the A/B's first version are the same
-# commit, named by its COMMIT file. Each part has its own time limit (PROBE_S, AB_S; together under ten minutes);
-# what a part finished is kept when a later one stops short. The version the A/B was running when its limit came
-# says so in the table; one it had not begun is missing from it (run it alone, or with the later rounds). The kernels build with nvcc on first use into $MEGAMOE_CACHE (default
-# build/step1-cache), which is copied to $OUT/cache at the end so that a later run can start from it.
-# Files: $OUT/probe/ (step1_probe.json, stamps-*.pt, trace-*.pt), $OUT/probe.log, $OUT/ab/ (step1_ab.py's folders
-# and summary.md), $OUT/ab.log, $OUT/cache/.
+# commit, named by its COMMIT file. Each part has its own time limit (PATTERN_S, PROBE_S, AB_S; together under ten
+# minutes); what a part finished is kept when a later one stops short. The kernels build with nvcc on first use
+# into $MEGAMOE_CACHE (default build/step1-cache), which is copied to $OUT/cache at the end so that a later run
+# can start from it.
+# Files: $OUT/pattern.txt, $OUT/probe/ (step1_probe.json, stamps-*.pt, trace-*.pt), $OUT/probe.log, $OUT/ab/
+# (step1_ab.py's folders and summary.md), $OUT/ab.log, $OUT/cache/.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the folder the results go to}
 AB=${AB:-build/ab}
-VERSIONS=${VERSIONS:-main step1-adopt-ew step1-adopt}  # the first must be main: the probe runs from it
+VERSIONS=${VERSIONS:-main 4887964}  # the first must be main: the probe runs from it
+PATTERN_S=${PATTERN_S:-90}
 PROBE_S=${PROBE_S:-200}
-AB_S=${AB_S:-370}  # about 2 min per version (its checks, then its probe)
+AB_S=${AB_S:-280}  # about 2 min per version (its checks, then its probe), then a second round of turns
+ROUNDS=${ROUNDS:-2}
 PY=${PYTHON:-python3}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MEGAMOE_CACHE=${MEGAMOE_CACHE:-$PWD/build/step1-cache}
@@ -30,17 +37,22 @@ for v in $VERSIONS; do
   [ -f "$AB/$v/COMMIT" ] || { echo "no exported version $AB/$v (step1_ab.py --export)" >&2; exit 2; }
 done
 
+echo "[step1_next] pattern bench"
+timeout "$PATTERN_S" bash -c "'$CUDA_HOME/bin/nvcc' -O3 -gencode arch=compute_90a,code=sm_90a -o '$OUT/pattern' \
+  bench/device/step_pattern_bench.cu && '$OUT/pattern'" > "$OUT/pattern.txt" 2>&1
+echo "[step1_next] pattern exit $? ($OUT/pattern.txt)"
+rm -f "$OUT/pattern"
+
 main_dir=$(cd "$AB/main" && pwd)
 echo "[step1_next] probe of $(cat "$main_dir/COMMIT")"
 (cd "$main_dir" && PYTHONPATH=$main_dir MEGAMOE_COMMIT=$(cat COMMIT) timeout "$PROBE_S" "$PY" \
-  bench/device/step1_probe.py --out "$OUT/probe" --stages --inflight --lags \
-  --modes touch touch_bare ahead ahead_bare empty plain empty_plain \
-  --timelines cuda touch ahead --traces cuda touch ahead) > "$OUT/probe.log" 2>&1
+  bench/device/step1_probe.py --out "$OUT/probe" --stages --inflight --lags --modes relaxed nowait \
+  --timelines cuda relaxed nowait --traces cuda relaxed nowait) > "$OUT/probe.log" 2>&1
 echo "[step1_next] probe exit $? (log: $OUT/probe.log)"
 
 dirs=()
 for v in $VERSIONS; do dirs+=("$AB/$v"); done
-timeout "$AB_S" "$PY" bench/device/step1_ab.py "${dirs[@]}" --out "$OUT/ab" --rounds 1 --modes touch \
+timeout "$AB_S" "$PY" bench/device/step1_ab.py "${dirs[@]}" --out "$OUT/ab" --rounds "$ROUNDS" \
   > "$OUT/ab.log" 2>&1
 echo "[step1_next] A/B exit $? (log: $OUT/ab.log)"
 

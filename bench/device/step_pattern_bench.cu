@@ -18,7 +18,12 @@
 //   polled    the step's pattern with its cross-CTA counts' traffic: a warp per CTA spins on a global count that
 //             each CTA raises (red.release.gpu) as it finishes reading an L1 tile, as the step's input warp does;
 //   released  the same additions with no spinning warp; relaxed: the additions without the release (no fence);
-//   LDG read  no ring: a plain grid-stride LDG.128 read of the same 80.2 MB, 4 CTAs of 512 threads per SM.
+//   LDG read  no ring: a plain grid-stride LDG.128 read of the same 80.2 MB, 4 CTAs of 512 threads per SM;
+//   regs D    no ring and no issuing thread: the step's stages in the step's order, each consumer warpgroup loading
+//             its own (stages wg, wg + 4, ...) straight into registers with LDG.128 / LDG.32, D stages ahead
+//             (one CTA of 512 threads per SM, as the step's computing warpgroups). It asks whether the step's
+//             stream could run at a plain read's pace if its computing warpgroups loaded their weights themselves:
+//             the ring has run 1.13-1.20x the LDG read with any address pattern (stream_ring_bench.cu too).
 // The L2 cache is flushed before every launch. Per pattern: the mean of 10 launches, and from one more launch
 // traced, the issuing thread's gaps over 1 us summed per CTA (p50) and the gap before a tile's first stage (p50).
 #include <stdio.h>
@@ -140,6 +145,66 @@ __global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, u
   }
 }
 
+// The u-th stage of CTA c's list in the step's order (its L1 tiles, then its L2 tiles, strided by the grid; in a
+// tile two blocks of each K quarter in turn): its 8 KB of codes and 512 bytes of scale words.
+__device__ __forceinline__ void step_stage(const Weights& w, const int* experts, int c, int G, int u,
+                                           const uint8_t*& codes, const uint8_t*& scales) {
+  const int l1_stages = tile_count(c, G, 6 * kTpe1, 0) * kNb1 / 2;
+  const bool l1 = u < l1_stages;
+  const int v = l1 ? u : u - l1_stages, per_tile = (l1 ? kNb1 : kNb2) / 2, tpe = l1 ? kTpe1 : kTpe2;
+  const int nb = l1 ? kNb1 : kNb2, j = tile_at(c, G, 0, 0, v / per_tile), k = v % per_tile;
+  const size_t tile = size_t(experts[j / tpe]) * tpe + j % tpe;
+  const size_t blk = tile * nb + (k % 4) * (nb / 4) + k / 4 * 2;
+  codes = (l1 ? w.c1 : w.c2) + blk * 4096;
+  scales = (l1 ? w.s1 : w.s2) + blk * 256;
+}
+
+// Case `regs D`: warpgroup wg streams stages wg, wg + 4, ... of the CTA's list into registers, D of them in flight:
+// per stage a thread loads 4 x 16 bytes of codes (a warp 512 contiguous bytes per load) and one scale word.
+// kFrag (case `frag D`): the codes as the step's layout hands them to a thread, 8 bytes of each of the stage's eight
+// 1,024-byte group blocks (8 x LDG.64, a warp 256 contiguous bytes per load), as the step would load its A operand.
+template <int D, bool kFrag>
+__global__ void __launch_bounds__(512, 1) regs_kernel(Weights w, unsigned long long* sink) {
+  __shared__ int experts[6];  // not the parameter's array: indexed at run time, it would be copied to the stack
+  if (threadIdx.x < 6) experts[threadIdx.x] = w.experts[threadIdx.x];
+  __syncthreads();
+  const Weights wl{w.c1, w.s1, w.c2, w.s2, {}};  // the pointers alone, in registers (no stack copy of w)
+  const int G = gridDim.x, c = blockIdx.x, wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int stages = tile_count(c, G, 6 * kTpe1, 0) * kNb1 / 2 + tile_count(c, G, 6 * kTpe2, 0) * kNb2 / 2;
+  uint4 cd[D][4];
+  uint32_t sc[D];
+  auto load = [&](int u, uint4 (&into)[4], uint32_t& s) {
+    if (u >= stages) return;
+    const uint8_t *codes, *scales;
+    step_stage(wl, experts, c, G, u, codes, scales);
+    if constexpr (kFrag) {
+      const uint2* src = reinterpret_cast<const uint2*>(codes) + t;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 a = __ldcs(src + 128 * (2 * j)), b = __ldcs(src + 128 * (2 * j + 1));
+        into[j] = uint4{a.x, a.y, b.x, b.y};
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) into[j] = __ldcs(reinterpret_cast<const uint4*>(codes) + t + 128 * j);
+    }
+    s = __ldcs(reinterpret_cast<const uint32_t*>(scales) + t);
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d) load(wg + 4 * d, cd[d], sc[d]);
+  uint32_t x = 0;
+  for (int u0 = wg; u0 < stages; u0 += 4 * D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (u0 + 4 * d >= stages) break;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x ^= cd[d][j].x ^ cd[d][j].y ^ cd[d][j].z ^ cd[d][j].w;
+      x ^= sc[d];
+      load(u0 + 4 * (d + D), cd[d], sc[d]);
+    }
+  }
+  if (x == 0x12345) sink[0] = x;
+}
 
 __global__ void fill_random(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -217,6 +282,23 @@ int main() {
            "before a tile's first stage p50 %.2f\n",
            cs.name, us, us / ldg_us, stops[stops.size() / 2], at_tile.empty() ? 0.0 : at_tile[at_tile.size() / 2]);
   }
+  Weights w{buf[0], buf[1], buf[2], buf[3], {183, 59, 202, 95, 89, 31}};
+  auto regs = [&](const char* name, auto kernel) {
+    const float us = elapsed_us([&] { kernel<<<sms, 512>>>(w, sink); });
+    printf("%-8s %.1f us (%.2fx the LDG read)\n", name, us, us / ldg_us);
+  };
+  regs("regs 1", regs_kernel<1, false>);
+  regs("regs 2", regs_kernel<2, false>);
+  regs("regs 3", regs_kernel<3, false>);
+  regs("regs 4", regs_kernel<4, false>);
+  regs("frag 1", regs_kernel<1, true>);
+  regs("frag 2", regs_kernel<2, true>);
+  regs("frag 4", regs_kernel<4, true>);
+  regs("regs 2", regs_kernel<2, false>);  // again, after the others: the spread between two launches of one kernel
+  const float ldg_again = elapsed_us([&] {
+    ldg_read<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(buf[0]), step_bytes / 16, sink);
+  });
+  printf("%-8s %.1f us again (%.2fx the first)\n", "LDG read", ldg_again, ldg_again / ldg_us);
   printf("%s\n", cudaGetErrorString(cudaDeviceSynchronize()));
   return 0;
 }
