@@ -102,6 +102,8 @@ def main() -> int:
                 "ahead": {"mode": M["ahead"]}, "ahead_bare": {"mode": M["ahead"] | M["bare"]},
                 "noload_bare": {"mode": M["no-load"] | M["bare"]}, "nowait": {"mode": M["no-wait"]},
                 "nowait_bare": {"mode": M["no-wait"] | M["bare"]}, "relaxed": {"mode": M["relaxed"]},
+                "regs": {"mode": M["regs"]}, "regs_bare": {"mode": M["regs"] | M["bare"]},
+                "regs_nowait": {"mode": M["regs"] | M["no-wait"]},
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},
                 **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}

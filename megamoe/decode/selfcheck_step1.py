@@ -7,7 +7,11 @@ replaces and against the eager reference (recipe megamoe-decode-tc):
              still poisoned; ``repeats`` poisoned relaunches bit-identical; every count the step keeps between
              its CTAs (``DecodeBuffers.step_sync``) back at zero after its launches, as the next launch needs
 
-    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8]      (one H200) -> JSON rows; exit 1 on a failure
+    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8] [--mode regs]   (one H200) -> JSON rows; exit 1 on a
+                                                                            failure
+
+``--mode`` checks a probe variant whose y is meant to be right (``cuda_step1.MODES``: touch, plain, ahead, regs)
+instead of the step itself, launched directly rather than through ``moe_decode``.
 """
 
 from __future__ import annotations
@@ -38,9 +42,16 @@ CASES = (
 )
 
 
-def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2) -> dict:
+Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs")  # probe variants meant to give the step's bits
+
+
+def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
     """One staged token through the Triton launches and through the CUDA step (buffers for ``capacity`` tokens,
-    so that a row past the step shows whether it kept its poison)."""
+    so that a row past the step shows whether it kept its poison); ``mode``: a probe variant of the step instead
+    (``Y_RIGHT_MODES``)."""
+    if mode is not None and mode not in Y_RIGHT_MODES:
+        raise ValueError(f"mode must be one of {Y_RIGHT_MODES} (the variants meant to give the step's bits), "
+                         f"got {mode!r}")
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -55,12 +66,19 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2) -> dic
     _copy_staged(bufs[0], bufs[1])
     triton_cfg = tc.tc_launch_config(1, g.num_topk)  # the backend's launch
     cuda_cfg = dataclasses.replace(triton_cfg, tc_cuda_step1=True)
-    row = {"case": case.id, **dataclasses.asdict(case), "launch": cuda_cfg.tc_cuda_step1,
+    row = {"case": case.id, **dataclasses.asdict(case), "launch": cuda_cfg.tc_cuda_step1, "mode": mode,
            "unsupported": cuda_step1.unsupported(tw, bufs[1], 1)}
+
+    def cuda_step():
+        if mode is None:
+            moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
+        elif row["unsupported"] is None:  # (else the row fails on "unsupported")
+            cuda_step1.step1(tw, bufs[1], g.clamp, mode=cuda_step1.MODES[mode])
+
     for b in bufs:
         b.poison_()
     moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
-    moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
+    cuda_step()
     torch.cuda.synchronize()
     row["stages"] = "; ".join(f"{f}: {m}" for f in FIELDS
                               if (m := first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1))))
@@ -77,7 +95,7 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2) -> dic
     differ = 0
     for _ in range(repeats):
         bufs[1].poison_()
-        moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
+        cuda_step()
         differ += any(first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1)) for f in FIELDS)
     row["relaunches_differing"] = f"{differ} of {repeats}"
     torch.cuda.synchronize()
@@ -97,10 +115,11 @@ def passed_step1(row: dict) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--mode", choices=Y_RIGHT_MODES, help="check this probe variant instead of the step")
     args = ap.parse_args(argv)
     rows = []
     for case in CASES:
-        rows.append(run_step1_case(case, args.repeats))
+        rows.append(run_step1_case(case, args.repeats, mode=args.mode))
         rows[-1]["passed"] = passed_step1(rows[-1])
         print(json.dumps(rows[-1]), flush=True)
     return 0 if all(r["passed"] for r in rows) else 1

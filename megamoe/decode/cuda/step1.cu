@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch, empty, ahead, no wait or relaxed (step1_params.cuh), each compiled only into its
-// own instance so that the step's own code is the same with or without them.
+// kProbe: 0, or probe mode touch, empty, ahead, no wait, relaxed or regs (step1_params.cuh), each compiled only
+// into its own instance so that the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         const int item = tile / tpe2;
         if (have >> item & 1) return;
         have |= 1u << item;
-        if constexpr (kProbe != kModeNoWait)
+        if constexpr (!(kProbe & kModeNoWait))
           if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
         __syncwarp();
         const size_t src = size_t(it.row[item]);
@@ -139,6 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }
+      if constexpr (kProbe & kModeRegs) return;  // the computing warpgroups load their own stages
       Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
       Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
       int traced = 0;
@@ -218,6 +219,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const bool bare = p.mode & kModeBare;
   Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
+  RegStream regs{};  // probe mode regs: this warpgroup's stages straight into registers, one ahead
+  if constexpr (kProbe & kModeRegs) regs.start(p, sched, it.expert, wg, t);
+  auto regs_sums = [&](uint64_t desc, float(&dg)[kBlocks][4][2]) {  // the sums of the stage read ahead
+    const StageRegs s = regs.ahead;
+    regs.next(p, sched, it.expert, wg, t);
+    stage_sums_of(s, desc, dg, bare, [] {});
+  };
   int tiles_done = 0;
   uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
   int mine = 0;           // this CTA's L2 tiles
@@ -229,9 +237,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb1 / kParts; b += kBlocks) {
       const int kb = wg * (nb1 / kParts) + b;
-      const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[kBlocks][4][2];
-      stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
+      if constexpr (kProbe & kModeRegs) {
+        regs_sums(b_desc(xs + kb * 128), dg);
+      } else {
+        const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
+        stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
+      }
 #pragma unroll
       for (int j = 0; j < kBlocks; ++j) {
         const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][0], dg[j][1][0]), dg[j][2][0]), dg[j][3][0]);
@@ -277,9 +289,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / kParts; b += kBlocks) {
-      const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
       float dg[kBlocks][4][2];
-      stage_sums(ring, cur, t, stage, b_desc(hw + b * 128), dg, bare);
+      if constexpr (kProbe & kModeRegs) {
+        regs_sums(b_desc(hw + b * 128), dg);
+      } else {
+        const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
+        stage_sums(ring, cur, t, stage, b_desc(hw + b * 128), dg, bare);
+      }
 #pragma unroll
       for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
@@ -353,7 +369,8 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
                                                  smem_bytes);
   if (empty != cudaSuccess) return int(empty);
   for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>,
-                      step1_kernel<kModeRelaxed>}) {
+                      step1_kernel<kModeRelaxed>, step1_kernel<kModeRegs>,
+                      step1_kernel<kModeRegs | kModeNoWait>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -396,12 +413,15 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = (mode & kModePlain) ? 0 : 1;
-  const auto kernel = (mode & kModeEmpty)   ? step1_kernel<kModeEmpty>
-                      : (mode & kModeTouch) ? step1_kernel<kModeTouch>
-                      : (mode & kModeAhead) ? step1_kernel<kModeAhead>
-                      : (mode & kModeNoWait) ? step1_kernel<kModeNoWait>
-                      : (mode & kModeRelaxed) ? step1_kernel<kModeRelaxed>
-                                            : step1_kernel<0>;
+  const int regs_nowait = kModeRegs | kModeNoWait;
+  const auto kernel = (mode & kModeEmpty)                   ? step1_kernel<kModeEmpty>
+                      : (mode & kModeTouch)                 ? step1_kernel<kModeTouch>
+                      : (mode & kModeAhead)                 ? step1_kernel<kModeAhead>
+                      : (mode & regs_nowait) == regs_nowait ? step1_kernel<kModeRegs | kModeNoWait>
+                      : (mode & kModeRegs)                  ? step1_kernel<kModeRegs>
+                      : (mode & kModeNoWait)                ? step1_kernel<kModeNoWait>
+                      : (mode & kModeRelaxed)               ? step1_kernel<kModeRelaxed>
+                                                            : step1_kernel<0>;
   return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 

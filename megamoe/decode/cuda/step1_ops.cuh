@@ -179,32 +179,57 @@ __device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int
   cur.advance(kParts, ring.stages);
 }
 
-// The tensor-core sums of a stage's kBlocks blocks, each group's already times its factor (exact), for rows
-// r0 = 16 warp + lane / 4 and r0 + 8: dg[j][g][0] (block j, group g, row r0), dg[j][g][1] (row r0 + 8). Valid in
-// lanes with lane % 4 == 0 (column 0). desc: the B descriptor of the stage's first k32 step (the next steps' codes
-// follow 32 bytes apart, one descriptor unit of 16 bytes is 2). The stage is freed (``stage_release``) as soon as
-// its bytes are in registers, before the MMAs: the weights are the MMAs' A operand in registers, and B lies
-// outside the ring. All kBlocks x 4 MMAs go out together and are waited for once.
-__device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* stage, uint64_t desc,
-                                           float dg[kBlocks][4][2], bool bare) {
+// What one thread of a warpgroup reads of a stage: its 8 bytes of each of the kBlocks x 4 group blocks (v, the
+// A operand's codes in fragment order) and the scale words of its rows r0 = 16 warp + lane / 4 and r0 + 8 in each
+// block (w).
+struct StageRegs {
   uint2 v[kBlocks][4];
   uint32_t w[kBlocks][2];
+};
+
+// ... from the stage's bytes in a ring slot (the stage's layout: codes of blocks 0, 1, then their scale words)
+__device__ __forceinline__ void stage_read_smem(const uint8_t* stage, int tid, StageRegs& s) {
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
 #pragma unroll
   for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
-    for (int g = 0; g < 4; ++g) v[j][g] = *reinterpret_cast<const uint2*>(stage + j * 4096 + g * 1024 + 8 * tid);
+    for (int g = 0; g < 4; ++g) s.v[j][g] = *reinterpret_cast<const uint2*>(stage + j * 4096 + g * 1024 + 8 * tid);
     const uint8_t* words = stage + kCodeBytes + j * 256;
-    w[j][0] = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
-    w[j][1] = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
+    s.w[j][0] = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
+    s.w[j][1] = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
   }
+}
+
+// ... straight from the weights (probe mode regs: no ring), streaming loads that leave no line in L1
+__device__ __forceinline__ void stage_read_global(const uint8_t* codes, const uint8_t* scales, int tid,
+                                                  StageRegs& s) {
+  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
+#pragma unroll
+  for (int j = 0; j < kBlocks; ++j) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) s.v[j][g] = __ldcs(reinterpret_cast<const uint2*>(codes + j * 4096 + g * 1024) + tid);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(scales + j * 256);
+    s.w[j][0] = __ldcs(words + r0);
+    s.w[j][1] = __ldcs(words + r0 + 8);
+  }
+}
+
+// The tensor-core sums of a stage's kBlocks blocks (its bytes in s), each group's already times its factor (exact),
+// for rows r0 and r0 + 8: dg[j][g][0] (block j, group g, row r0), dg[j][g][1] (row r0 + 8). Valid in lanes with
+// lane % 4 == 0 (column 0). desc: the B descriptor of the stage's first k32 step (the next steps' codes follow 32
+// bytes apart, one descriptor unit of 16 bytes is 2). `consumed` runs as soon as the stage's bytes are decoded,
+// before the MMAs (the ring frees the stage there): the weights are the MMAs' A operand in registers, and B lies
+// outside the ring. All kBlocks x 4 MMAs go out together and are waited for once.
+template <class Consumed>
+__device__ __forceinline__ void stage_sums_of(const StageRegs& s, uint64_t desc, float dg[kBlocks][4][2], bool bare,
+                                              Consumed consumed) {
   if (bare) {
-    stage_release(ring, cur, tid);
+    consumed();
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
       for (int g = 0; g < 4; ++g)
-        dg[j][g][0] = dg[j][g][1] = __uint_as_float(v[j][g].x ^ v[j][g].y ^ w[j][0] ^ w[j][1]) * 0.f;
+        dg[j][g][0] = dg[j][g][1] = __uint_as_float(s.v[j][g].x ^ s.v[j][g].y ^ s.w[j][0] ^ s.w[j][1]) * 0.f;
     return;
   }
   uint32_t a[kBlocks * 4][4];
@@ -212,12 +237,12 @@ __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int ti
   for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      a[4 * j + g][0] = decode_lo(v[j][g].x);  // row r0, K 4 lq .. 4 lq + 3
-      a[4 * j + g][1] = decode_hi(v[j][g].x);  // row r0 + 8
-      a[4 * j + g][2] = decode_lo(v[j][g].y);  // row r0, K 16 + 4 lq ..
-      a[4 * j + g][3] = decode_hi(v[j][g].y);
+      a[4 * j + g][0] = decode_lo(s.v[j][g].x);  // row r0, K 4 lq .. 4 lq + 3
+      a[4 * j + g][1] = decode_hi(s.v[j][g].x);  // row r0 + 8
+      a[4 * j + g][2] = decode_lo(s.v[j][g].y);  // row r0, K 16 + 4 lq ..
+      a[4 * j + g][3] = decode_hi(s.v[j][g].y);
     }
-  stage_release(ring, cur, tid);  // the decode has consumed every byte the stage held for this thread
+  consumed();  // the decode has consumed every byte the stage held for this thread
   float d[kBlocks * 4][4];
 #pragma unroll
   for (int m = 0; m < kBlocks * 4; ++m) {  // every operand ready before the fence: no MMA waits on a late decode
@@ -237,9 +262,17 @@ __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int ti
   for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      dg[j][g][0] = __fmul_rn(d[4 * j + g][0], factor(w[j][0], g));
-      dg[j][g][1] = __fmul_rn(d[4 * j + g][2], factor(w[j][1], g));
+      dg[j][g][0] = __fmul_rn(d[4 * j + g][0], factor(s.w[j][0], g));
+      dg[j][g][1] = __fmul_rn(d[4 * j + g][2], factor(s.w[j][1], g));
     }
+}
+
+// The same sums of the ring's stage `stage`, freed once decoded.
+__device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* stage, uint64_t desc,
+                                           float dg[kBlocks][4][2], bool bare) {
+  StageRegs s;
+  stage_read_smem(stage, tid, s);
+  stage_sums_of(s, desc, dg, bare, [&] { stage_release(ring, cur, tid); });
 }
 
 // A count another CTA raises (release) reaches `target`: one thread polls it relaxed, then one acquire fence (an

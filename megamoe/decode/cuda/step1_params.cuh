@@ -47,9 +47,11 @@ struct Params {
 // item's L1 tiles in every CTA (the step without its one dependency between CTAs, what that dependency costs; y is
 // wrong); relaxed: the release warp raises the per-item counts without the release (red.relaxed.gpu, so no
 // gpu-scope fence after each L1 tile; what those fences cost; y is right only if the counts happen to be seen after
-// the outputs they count, which nothing then guarantees).
+// the outputs they count, which nothing then guarantees); regs: no ring and no copies, each computing warpgroup
+// loads its own stages straight into registers, one stage ahead (y right; with bare, its stream alone; with no
+// wait, its own instance too: the stream without the dependency).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
-              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512;
+              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -73,6 +75,19 @@ struct Schedule {
   template <class L1, class L2>
   __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last L1 tile?), l2(tile)
     walk(blockIdx.x, gridDim.x, l1, l2);
+  }
+
+  // The k-th tile of CTA `cta` of `G`'s list, -1 past its end; l2: whether it is an L2 tile (probe mode regs).
+#pragma nv_exec_check_disable
+  __host__ __device__ int nth(int cta, int G, int k, bool& l2) const {
+    int i = 0, found = -1;
+    bool in_l2 = false;
+    walk(cta, G, [&](int tile, bool) { found = i++ == k ? tile : found; },
+         [&](int tile) {
+           if (i++ == k) found = tile, in_l2 = true;
+         });
+    l2 = in_l2;
+    return found;
   }
 
   // CTA `cta` of `G`'s tiles; on the host too, for tests/cuda/schedule_check.cu.
@@ -99,6 +114,36 @@ struct Schedule {
 __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int tpe) {
   return size_t(expert[tile / tpe]) * tpe + tile % tpe;
 }
+
+// Probe mode regs: no ring; a computing warpgroup loads its stages of the CTA's tiles, in the order it computes
+// them, straight into registers, one stage ahead of the one it computes. `ahead` holds the next stage, which lies
+// in the CTA's k-th tile (tile, l2 as Schedule::nth gives them) from block b of the warpgroup's quarter of its K.
+struct RegStream {
+  StageRegs ahead;
+  int k, b, tile;
+  bool l2;
+
+  __device__ void start(const Params& p, const Schedule& sched, const int* expert, int wg, int t) {
+    k = b = 0;
+    tile = sched.nth(blockIdx.x, gridDim.x, 0, l2);
+    next(p, sched, expert, wg, t);
+  }
+
+  // The loads of the next stage into `ahead` (nothing past the CTA's last tile); their values are waited for where
+  // they are first used.
+  __device__ void next(const Params& p, const Schedule& sched, const int* expert, int wg, int t) {
+    if (tile < 0) return;
+    const int nb = l2 ? p.I / 128 : p.H / 128, tpe = l2 ? p.H / 64 : p.I / 32;
+    const size_t blk = weight_tile(expert, tile, tpe) * nb + wg * (nb / kParts) + b;
+    stage_read_global((l2 ? p.l2_codes : p.l1_codes) + blk * 4096, (l2 ? p.l2_scales : p.l1_scales) + blk * 256, t,
+                      ahead);
+    b += kBlocks;
+    if (b == nb / kParts) {
+      b = 0;
+      tile = sched.nth(blockIdx.x, gridDim.x, ++k, l2);
+    }
+  }
+};
 
 // Probe mode touch: the lanes of the idle warp each read one word at the start of some of the CTA's tiles (codes
 // and scales, L1 and L2), so that every page the CTA will stream is asked for once, at the start, beside the first
