@@ -19,7 +19,7 @@ from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.gemv import LaunchConfig  # noqa: E402
 from megamoe.decode.moe import DecodeBuffers, one_cuda_launch  # noqa: E402
 from megamoe.decode.selfcheck import case_weights, geometry_of  # noqa: E402
-from megamoe.decode.selfcheck_step1 import CASES, passed_step1, run_step1_case  # noqa: E402
+from megamoe.decode.selfcheck_step1 import CASES, Y_RIGHT_MODES, passed_step1, run_step1_case  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 
 
@@ -95,3 +95,11 @@ def test_an_unknown_probe_mode_is_refused_before_anything_is_built():
         cuda_step1.step1(None, None, 0.0, mode=unknown)
     with pytest.raises(ValueError, match="got -1"):
         cuda_step1.step1(None, None, 0.0, mode=-1)
+
+
+def test_the_selfcheck_takes_only_the_variants_meant_to_keep_the_bits():
+    """A probe mode that leaves y wrong (no wait, relaxed, bare, ...) cannot be checked bit for bit: refused by name
+    before anything runs."""
+    assert set(Y_RIGHT_MODES) <= set(cuda_step1.MODES)
+    with pytest.raises(ValueError, match=r"mode must be one of .*'regs'.* got 'no-wait'"):
+        run_step1_case(CASES[0], mode="no-wait")
