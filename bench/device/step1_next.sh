@@ -7,7 +7,8 @@
 #   2. the main line's probe modes, with timelines and traces: `relaxed` (the count additions without the release
 #      fence) and `no-wait`: does a gpu-scope release hold the SM's copies (the grid-wide hole at 6-7 us)? `regs`
 #      (no ring: the computing warpgroups load their own stages into registers, one ahead; checked bit for bit
-#      first), `regs_bare` and `regs_nowait`: does the step itself stream sooner without its ring?
+#      first), `regs_bare`, `regs_nowait` and `regs_l1` (L1 so, L2 through the ring from the start): does the
+#      step itself stream sooner without its ring?
 #   3. the A/B of the main line against the LL version (commit 4887964: every signal between CTAs as LL words, no
 #      counts, no release fences), each checked bit for bit before it is timed, in turns of one process each.
 #
@@ -20,7 +21,7 @@
 # minutes); what a part finished is kept when a later one stops short. The kernels build with nvcc on first use
 # into $MEGAMOE_CACHE (default build/step1-cache), which is copied to $OUT/cache at the end so that a later run
 # can start from it.
-# Files: $OUT/pattern.txt, $OUT/check-regs.jsonl (+ .log), $OUT/probe/ (step1_probe.json, stamps-*.pt, trace-*.pt),
+# Files: $OUT/pattern.txt, $OUT/check-regs*.jsonl (+ .log), $OUT/probe/ (step1_probe.json, stamps-*.pt, trace-*.pt),
 # $OUT/probe.log, $OUT/ab/
 # (step1_ab.py's folders and summary.md), $OUT/ab.log, $OUT/cache/.
 set -u
@@ -29,9 +30,9 @@ OUT=${OUT:?set OUT to the folder the results go to}
 AB=${AB:-build/ab}
 VERSIONS=${VERSIONS:-main 4887964}  # the first must be main: the probe runs from it
 PATTERN_S=${PATTERN_S:-80}
-CHECK_S=${CHECK_S:-60}
-PROBE_S=${PROBE_S:-200}
-AB_S=${AB_S:-240}  # about 2 min per version (its checks, then its probe), then a second round of turns
+CHECK_S=${CHECK_S:-45}  # each of two
+PROBE_S=${PROBE_S:-190}
+AB_S=${AB_S:-220}  # about 2 min per version (its checks, then its probe), then a second round of turns
 ROUNDS=${ROUNDS:-2}
 PY=${PYTHON:-python3}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -48,16 +49,18 @@ echo "[step1_next] pattern exit $? ($OUT/pattern.txt)"
 rm -f "$OUT/pattern"
 
 main_dir=$(cd "$AB/main" && pwd)
-echo "[step1_next] probe mode regs, bit for bit"
-(cd "$main_dir" && PYTHONPATH=$main_dir timeout "$CHECK_S" "$PY" -m megamoe.decode.selfcheck_step1 --mode regs \
-  --repeats 2) > "$OUT/check-regs.jsonl" 2> "$OUT/check-regs.log"
-echo "[step1_next] check exit $? ($OUT/check-regs.jsonl)"
+for m in regs regs-l1; do
+  echo "[step1_next] probe mode $m, bit for bit"
+  (cd "$main_dir" && PYTHONPATH=$main_dir timeout "$CHECK_S" "$PY" -m megamoe.decode.selfcheck_step1 --mode "$m" \
+    --repeats 2) > "$OUT/check-$m.jsonl" 2> "$OUT/check-$m.log"
+  echo "[step1_next] check exit $? ($OUT/check-$m.jsonl)"
+done
 
 echo "[step1_next] probe of $(cat "$main_dir/COMMIT")"
 (cd "$main_dir" && PYTHONPATH=$main_dir MEGAMOE_COMMIT=$(cat COMMIT) timeout "$PROBE_S" "$PY" \
   bench/device/step1_probe.py --out "$OUT/probe" --stages --inflight --lags \
-  --modes relaxed nowait regs regs_bare regs_nowait \
-  --timelines cuda relaxed nowait regs --traces cuda relaxed nowait) > "$OUT/probe.log" 2>&1
+  --modes relaxed nowait regs regs_bare regs_nowait regs_l1 \
+  --timelines cuda relaxed nowait regs regs_l1 --traces cuda relaxed nowait regs_l1) > "$OUT/probe.log" 2>&1
 echo "[step1_next] probe exit $? (log: $OUT/probe.log)"
 
 dirs=()

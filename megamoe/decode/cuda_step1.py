@@ -36,8 +36,8 @@ TRACE_SLOTS = 160  # step1(trace=...): per CTA, when each stage was issued and w
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)
 # step1(mode=...): step1_params.cuh's kMode*
-MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "touch": 16,
-         "empty": 32, "plain": 64, "ahead": 128, "no-wait": 256, "relaxed": 512, "regs": 1024}
+MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "touch": 16, "empty": 32, "plain": 64, "ahead": 128,
+         "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048}
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 

@@ -7,10 +7,10 @@ replaces and against the eager reference (recipe megamoe-decode-tc):
              still poisoned; ``repeats`` poisoned relaunches bit-identical; every count the step keeps between
              its CTAs (``DecodeBuffers.step_sync``) back at zero after its launches, as the next launch needs
 
-    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8] [--mode regs]   (one H200) -> JSON rows; exit 1 on a
-                                                                            failure
+    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8] [--mode regs]    (one H200) -> JSON rows; exit 1 on
+                                                                             a failure
 
-``--mode`` checks a probe variant whose y is meant to be right (``cuda_step1.MODES``: touch, plain, ahead, regs)
+``--mode`` checks a probe variant whose y is meant to be right (``Y_RIGHT_MODES``, names of ``cuda_step1.MODES``)
 instead of the step itself, launched directly rather than through ``moe_decode``.
 """
 
@@ -42,7 +42,7 @@ CASES = (
 )
 
 
-Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs")  # probe variants meant to give the step's bits
+Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1")  # probe variants meant to give the step's bits
 
 
 def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:

@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch, empty, ahead, no wait, relaxed or regs (step1_params.cuh), each compiled only
-// into its own instance so that the step's own code is the same with or without them.
+// kProbe: 0, or probe mode touch, empty, ahead, no wait, relaxed, regs or regs L1 (step1_params.cuh), each compiled
+// only into its own instance so that the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
           [&](int tile, bool last) {
             if constexpr (kProbe == kModeAhead)
               prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
-            issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
+            if constexpr (!(kProbe & kModeRegsL1)) issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
             stamp(p, 1);  // the last L1 block asked for
             if (!(p.mode & kModePrefetch)) return;
@@ -219,8 +219,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const bool bare = p.mode & kModeBare;
   Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
-  RegStream regs{};  // probe mode regs: this warpgroup's stages straight into registers, one ahead
-  if constexpr (kProbe & kModeRegs) regs.start(p, sched, it.expert, wg, t);
+  RegStream regs{};  // probe modes regs, regs L1: this warpgroup's stages straight into registers, one ahead
+  if constexpr (kProbe & (kModeRegs | kModeRegsL1)) regs.start(p, sched, it.expert, wg, t, kProbe & kModeRegsL1);
   auto regs_sums = [&](uint64_t desc, float(&dg)[kBlocks][4][2]) {  // the sums of the stage read ahead
     const StageRegs s = regs.ahead;
     regs.next(p, sched, it.expert, wg, t);
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     for (int b = 0; b < nb1 / kParts; b += kBlocks) {
       const int kb = wg * (nb1 / kParts) + b;
       float dg[kBlocks][4][2];
-      if constexpr (kProbe & kModeRegs) {
+      if constexpr (kProbe & (kModeRegs | kModeRegsL1)) {
         regs_sums(b_desc(xs + kb * 128), dg);
       } else {
         const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
@@ -369,8 +369,8 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
                                                  smem_bytes);
   if (empty != cudaSuccess) return int(empty);
   for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>,
-                      step1_kernel<kModeRelaxed>, step1_kernel<kModeRegs>,
-                      step1_kernel<kModeRegs | kModeNoWait>}) {
+                      step1_kernel<kModeRelaxed>, step1_kernel<kModeRegs>, step1_kernel<kModeRegs | kModeNoWait>,
+                      step1_kernel<kModeRegsL1>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -419,6 +419,7 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
                       : (mode & kModeAhead)                 ? step1_kernel<kModeAhead>
                       : (mode & regs_nowait) == regs_nowait ? step1_kernel<kModeRegs | kModeNoWait>
                       : (mode & kModeRegs)                  ? step1_kernel<kModeRegs>
+                      : (mode & kModeRegsL1)                ? step1_kernel<kModeRegsL1>
                       : (mode & kModeNoWait)                ? step1_kernel<kModeNoWait>
                       : (mode & kModeRelaxed)               ? step1_kernel<kModeRelaxed>
                                                             : step1_kernel<0>;

@@ -49,9 +49,11 @@ struct Params {
 // gpu-scope fence after each L1 tile; what those fences cost; y is right only if the counts happen to be seen after
 // the outputs they count, which nothing then guarantees); regs: no ring and no copies, each computing warpgroup
 // loads its own stages straight into registers, one stage ahead (y right; with bare, its stream alone; with no
-// wait, its own instance too: the stream without the dependency).
+// wait, its own instance too: the stream without the dependency); regs L1: the same for the L1 tiles only, while
+// the load warp streams the L2 tiles' stages through the ring from the start (y right).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
-              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024;
+              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024,
+              kModeRegsL1 = 2048;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -115,18 +117,25 @@ __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int t
   return size_t(expert[tile / tpe]) * tpe + tile % tpe;
 }
 
-// Probe mode regs: no ring; a computing warpgroup loads its stages of the CTA's tiles, in the order it computes
-// them, straight into registers, one stage ahead of the one it computes. `ahead` holds the next stage, which lies
-// in the CTA's k-th tile (tile, l2 as Schedule::nth gives them) from block b of the warpgroup's quarter of its K.
+// Probe modes regs and regs L1: a computing warpgroup loads its stages of the CTA's tiles (regs L1: of its L1 tiles
+// only), in the order it computes them, straight into registers, one stage ahead of the one it computes. `ahead`
+// holds the next stage, which lies in the CTA's k-th tile (tile, l2 as Schedule::nth gives them) from block b of
+// the warpgroup's quarter of its K.
 struct RegStream {
   StageRegs ahead;
   int k, b, tile;
-  bool l2;
+  bool l2, l1_only;
 
-  __device__ void start(const Params& p, const Schedule& sched, const int* expert, int wg, int t) {
+  __device__ void start(const Params& p, const Schedule& sched, const int* expert, int wg, int t, bool only_l1) {
     k = b = 0;
+    l1_only = only_l1;
     tile = sched.nth(blockIdx.x, gridDim.x, 0, l2);
+    skip(sched);
     next(p, sched, expert, wg, t);
+  }
+
+  __device__ void skip(const Schedule& sched) {  // regs L1: past the L2 tiles, which come through the ring
+    while (l1_only && tile >= 0 && l2) tile = sched.nth(blockIdx.x, gridDim.x, ++k, l2);
   }
 
   // The loads of the next stage into `ahead` (nothing past the CTA's last tile); their values are waited for where
@@ -141,6 +150,7 @@ struct RegStream {
     if (b == nb / kParts) {
       b = 0;
       tile = sched.nth(blockIdx.x, gridDim.x, ++k, l2);
+      skip(sched);
     }
   }
 };
