@@ -6,11 +6,13 @@ Triton launches and the reference, bit for bit (selfcheck_step1)."""
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install triton; CI installs it)")
 
@@ -101,5 +103,19 @@ def test_the_selfcheck_takes_only_the_variants_meant_to_keep_the_bits():
     """A probe mode that leaves y wrong (no wait, relaxed, bare, ...) cannot be checked bit for bit: refused by name
     before anything runs."""
     assert set(Y_RIGHT_MODES) <= set(cuda_step1.MODES)
-    with pytest.raises(ValueError, match=r"mode must be one of .*'regs'.* got 'no-wait'"):
-        run_step1_case(CASES[0], mode="no-wait")
+    for mode in ("no-wait", "regs-l1+relaxed"):
+        with pytest.raises(ValueError, match=rf"mode must be of .*'regs'.* got '{re.escape(mode)}'"):
+            run_step1_case(CASES[0], mode=mode)
+
+
+def test_the_step_sync_buffer_holds_the_counts_then_the_ll_words():
+    """DecodeBuffers.step_sync: the counts (zero between launches), then probe mode ll's launch count and LL rows at
+    an 8-byte boundary, as cuda/step1_params.cuh's LLRows places them (kMaxTopK = 8 items of I/4 + I/32 words)."""
+    g = geometry_of("dsv4-flash")
+    buf = DecodeBuffers.allocate(g, 2, "cpu", split_tokens=1)
+    assert cuda_step1.count_words(g.hidden) == g.hidden // 64 + 9
+    base = (g.hidden // 64 + 8 + 2) & ~1  # LLRows::count, in int32 words
+    assert buf.step_sync.dtype == torch.int32 and buf.step_sync.numel() == cuda_step1.sync_words(g.hidden,
+                                                                                                 g.intermediate)
+    assert buf.step_sync.numel() == base + 2 * (1 + 8 * (g.intermediate // 4 + g.intermediate // 32))
+    assert not buf.step_sync.any()

@@ -37,7 +37,20 @@ INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but
 LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)
 # step1(mode=...): step1_params.cuh's kMode*
 MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "touch": 16, "empty": 32, "plain": 64, "ahead": 128,
-         "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048}
+         "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048, "ll": 4096}
+MAX_TOPK = 8  # cuda/step1_ops.cuh's kMaxTopK
+
+
+def count_words(hidden: int) -> int:
+    """int32 words of the step's counts at the start of ``DecodeBuffers.step_sync``: a combine count per 64
+    columns, L1 tiles done per item, CTAs done. Each is back at zero after every launch."""
+    return hidden // 64 + MAX_TOPK + 1
+
+
+def sync_words(hidden: int, intermediate: int) -> int:
+    """int32 words ``DecodeBuffers.step_sync`` holds: the counts, then (8-byte aligned) probe mode ll's launch count
+    and each item's L2 input row as LL words, 8 bytes each (cuda/step1_params.cuh's LLRows)."""
+    return (count_words(hidden) + 1) // 2 * 2 + 2 * (1 + MAX_TOPK * (intermediate // 4 + intermediate // 32))
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 
@@ -172,6 +185,9 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (ctas, 1 + PARTS, TRACE_SLOTS)):
         raise ValueError(f"trace must be int64 [{ctas}, {1 + PARTS}, {TRACE_SLOTS}], got {trace.dtype} "
                          f"{tuple(trace.shape)}")
+    if buf.step_sync.dtype != torch.int32 or buf.step_sync.numel() < sync_words(tw.hidden, tw.intermediate):
+        raise ValueError(f"buf.step_sync must be int32 with at least {sync_words(tw.hidden, tw.intermediate)} "
+                         f"elements, got {buf.step_sync.dtype} [{buf.step_sync.numel()}]")
     if stamps is not None and (stamps.dtype != torch.int64 or tuple(stamps.shape) != (ctas, 8)):
         raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731

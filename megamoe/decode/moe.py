@@ -42,8 +42,8 @@ class DecodeBuffers:
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
         counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
-        step_sync int32 [H/64 + 9]            the 1-token CUDA step's combine counts, L1 tiles done per item (up to
-                                           8) and CTAs done (cuda_step1.py)
+        step_sync int32 [cuda_step1.sync_words(H, I)]   the 1-token CUDA step's combine counts, L1 tiles done per
+                                           item (up to 8) and CTAs done, then its probe mode ll's LL words
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
@@ -109,7 +109,7 @@ class DecodeBuffers:
             counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
-            step_sync=torch.zeros(h // 64 + 9, dtype=i32, device=device),
+            step_sync=torch.zeros(cuda_step1.sync_words(h, i), dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo,
         )
 

@@ -42,16 +42,16 @@ CASES = (
 )
 
 
-Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1")  # probe variants meant to give the step's bits
+Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1", "ll")  # probe variants meant to keep the step's bits
 
 
 def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
     """One staged token through the Triton launches and through the CUDA step (buffers for ``capacity`` tokens,
-    so that a row past the step shows whether it kept its poison); ``mode``: a probe variant of the step instead
-    (``Y_RIGHT_MODES``)."""
-    if mode is not None and mode not in Y_RIGHT_MODES:
-        raise ValueError(f"mode must be one of {Y_RIGHT_MODES} (the variants meant to give the step's bits), "
-                         f"got {mode!r}")
+    so that a row past the step shows whether it kept its poison); ``mode``: a probe variant of the step instead,
+    ``Y_RIGHT_MODES`` joined by '+' (``regs-l1+ll``)."""
+    if mode is not None and not set(mode.split("+")) <= set(Y_RIGHT_MODES):
+        raise ValueError(f"mode must be of {Y_RIGHT_MODES}, joined by '+' (the variants meant to keep the step's "
+                         f"bits), got {mode!r}")
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -73,7 +73,7 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
         if mode is None:
             moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
         elif row["unsupported"] is None:  # (else the row fails on "unsupported")
-            cuda_step1.step1(tw, bufs[1], g.clamp, mode=cuda_step1.MODES[mode])
+            cuda_step1.step1(tw, bufs[1], g.clamp, mode=sum(cuda_step1.MODES[m] for m in mode.split("+")))
 
     for b in bufs:
         b.poison_()
@@ -99,7 +99,8 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
         differ += any(first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1)) for f in FIELDS)
     row["relaunches_differing"] = f"{differ} of {repeats}"
     torch.cuda.synchronize()
-    row["counts_left"] = int((bufs[1].step_sync != 0).sum())  # a relaunch passes its waits early if any is left
+    counts = bufs[1].step_sync[: cuda_step1.count_words(g.hidden)]  # (past them: probe mode ll's LL words)
+    row["counts_left"] = int((counts != 0).sum())  # a relaunch passes its waits early if any is left
     row["seconds"] = round(time.time() - t0, 2)
     return row
 
@@ -115,7 +116,7 @@ def passed_step1(row: dict) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--mode", choices=Y_RIGHT_MODES, help="check this probe variant instead of the step")
+    ap.add_argument("--mode", help=f"check this probe variant instead of the step: of {Y_RIGHT_MODES}, joined by '+'")
     args = ap.parse_args(argv)
     rows = []
     for case in CASES:

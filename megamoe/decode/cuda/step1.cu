@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch, empty, ahead, no wait, relaxed, regs or regs L1 (step1_params.cuh), each compiled
-// only into its own instance so that the step's own code is the same with or without them.
+// kProbe: 0, or probe mode touch, empty, ahead, no wait, relaxed, regs, regs L1 or LL (step1_params.cuh), each
+// compiled only into its own instance so that the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -68,14 +68,19 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
+  constexpr bool kLL = kProbe & kModeLL;
+  constexpr int kSignalThreads = kLL ? 96 : 64;  // the warps past the load warp that wait at the end (barrier 3)
   if (tid == 0) {
     stamp(p, 6);  // entered
+    uint64_t launches = 0;
+    if constexpr (kLL) launches = ll_load(LLRows(p).count);  // before this CTA adds its share, at its end
     route_items(p, it);  // its loads go out first
+    if constexpr (kLL) flag[1] = int(launch_flag(launches));
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
-    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 1);
+    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], kLL ? 3 : 1);  // an arrival per input warp
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     epilogues = 0;
   }
@@ -85,6 +90,26 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
     regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
+    if constexpr (kLL) {
+      if (tid >= kComputeThreads + 32) {  // ---- three input warps: each item's row from its LL words ----
+        const int iw = (tid - kComputeThreads) / 32 - 1, lane = tid % 32;
+        uint32_t have = 0;
+        sched.for_each([](int, bool) {}, [&](int tile) {
+          const int item = tile / tpe2;
+          if (have >> item & 1) return;
+          have |= 1u << item;
+          ll_input_row(p, item, iw, lane, uint32_t(flag[1]), hs + item * hrow, sf2 + item * (I / 32));
+          fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
+          __syncwarp();
+          if (lane == 0) {
+            mbar_arrive(&input_ready[item]);
+            if (iw == 0) stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+          }
+        });
+        named_sync(3, kComputeThreads + kSignalThreads);
+        return;
+      }
+    }
     if (tid >= kComputeThreads + 96) {  // the idle warp; in probe mode touch it asks for the CTA's pages first
       if constexpr (kProbe == kModeTouch) touch_tiles(p, sched, it.expert, tid % 32);
       return;
@@ -270,7 +295,12 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     named_sync(2, 128);
     if (t < 32) {
-      l1_epilogue(p, ep, it, item, ct, t);
+      if constexpr (kLL) {
+        l1_epilogue_ll(p, ep, it, item, ct, t, uint32_t(flag[1]));
+      } else {
+        float sf;
+        l1_epilogue(p, ep, it, item, ct, t, sf);
+      }
       __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
       if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
@@ -330,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (wg == 0) combine_tiles(p, it, mine, flag, t);
   // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
   // waits by then.
-  named_sync(3, kComputeThreads + 64);  // with the signal warps
+  named_sync(3, kComputeThreads + kSignalThreads);  // with the signal warps
   if (tid == 0) {
     uint32_t* finished = l1_done + kMaxTopK;
     if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
@@ -338,6 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       *finished = 0;
     }
     stamp(p, 5);  // this CTA done
+    if constexpr (kLL) launch_done(LLRows(p).count);
   }
 }
 
@@ -370,7 +401,7 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
   if (empty != cudaSuccess) return int(empty);
   for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>,
                       step1_kernel<kModeRelaxed>, step1_kernel<kModeRegs>, step1_kernel<kModeRegs | kModeNoWait>,
-                      step1_kernel<kModeRegsL1>}) {
+                      step1_kernel<kModeRegsL1>, step1_kernel<kModeLL>, step1_kernel<kModeLL | kModeRegsL1>}) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
@@ -413,12 +444,14 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = (mode & kModePlain) ? 0 : 1;
-  const int regs_nowait = kModeRegs | kModeNoWait;
+  const int regs_nowait = kModeRegs | kModeNoWait, ll_regs = kModeLL | kModeRegsL1;
   const auto kernel = (mode & kModeEmpty)                   ? step1_kernel<kModeEmpty>
                       : (mode & kModeTouch)                 ? step1_kernel<kModeTouch>
                       : (mode & kModeAhead)                 ? step1_kernel<kModeAhead>
                       : (mode & regs_nowait) == regs_nowait ? step1_kernel<kModeRegs | kModeNoWait>
                       : (mode & kModeRegs)                  ? step1_kernel<kModeRegs>
+                      : (mode & ll_regs) == ll_regs         ? step1_kernel<kModeLL | kModeRegsL1>
+                      : (mode & kModeLL)                    ? step1_kernel<kModeLL>
                       : (mode & kModeRegsL1)                ? step1_kernel<kModeRegsL1>
                       : (mode & kModeNoWait)                ? step1_kernel<kModeNoWait>
                       : (mode & kModeRelaxed)               ? step1_kernel<kModeRelaxed>

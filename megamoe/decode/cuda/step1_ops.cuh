@@ -311,4 +311,51 @@ __device__ __forceinline__ uint32_t atomic_add_acq_rel(uint32_t* p, uint32_t v) 
   return old;
 }
 
+// ---- LL words (probe mode LL): a signal and the data it guards in one 8-byte access ----
+// An LL word is 4 data bytes (low half) and a 32-bit flag (high half), stored and loaded as one 64-bit scalar, which
+// is single-copy atomic: a reader that sees this launch's flag sees the data the writer put beside it. So a signal
+// needs no fence, no count and no second read. The flag is the launch's (launch_flag), so no word needs resetting.
+
+__device__ __forceinline__ void ll_store(uint64_t* word, uint32_t data, uint32_t flag) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"((uint64_t(flag) << 32) | data) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ll_load(const uint64_t* word) {  // from the L2 cache (relaxed, GPU scope)
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool ll_ready(uint64_t v, uint32_t flag) { return uint32_t(v >> 32) == flag; }
+
+// n <= N LL words at word + stride j (j < n) -> v[j], each loaded again until it carries `flag`; a round's loads go
+// out together.
+template <int N>
+__device__ __forceinline__ void ll_wait(uint64_t (&v)[N], const uint64_t* word, size_t stride, int n, uint32_t flag) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = j < n ? ll_load(word + j * stride) : uint64_t(flag) << 32;
+  bool done;
+  do {
+    done = true;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (!ll_ready(v[j], flag)) {
+        v[j] = ll_load(word + j * stride);
+        done = false;
+      }
+  } while (!done);
+}
+
+// The launch count: every LL launch adds 2**16 to it in all (CTA 0 2**16 - G + 1, each other CTA 1, as it ends), so a
+// CTA that reads it before it adds its own share reads 2**16 n + (less than 2**16) whatever the others have done.
+// Its flag: the launch number with the top bit set (never the 0 of a fresh buffer); it repeats after 2**31 launches.
+__device__ __forceinline__ uint32_t launch_flag(uint64_t count) {
+  return 0x80000000u | (uint32_t(count >> 16) & 0x7FFFFFFFu);
+}
+
+__device__ __forceinline__ void launch_done(uint64_t* count) {
+  const uint64_t share = blockIdx.x == 0 ? 65536u - gridDim.x + 1 : 1u;
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(count), "l"(share) : "memory");
+}
+
 }  // namespace

@@ -50,10 +50,25 @@ struct Params {
 // the outputs they count, which nothing then guarantees); regs: no ring and no copies, each computing warpgroup
 // loads its own stages straight into registers, one stage ahead (y right; with bare, its stream alone; with no
 // wait, its own instance too: the stream without the dependency); regs L1: the same for the L1 tiles only, while
-// the load warp streams the L2 tiles' stages through the ring from the start (y right).
+// the load warp streams the L2 tiles' stages through the ring from the start (y right); LL: each L1 epilogue also
+// stores its outputs as LL words (LLRows), which three input warps read until every word carries the launch's flag,
+// instead of a count per item, a release and a read after it (y right; also with regs L1, its own instance).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
               kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024,
-              kModeRegsL1 = 2048;
+              kModeRegsL1 = 2048, kModeLL = 4096;
+
+// Probe mode LL: Params::sync past its counts (H/64 combine counts, kMaxTopK L1 counts, CTAs done), 8-byte
+// aligned: the launch count, then per item its L2 input row as LL words (word w < I/4: codes 4w .. 4w + 3; then one
+// per 32 channels: the scale). cuda_step1.sync_words sizes the buffer for it.
+struct LLRows {
+  uint64_t* count;
+  uint64_t* in;
+  int words;  // per item
+  __device__ explicit LLRows(const Params& p)
+      : count(reinterpret_cast<uint64_t*>(p.sync + ((p.H / 64 + kMaxTopK + 2) & ~1))),
+        in(count + 1),
+        words(p.I / 4 + p.I / 32) {}
+};
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -223,8 +238,8 @@ __device__ void route_items(const Params& p, Items& it) {
 
 // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31 of item `item` (one warp, lane t;
 // gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._l1_epilogue, operation for operation.
-__device__ __forceinline__ void l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct,
-                                            int t) {
+__device__ __forceinline__ uint32_t l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct,
+                                                int t, float& sf_out) {  // -> lane t's code, and the scale
   const float g = fminf(ep[t], p.clamp);
   const float uu = fminf(fmaxf(ep[32 + t], -p.clamp), p.clamp);
   const float e = static_cast<float>(exp(-static_cast<double>(g)));
@@ -236,8 +251,54 @@ __device__ __forceinline__ void l1_epilogue(const Params& p, const float* ep, co
   const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
   const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
   const int row = it.row[item];
-  p.l2_q[size_t(row) * p.I + 32 * ct + t] = e4m3_rtne_bits(qv);
+  const uint8_t code = e4m3_rtne_bits(qv);
+  p.l2_q[size_t(row) * p.I + 32 * ct + t] = code;
   if (t == 0) p.l2_sf[size_t(row) * (p.I / 32) + ct] = sf;
+  sf_out = sf;
+  return code;
+}
+
+// Probe mode LL: the same, then the 32 codes and the scale as LL words of the item's row, for the input warps.
+__device__ __forceinline__ void l1_epilogue_ll(const Params& p, const float* ep, const Items& it, int item, int ct,
+                                               int t, uint32_t flag) {
+  float sf;
+  const uint32_t code = l1_epilogue(p, ep, it, item, ct, t, sf);
+  const uint32_t word = code | __shfl_down_sync(0xFFFFFFFFu, code, 1) << 8 |
+                        __shfl_down_sync(0xFFFFFFFFu, code, 2) << 16 |
+                        __shfl_down_sync(0xFFFFFFFFu, code, 3) << 24;  // lanes 4j: channels 4j .. 4j + 3
+  const LLRows ll(p);
+  uint64_t* row = ll.in + size_t(item) * ll.words;
+  if (t % 4 == 0) ll_store(row + 8 * ct + t / 4, word, flag);
+  if (t == 0) ll_store(row + p.I / 4 + ct, __float_as_uint(sf), flag);
+}
+
+// Probe mode LL: input warp iw of three (lane) reads item `item`'s L2 input row from its LL words into shared memory
+// (codes to `codes`, scales to `scales`). Until the item's last L1 tile (in its last round) has stored its scale
+// word, one lane polls that word; then every lane loads its words until each carries the flag.
+__device__ __forceinline__ void ll_input_row(const Params& p, int item, int iw, int lane, uint32_t flag,
+                                             uint8_t* codes, float* scales) {
+  const LLRows ll(p);
+  const int I = p.I;
+  const uint64_t* row = ll.in + size_t(item) * ll.words;
+  if (lane == 0)
+    while (!ll_ready(ll_load(row + I / 4 + I / 32 - 1), flag)) {
+    }
+  __syncwarp();
+  constexpr int kPerLane = 6;  // 96 lanes x 6 = 576 words: I <= 2,048 in one round (cuda_step1.geometry_limits)
+  for (int w0 = 32 * iw + lane; w0 < ll.words; w0 += 96 * kPerLane) {
+    uint64_t v[kPerLane];
+    const int n = (ll.words - w0 + 95) / 96;
+    ll_wait(v, row + w0, 96, n < kPerLane ? n : kPerLane, flag);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int w = w0 + 96 * j;
+      if (w >= ll.words) break;
+      if (w < I / 4)
+        *reinterpret_cast<uint32_t*>(codes + 4 * w) = uint32_t(v[j]);
+      else
+        scales[w - I / 4] = __uint_as_float(uint32_t(v[j]));
+    }
+  }
 }
 
 // The combine of each of this CTA's `mine` 64-column L2 tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
