@@ -69,6 +69,9 @@ def test_source_builds_and_agrees_with_the_python_constants(tmp_path):
     assert lib.megamoe_step1_parts() == cuda_step1.PARTS
     assert lib.megamoe_step1_max_terms() == cuda_step1.MAX_TERMS
     assert lib.megamoe_step1_threads() == 128 * cuda_step1.PARTS + 128
+    out = (ctypes.c_int * 64)()
+    n = lib.megamoe_step1_instances(out, 64)
+    assert sorted(out[:n]) == sorted(cuda_step1.INSTANCES)
 
 
 @pytest.mark.skipif(cuda_step1.nvcc() is None, reason="no nvcc on this machine")
@@ -97,6 +100,9 @@ def test_an_unknown_probe_mode_is_refused_before_anything_is_built():
         cuda_step1.step1(None, None, 0.0, mode=unknown)
     with pytest.raises(ValueError, match="got -1"):
         cuda_step1.step1(None, None, 0.0, mode=-1)
+    m = cuda_step1.MODES
+    with pytest.raises(ValueError, match=r"\(touch\+ahead\): besides .* one of \['the step', 'empty'"):
+        cuda_step1.step1(None, None, 0.0, mode=m["touch"] | m["ahead"])
 
 
 def test_the_selfcheck_takes_only_the_variants_meant_to_keep_the_bits():

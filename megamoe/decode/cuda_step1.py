@@ -38,6 +38,11 @@ LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1
 # step1(mode=...): step1_params.cuh's kMode*
 MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "touch": 16, "empty": 32, "plain": 64, "ahead": 128,
          "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048, "ll": 4096}
+RUNTIME_FLAGS = ("bare", "no-scales", "prefetch", "no-load", "plain")  # read at run time by any kernel instance
+# The probe modes compiled into kernel instances of their own (cuda/step1.cu's kInstances; a test compares them):
+# a mode's other flags must be exactly one of these.
+INSTANCES = (0, MODES["empty"], MODES["touch"], MODES["ahead"], MODES["no-wait"], MODES["relaxed"], MODES["regs"],
+             MODES["regs"] | MODES["no-wait"], MODES["regs-l1"], MODES["ll"], MODES["ll"] | MODES["regs-l1"])
 MAX_TOPK = 8  # cuda/step1_ops.cuh's kMaxTopK
 
 
@@ -173,6 +178,10 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     on their way; ``lag`` L1 rounds between an item's last L1 tiles and its L2 tiles in each CTA's order (``LAG``)."""
     if mode < 0 or mode & ~sum(MODES.values()):
         raise ValueError(f"mode must be a sum of MODES' flags {MODES}, got {mode}")
+    if mode & ~sum(MODES[f] for f in RUNTIME_FLAGS) not in INSTANCES:
+        names = lambda m: "+".join(k for k, v in MODES.items() if m & v) or "the step"  # noqa: E731
+        raise ValueError(f"mode {mode} ({names(mode)}): besides {RUNTIME_FLAGS} its flags must be those of one "
+                         f"kernel instance, one of {[names(m) for m in INSTANCES]}")
     lib = _library()
     dev = tw.l1_codes.device
     index = device_index(dev)

@@ -372,6 +372,22 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
 }
 
+// The kernel instances: the step (0) and each probe mode compiled into its own; the flags kRuntimeFlags names are
+// read from Params::mode at run time in any of them. cuda_step1.INSTANCES is this list (a test compares them).
+constexpr int kInstances[] = {0, kModeEmpty, kModeTouch, kModeAhead, kModeNoWait, kModeRelaxed, kModeRegs,
+                              kModeRegs | kModeNoWait, kModeRegsL1, kModeLL, kModeLL | kModeRegsL1};
+constexpr int kRuntimeFlags = kModeBare | kModeNoScales | kModePrefetch | kModeNoLoad | kModePlain;
+using Kernel = void (*)(Params);
+
+template <int kIndex = 0>
+Kernel kernel_for(int probe_bits) {  // the instance of exactly these probe bits, or nullptr
+  if constexpr (kIndex == int(sizeof(kInstances) / sizeof(kInstances[0]))) {
+    return nullptr;
+  } else {
+    return probe_bits == kInstances[kIndex] ? step1_kernel<kInstances[kIndex]> : kernel_for<kIndex + 1>(probe_bits);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -396,14 +412,11 @@ int megamoe_step1_parts() { return kParts; }
 int megamoe_step1_prepare(int device, int smem_bytes) {
   const cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return int(err);
-  const cudaError_t empty = cudaFuncSetAttribute(step1_kernel<kModeEmpty>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 smem_bytes);
-  if (empty != cudaSuccess) return int(empty);
-  for (auto kernel : {step1_kernel<0>, step1_kernel<kModeTouch>, step1_kernel<kModeAhead>, step1_kernel<kModeNoWait>,
-                      step1_kernel<kModeRelaxed>, step1_kernel<kModeRegs>, step1_kernel<kModeRegs | kModeNoWait>,
-                      step1_kernel<kModeRegsL1>, step1_kernel<kModeLL>, step1_kernel<kModeLL | kModeRegsL1>}) {
+  for (const int mode : kInstances) {
+    const Kernel kernel = kernel_for(mode);
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (set != cudaSuccess) return int(set);
+    if (mode == kModeEmpty) continue;  // it returns at once: no setmaxnreg
     // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in
     // what the last warpgroup gives back, or their setmaxnreg.inc would wait forever. -registers per thread if not.
     cudaFuncAttributes attr;
@@ -412,6 +425,16 @@ int megamoe_step1_prepare(int device, int smem_bytes) {
     if (kComputeThreads * (kComputeRegs - attr.numRegs) > 128 * (attr.numRegs - kOtherRegs)) return -attr.numRegs;
   }
   return 0;
+}
+
+// The probe modes compiled into kernel instances (besides 0, the step): `out` gets up to `cap` of them; their count.
+int megamoe_step1_instances(int* out, int cap) {
+  int n = 0;
+  for (const int mode : kInstances) {
+    if (n < cap) out[n] = mode;
+    ++n;
+  }
+  return n;
 }
 
 // Launch on `stream`; 0 or the CUDA error code. A cooperative launch: every CTA must be resident at once.
@@ -444,18 +467,8 @@ int megamoe_step1_launch(const void* l1_codes, const void* l1_scales, const void
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = (mode & kModePlain) ? 0 : 1;
-  const int regs_nowait = kModeRegs | kModeNoWait, ll_regs = kModeLL | kModeRegsL1;
-  const auto kernel = (mode & kModeEmpty)                   ? step1_kernel<kModeEmpty>
-                      : (mode & kModeTouch)                 ? step1_kernel<kModeTouch>
-                      : (mode & kModeAhead)                 ? step1_kernel<kModeAhead>
-                      : (mode & regs_nowait) == regs_nowait ? step1_kernel<kModeRegs | kModeNoWait>
-                      : (mode & kModeRegs)                  ? step1_kernel<kModeRegs>
-                      : (mode & ll_regs) == ll_regs         ? step1_kernel<kModeLL | kModeRegsL1>
-                      : (mode & kModeLL)                    ? step1_kernel<kModeLL>
-                      : (mode & kModeRegsL1)                ? step1_kernel<kModeRegsL1>
-                      : (mode & kModeNoWait)                ? step1_kernel<kModeNoWait>
-                      : (mode & kModeRelaxed)               ? step1_kernel<kModeRelaxed>
-                                                            : step1_kernel<0>;
+  const Kernel kernel = kernel_for(mode & ~kRuntimeFlags);
+  if (kernel == nullptr) return int(cudaErrorInvalidValue);  // (cuda_step1.step1 refuses such a mode first)
   return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
