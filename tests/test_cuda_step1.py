@@ -115,13 +115,15 @@ def test_the_selfcheck_takes_only_the_variants_meant_to_keep_the_bits():
 
 
 def test_the_step_sync_buffer_holds_the_counts_then_the_ll_words():
-    """DecodeBuffers.step_sync: the counts (zero between launches), then probe mode ll's launch count and LL rows at
-    an 8-byte boundary, as cuda/step1_params.cuh's LLRows places them (kMaxTopK = 8 items of I/4 + I/32 words)."""
+    """DecodeBuffers.step_sync: the counts (zero between launches), then probe modes ll / ll-combine's launch count
+    and LL words at an 8-byte boundary, as cuda/step1_params.cuh's LLRows places them (kMaxTopK = 8 items of
+    I/4 + I/32 input words, then 8 items of H/2 output words)."""
     g = geometry_of("dsv4-flash")
     buf = DecodeBuffers.allocate(g, 2, "cpu", split_tokens=1)
     assert cuda_step1.count_words(g.hidden) == g.hidden // 64 + 9
     base = (g.hidden // 64 + 8 + 2) & ~1  # LLRows::count, in int32 words
     assert buf.step_sync.dtype == torch.int32 and buf.step_sync.numel() == cuda_step1.sync_words(g.hidden,
                                                                                                  g.intermediate)
-    assert buf.step_sync.numel() == base + 2 * (1 + 8 * (g.intermediate // 4 + g.intermediate // 32))
+    ll_words = 1 + 8 * (g.intermediate // 4 + g.intermediate // 32) + 8 * g.hidden // 2
+    assert buf.step_sync.numel() == base + 2 * ll_words
     assert not buf.step_sync.any()

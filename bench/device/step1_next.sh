@@ -8,8 +8,9 @@
 #      fence) and `no-wait`: does a gpu-scope release hold the SM's copies (the grid-wide hole at 6-7 us)? `regs`
 #      (no ring: the computing warpgroups load their own stages into registers, one ahead; checked bit for bit
 #      first), `regs_bare`, `regs_nowait` and `regs_l1` (L1 so, L2 through the ring from the start): does the
-#      step itself stream sooner without its ring? `ll` and `ll_regs_l1` (checked first too): the L2 inputs as LL
-#      words, the main line's counts kept for the combine;
+#      step itself stream sooner without its ring? `ll`, `ll_regs_l1`: the L2 inputs as LL words, the main line's
+#      counts kept for the combine; `llc` the combine's inputs as LL words; `ll_all`, `ll_all_regs_l1` both (each
+#      mode meant to keep y's bits is checked first, bit for bit);
 #   3. the A/B of the main line against the LL version (commit 4887964: every signal between CTAs as LL words, no
 #      counts, no release fences), each checked bit for bit before it is timed, one process each.
 #
@@ -18,12 +19,12 @@
 #   python3 bench/device/step1_trace.py $OUT/probe/trace-*.pt            # any machine
 #
 # The checks and the probe run from the exported main line ($AB/main), so they and the A/B's first version are the
-# same commit, named by its COMMIT file. Each part has its own time limit (PATTERN_S, CHECK_S per check, PROBE_S,
+# same commit, named by its COMMIT file. Each part has its own time limit (PATTERN_S, CHECK_S, PROBE_S,
 # AB_S; together under ten minutes); what a part finished is kept when a later one stops short. The A/B comes last
 # and may not finish its versions in its limit: its table says which it reached, and step1_ab.py --from-round runs
 # more turns. The kernels build with nvcc on first use into $MEGAMOE_CACHE (default build/step1-cache), which is
 # copied to $OUT/cache at the end so that a later run can start from it.
-# Files: $OUT/pattern.txt, $OUT/check-<mode>.jsonl (+ .log), $OUT/probe/ (step1_probe.json, stamps-*.pt,
+# Files: $OUT/pattern.txt, $OUT/check-modes.jsonl (+ .log), $OUT/probe/ (step1_probe.json, stamps-*.pt,
 # trace-*.pt), $OUT/probe.log, $OUT/ab/ (step1_ab.py's folders and summary.md), $OUT/ab.log, $OUT/cache/.
 set -u
 cd "$(dirname "$0")/../.."
@@ -31,9 +32,9 @@ OUT=${OUT:?set OUT to the folder the results go to}
 AB=${AB:-build/ab}
 VERSIONS=${VERSIONS:-main 4887964}  # the first must be main: the probe runs from it
 PATTERN_S=${PATTERN_S:-80}
-CHECK_S=${CHECK_S:-30}  # each of four
-PROBE_S=${PROBE_S:-200}
-AB_S=${AB_S:-170}  # about 2 min per version (its checks, then its probe)
+CHECK_S=${CHECK_S:-100}
+PROBE_S=${PROBE_S:-230}
+AB_S=${AB_S:-150}  # about 2 min per version (its checks, then its probe)
 ROUNDS=${ROUNDS:-1}
 PY=${PYTHON:-python3}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -50,19 +51,18 @@ echo "[step1_next] pattern exit $? ($OUT/pattern.txt)"
 rm -f "$OUT/pattern"
 
 main_dir=$(cd "$AB/main" && pwd)
-for m in regs regs-l1 ll regs-l1+ll; do
-  echo "[step1_next] probe mode $m, bit for bit"
-  (cd "$main_dir" && PYTHONPATH=$main_dir timeout "$CHECK_S" "$PY" -m megamoe.decode.selfcheck_step1 --mode "$m" \
-    --repeats 2) > "$OUT/check-$m.jsonl" 2> "$OUT/check-$m.log"
-  echo "[step1_next] check exit $? ($OUT/check-$m.jsonl)"
-done
+echo "[step1_next] the probe modes meant to keep y's bits, bit for bit"
+(cd "$main_dir" && PYTHONPATH=$main_dir timeout "$CHECK_S" "$PY" -m megamoe.decode.selfcheck_step1 --repeats 2 \
+  --mode regs --mode regs-l1 --mode ll --mode ll-combine --mode ll+ll-combine --mode regs-l1+ll+ll-combine) \
+  > "$OUT/check-modes.jsonl" 2> "$OUT/check-modes.log"
+echo "[step1_next] check exit $? ($OUT/check-modes.jsonl)"
 
 echo "[step1_next] probe of $(cat "$main_dir/COMMIT")"
 (cd "$main_dir" && PYTHONPATH=$main_dir MEGAMOE_COMMIT=$(cat COMMIT) timeout "$PROBE_S" "$PY" \
   bench/device/step1_probe.py --out "$OUT/probe" --stages --inflight --lags \
-  --modes relaxed nowait regs regs_bare regs_nowait regs_l1 ll ll_regs_l1 \
-  --timelines cuda relaxed nowait regs regs_l1 ll ll_regs_l1 --traces cuda relaxed nowait regs_l1 ll_regs_l1) \
-  > "$OUT/probe.log" 2>&1
+  --modes relaxed nowait regs regs_bare regs_nowait regs_l1 ll ll_regs_l1 llc ll_all ll_all_regs_l1 \
+  --timelines cuda relaxed nowait regs regs_l1 ll ll_all ll_all_regs_l1 \
+  --traces cuda relaxed nowait regs_l1 ll_all_regs_l1) > "$OUT/probe.log" 2>&1
 echo "[step1_next] probe exit $? (log: $OUT/probe.log)"
 
 dirs=()

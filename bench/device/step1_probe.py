@@ -105,6 +105,8 @@ def main() -> int:
                 "regs": {"mode": M["regs"]}, "regs_bare": {"mode": M["regs"] | M["bare"]},
                 "regs_nowait": {"mode": M["regs"] | M["no-wait"]}, "regs_l1": {"mode": M["regs-l1"]},
                 "ll": {"mode": M["ll"]}, "ll_regs_l1": {"mode": M["ll"] | M["regs-l1"]},
+                "llc": {"mode": M["ll-combine"]}, "ll_all": {"mode": M["ll"] | M["ll-combine"]},
+                "ll_all_regs_l1": {"mode": M["ll"] | M["ll-combine"] | M["regs-l1"]},
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},
                 **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}

@@ -37,12 +37,13 @@ INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but
 LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/step1_params.cuh's Schedule)
 # step1(mode=...): step1_params.cuh's kMode*
 MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "touch": 16, "empty": 32, "plain": 64, "ahead": 128,
-         "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048, "ll": 4096}
+         "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048, "ll": 4096, "ll-combine": 8192}
 RUNTIME_FLAGS = ("bare", "no-scales", "prefetch", "no-load", "plain")  # read at run time by any kernel instance
 # The probe modes compiled into kernel instances of their own (cuda/step1.cu's kInstances; a test compares them):
 # a mode's other flags must be exactly one of these.
-INSTANCES = (0, MODES["empty"], MODES["touch"], MODES["ahead"], MODES["no-wait"], MODES["relaxed"], MODES["regs"],
-             MODES["regs"] | MODES["no-wait"], MODES["regs-l1"], MODES["ll"], MODES["ll"] | MODES["regs-l1"])
+INSTANCES = tuple(sum(MODES[f] for f in names) for names in (
+    (), ("empty",), ("touch",), ("ahead",), ("no-wait",), ("relaxed",), ("regs",), ("regs", "no-wait"), ("regs-l1",),
+    ("ll",), ("ll", "regs-l1"), ("ll-combine",), ("ll", "ll-combine"), ("ll", "ll-combine", "regs-l1")))
 MAX_TOPK = 8  # cuda/step1_ops.cuh's kMaxTopK
 
 
@@ -53,9 +54,11 @@ def count_words(hidden: int) -> int:
 
 
 def sync_words(hidden: int, intermediate: int) -> int:
-    """int32 words ``DecodeBuffers.step_sync`` holds: the counts, then (8-byte aligned) probe mode ll's launch count
-    and each item's L2 input row as LL words, 8 bytes each (cuda/step1_params.cuh's LLRows)."""
-    return (count_words(hidden) + 1) // 2 * 2 + 2 * (1 + MAX_TOPK * (intermediate // 4 + intermediate // 32))
+    """int32 words ``DecodeBuffers.step_sync`` holds: the counts, then (8-byte aligned) probe modes ll and
+    ll-combine's launch count, each item's L2 input row and each item's L2 outputs as LL words, 8 bytes each
+    (cuda/step1_params.cuh's LLRows)."""
+    ll_words = 1 + MAX_TOPK * (intermediate // 4 + intermediate // 32) + MAX_TOPK * hidden // 2
+    return (count_words(hidden) + 1) // 2 * 2 + 2 * ll_words
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"
 NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false", "-Xcompiler", "-fPIC", "-shared")
 

@@ -4,11 +4,12 @@ replaces and against the eager reference (recipe megamoe-decode-tc):
     stages   route's outputs, l2_q, l2_sf and slot_out equal to the Triton launches' bit for bit, from the same
              staged token (both buffers poisoned first)
     whole    y equal to the Triton launches' and to the reference bit for bit (calc_diff 0); rows past the step
-             still poisoned; ``repeats`` poisoned relaunches bit-identical; every count the step keeps between
-             its CTAs (``DecodeBuffers.step_sync``) back at zero after its launches, as the next launch needs
+             still poisoned; ``repeats`` poisoned relaunches bit-identical; then another token in the same
+             buffers, every stage right again; every count the step keeps between its CTAs
+             (``DecodeBuffers.step_sync``) back at zero after its launches, as the next launch needs
 
-    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8] [--mode regs]    (one H200) -> JSON rows; exit 1 on
-                                                                             a failure
+    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8] [--mode regs [--mode ll ...]]   (one H200) -> JSON
+                                                                                rows; exit 1 on a failure
 
 ``--mode`` checks a probe variant whose y is meant to be right (``Y_RIGHT_MODES``, names of ``cuda_step1.MODES``)
 instead of the step itself, launched directly rather than through ``moe_decode``.
@@ -42,16 +43,21 @@ CASES = (
 )
 
 
-Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1", "ll")  # probe variants meant to keep the step's bits
+Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1", "ll", "ll-combine")  # variants meant to keep the bits
+
+
+def _mode_ok(mode: str) -> None:
+    if not set(mode.split("+")) <= set(Y_RIGHT_MODES):
+        raise ValueError(f"mode must be of {Y_RIGHT_MODES}, joined by '+' (the variants meant to keep the step's "
+                         f"bits), got {mode!r}")
 
 
 def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
     """One staged token through the Triton launches and through the CUDA step (buffers for ``capacity`` tokens,
     so that a row past the step shows whether it kept its poison); ``mode``: a probe variant of the step instead,
     ``Y_RIGHT_MODES`` joined by '+' (``regs-l1+ll``)."""
-    if mode is not None and not set(mode.split("+")) <= set(Y_RIGHT_MODES):
-        raise ValueError(f"mode must be of {Y_RIGHT_MODES}, joined by '+' (the variants meant to keep the step's "
-                         f"bits), got {mode!r}")
+    if mode is not None:
+        _mode_ok(mode)
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -98,7 +104,19 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
         cuda_step()
         differ += any(first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1)) for f in FIELDS)
     row["relaunches_differing"] = f"{differ} of {repeats}"
+    # Then another token in the same buffers: a launch that took anything of the last one's (a count not reset, an
+    # LL word of an earlier launch taken for this one's) gives the last token's values where this one's differ.
+    other = make_inputs(g, 1, seed=4000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to("cuda")
+    stage_into(other.x, other.topk_idx, other.topk_weights, bufs[0].x_q, bufs[0].x_sf, bufs[0].topk_idx,
+               bufs[0].topk_weights, 1, num_experts=g.num_experts, backend="torch")
+    _copy_staged(bufs[0], bufs[1])
+    for b in bufs:
+        b.poison_()
+    moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
+    cuda_step()
     torch.cuda.synchronize()
+    row["next_token"] = "; ".join(f"{f}: {m}" for f in FIELDS
+                                  if (m := first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1))))
     counts = bufs[1].step_sync[: cuda_step1.count_words(g.hidden)]  # (past them: probe mode ll's LL words)
     row["counts_left"] = int((counts != 0).sum())  # a relaunch passes its waits early if any is left
     row["seconds"] = round(time.time() - t0, 2)
@@ -107,22 +125,30 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
 
 def passed_step1(row: dict) -> bool:
     """The CUDA step ran (not the Triton fallback), every stage equal to the Triton launches', y bit-identical to
-    the reference, poison kept, no relaunch differing, no count left for the next launch."""
+    the reference, poison kept, no relaunch differing, the next token's stages right too, no count left for the
+    next launch."""
     return (row["launch"] and row["unsupported"] is None and not row["stages"] and row["bitwise_frac"] == 1.0
             and row["poison_kept"] and not row["nan"] and row["relaunches_differing"].startswith("0 of")
-            and row["counts_left"] == 0)
+            and not row["next_token"] and row["counts_left"] == 0)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--mode", help=f"check this probe variant instead of the step: of {Y_RIGHT_MODES}, joined by '+'")
+    ap.add_argument("--mode", action="append", help="check this probe variant instead of the step (again for "
+                    f"more, in one process): of {Y_RIGHT_MODES}, joined by '+'")
     args = ap.parse_args(argv)
+    for mode in args.mode or ():  # all refused before any runs
+        try:
+            _mode_ok(mode)
+        except ValueError as exc:
+            ap.error(str(exc))
     rows = []
-    for case in CASES:
-        rows.append(run_step1_case(case, args.repeats, mode=args.mode))
-        rows[-1]["passed"] = passed_step1(rows[-1])
-        print(json.dumps(rows[-1]), flush=True)
+    for mode in args.mode or [None]:
+        for case in CASES:
+            rows.append(run_step1_case(case, args.repeats, mode=mode))
+            rows[-1]["passed"] = passed_step1(rows[-1])
+            print(json.dumps(rows[-1]), flush=True)
     return 0 if all(r["passed"] for r in rows) else 1
 
 

@@ -37,8 +37,8 @@
 
 namespace {
 
-// kProbe: 0, or probe mode touch, empty, ahead, no wait, relaxed, regs, regs L1 or LL (step1_params.cuh), each
-// compiled only into its own instance so that the step's own code is the same with or without them.
+// kProbe: 0, or a probe mode's bits (kInstances below, step1_params.cuh), each compiled only into its own instance
+// so that the step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
@@ -68,14 +68,14 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
-  constexpr bool kLL = kProbe & kModeLL;
+  constexpr bool kLL = kProbe & kModeLL, kLLCombine = kProbe & kModeLLCombine, kAnyLL = kLL || kLLCombine;
   constexpr int kSignalThreads = kLL ? 96 : 64;  // the warps past the load warp that wait at the end (barrier 3)
   if (tid == 0) {
     stamp(p, 6);  // entered
     uint64_t launches = 0;
-    if constexpr (kLL) launches = ll_load(LLRows(p).count);  // before this CTA adds its share, at its end
+    if constexpr (kAnyLL) launches = ll_load(LLRows(p).count);  // before this CTA adds its share, at its end
     route_items(p, it);  // its loads go out first
-    if constexpr (kLL) flag[1] = int(launch_flag(launches));
+    if constexpr (kAnyLL) flag[1] = int(launch_flag(launches));
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
@@ -352,12 +352,14 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       const int row = it.row[item];
       p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
       p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
+      if constexpr (kLLCombine) ll_combine(p, it, item, ot, r0, bf16_bits(acc0), bf16_bits(acc1), uint32_t(flag[1]));
     }
   };
 
   sched.for_each(l1_tile, l2_tile);
 
-  if (wg == 0) combine_tiles(p, it, mine, flag, t);
+  if constexpr (!kLLCombine)
+    if (wg == 0) combine_tiles(p, it, mine, flag, t);
   // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
   // waits by then.
   named_sync(3, kComputeThreads + kSignalThreads);  // with the signal warps
@@ -368,14 +370,15 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       *finished = 0;
     }
     stamp(p, 5);  // this CTA done
-    if constexpr (kLL) launch_done(LLRows(p).count);
+    if constexpr (kAnyLL) launch_done(LLRows(p).count);
   }
 }
 
 // The kernel instances: the step (0) and each probe mode compiled into its own; the flags kRuntimeFlags names are
 // read from Params::mode at run time in any of them. cuda_step1.INSTANCES is this list (a test compares them).
 constexpr int kInstances[] = {0, kModeEmpty, kModeTouch, kModeAhead, kModeNoWait, kModeRelaxed, kModeRegs,
-                              kModeRegs | kModeNoWait, kModeRegsL1, kModeLL, kModeLL | kModeRegsL1};
+                              kModeRegs | kModeNoWait, kModeRegsL1, kModeLL, kModeLL | kModeRegsL1, kModeLLCombine,
+                              kModeLL | kModeLLCombine, kModeLL | kModeLLCombine | kModeRegsL1};
 constexpr int kRuntimeFlags = kModeBare | kModeNoScales | kModePrefetch | kModeNoLoad | kModePlain;
 using Kernel = void (*)(Params);
 

@@ -52,22 +52,29 @@ struct Params {
 // wait, its own instance too: the stream without the dependency); regs L1: the same for the L1 tiles only, while
 // the load warp streams the L2 tiles' stages through the ring from the start (y right); LL: each L1 epilogue also
 // stores its outputs as LL words (LLRows), which three input warps read until every word carries the launch's flag,
-// instead of a count per item, a release and a read after it (y right; also with regs L1, its own instance).
+// instead of a count per item, a release and a read after it (y right; also with regs L1, its own instance); LL
+// combine: each L2 tile's outputs as LL words too, and the CTA with the last item's tile of a 64-column slice reads
+// the others' and writes y there, instead of a count per slice and a read after it (y right).
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
               kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024,
-              kModeRegsL1 = 2048, kModeLL = 4096;
+              kModeRegsL1 = 2048, kModeLL = 4096, kModeLLCombine = 8192;
 
-// Probe mode LL: Params::sync past its counts (H/64 combine counts, kMaxTopK L1 counts, CTAs done), 8-byte
-// aligned: the launch count, then per item its L2 input row as LL words (word w < I/4: codes 4w .. 4w + 3; then one
-// per 32 channels: the scale). cuda_step1.sync_words sizes the buffer for it.
+// Probe modes LL and LL combine: Params::sync past its counts (H/64 combine counts, kMaxTopK L1 counts, CTAs done),
+// 8-byte aligned: the launch count; per item its L2 input row as LL words (`in`, word w < I/4: codes 4w .. 4w + 3;
+// then one per 32 channels: the scale); per item its L2 outputs as LL words (`out`, 64-column tile ot's word
+// 8 (r / 16) + r % 16 for r % 16 < 8: the bf16 bits of rows r (low) and r + 8 (high)). cuda_step1.sync_words sizes
+// the buffer for them.
 struct LLRows {
   uint64_t* count;
   uint64_t* in;
-  int words;  // per item
+  uint64_t* out;
+  int words, out_words;  // per item
   __device__ explicit LLRows(const Params& p)
       : count(reinterpret_cast<uint64_t*>(p.sync + ((p.H / 64 + kMaxTopK + 2) & ~1))),
         in(count + 1),
-        words(p.I / 4 + p.I / 32) {}
+        out(in + kMaxTopK * (p.I / 4 + p.I / 32)),
+        words(p.I / 4 + p.I / 32),
+        out_words(p.H / 2) {}
 };
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
@@ -326,6 +333,34 @@ __device__ __forceinline__ void combine_tiles(const Params& p, const Items& it, 
     }
     p.y[col] = bf16_bits(acc);
   }
+}
+
+// Probe mode LL combine, by the lanes of warpgroup 0 holding rows r0 and r0 + 8 of item `item`'s 64-column L2 tile
+// ot (bf16 bits b0, b1): all but the last item store them as LL words; the last item's lane reads the others' words
+// and writes y there, the slot-ordered FP32 sum and one bf16 rounding (triton_combine.combine_tile's: the items are
+// the valid slots in slot order). The last item's tiles come last in every CTA's list and no other tile waits for
+// a combine, so the wait cannot deadlock.
+__device__ __forceinline__ void ll_combine(const Params& p, const Items& it, int item, int ot, int r0, uint32_t b0,
+                                           uint32_t b1, uint32_t flag) {
+  const LLRows ll(p);
+  const int word = 32 * ot + 8 * (r0 / 16) + r0 % 16;
+  if (item + 1 < it.n) {
+    ll_store(ll.out + size_t(item) * ll.out_words + word, b0 | b1 << 16, flag);
+    return;
+  }
+  uint64_t v[kMaxTopK - 1];
+  ll_wait(v, ll.out + word, size_t(ll.out_words), it.n - 1, flag);
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxTopK - 1; ++j) {
+    if (j >= it.n - 1) break;
+    s0 = __fadd_rn(s0, __uint_as_float(uint32_t(v[j]) << 16));
+    s1 = __fadd_rn(s1, __uint_as_float(uint32_t(v[j]) >> 16 << 16));
+  }
+  s0 = __fadd_rn(s0, __uint_as_float(b0 << 16));
+  s1 = __fadd_rn(s1, __uint_as_float(b1 << 16));
+  p.y[64 * ot + r0] = bf16_bits(s0);
+  p.y[64 * ot + r0 + 8] = bf16_bits(s1);
 }
 
 // Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
