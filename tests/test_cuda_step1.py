@@ -116,7 +116,7 @@ def test_the_selfcheck_takes_only_the_variants_meant_to_keep_the_bits():
 
 def test_the_step_sync_buffer_holds_the_counts_then_the_ll_words():
     """DecodeBuffers.step_sync: the counts (zero between launches), then probe modes ll / ll-combine's launch count
-    and LL words at an 8-byte boundary, as cuda/step1_params.cuh's LLRows places them (kMaxTopK = 8 items of
+    and LL words at an 8-byte boundary, as cuda/step1_probes.cuh's LLRows places them (kMaxTopK = 8 items of
     I/4 + I/32 input words, then 8 items of H/2 output words)."""
     g = geometry_of("dsv4-flash")
     buf = DecodeBuffers.allocate(g, 2, "cpu", split_tokens=1)

@@ -56,7 +56,7 @@ def count_words(hidden: int) -> int:
 def sync_words(hidden: int, intermediate: int) -> int:
     """int32 words ``DecodeBuffers.step_sync`` holds: the counts, then (8-byte aligned) probe modes ll and
     ll-combine's launch count, each item's L2 input row and each item's L2 outputs as LL words, 8 bytes each
-    (cuda/step1_params.cuh's LLRows)."""
+    (cuda/step1_probes.cuh's LLRows)."""
     ll_words = 1 + MAX_TOPK * (intermediate // 4 + intermediate // 32) + MAX_TOPK * hidden // 2
     return (count_words(hidden) + 1) // 2 * 2 + 2 * ll_words
 SOURCE = Path(__file__).with_name("cuda") / "step1.cu"

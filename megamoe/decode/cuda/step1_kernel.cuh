@@ -1,0 +1,369 @@
+// The 1-token decode step's kernel: one persistent launch (recipe megamoe-decode-tc, the same bits as the three
+// Triton launches of megamoe/decode/triton_tc.py). step1.cu compiles it, one instance per probe mode, and launches it;
+// Python side: megamoe/decode/cuda_step1.py (build, checks, launch).
+// Building blocks: step1_ops.cuh (PTX, numerics, the ring, a stage's sums); step1_params.cuh (parameters, routing,
+// the order of a CTA's tiles, the L1 epilogue, the combine); step1_probes.cuh (what the probe modes add). Where the
+// time goes, run by run:
+// bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/ and run36-cuda-step1/.
+//
+// One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp, a release warp, an input
+// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
+// a list of tiles (Schedule): its L1 tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its L2 tiles
+// the same way, each L2 tile placed `lag` L1 rounds after its item's last L1 round. A tile is a list of stages (two
+// 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in layout_tc.py).
+// The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way), waiting on
+// nothing but free stages, so it runs on into L2's weights while L1 still computes.
+//
+// No grid barrier: an L2 tile needs only its own item's L1 outputs. Warpgroup 0 stores each L1 tile's outputs and
+// tells the release warp (a shared-memory count), which raises the item's count for every CTA (release); the input
+// warp waits for each of its items' counts and reads the item's L2 input row into shared memory (an mbarrier per
+// item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the stores
+// it publishes, and an input read is a round trip through a memory system busy with the weights.
+//
+// A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
+// quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
+// same FP32 additions as one unsplit chain (triton_tc._replay does the same across programs).
+//
+// Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
+// weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
+// (exact); L1: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; L2:
+// acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The L1 epilogue (SwiGLU, routing weight, FP8 requant per 32
+// channels) and the combine (slot-ordered FP32 sum, one bf16 rounding) are triton_tc._l1_epilogue's and
+// triton_combine.combine_tile's, operation for operation.
+//
+// B operand without a zero-filled tile: column 0 is all that is read back, so B is the token's codes themselves
+// with rows 16 bytes apart (LBO = 16): B[k][n] = codes[k0 + k + 16 n]. Columns 1..7 hold other codes and their
+// results are never used.
+
+#pragma once
+
+#include "step1_probes.cuh"
+
+namespace {
+
+// kProbe: 0, or a probe mode's bits (step1.cu's kInstances, step1_params.cuh), each compiled only into its own instance
+// so that the step's own code is the same with or without them.
+template <int kProbe>
+__global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
+  if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
+    if (threadIdx.x == 0) stamp(p, 6);
+    return;
+  }
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int H = p.H, I = p.I;
+  const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
+  const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
+  const int hrow = I + kPad;               // an L2 input row in shared memory
+  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag | bars
+  // (ring: full, empty; input_ready) | the routing | the L1 epilogue count
+  uint8_t* ring_data = smem;
+  uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
+  uint8_t* hs = xs + H + kPad;
+  float* terms = reinterpret_cast<float*>(hs + kMaxTopK * hrow);
+  float* ep = terms + 2 * kMaxTerms * 64;
+  float* xsf = ep + 64;
+  float* sf2 = xsf + nb1;
+  int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
+  Ring ring{ring_data, bars, bars + p.stages, p.stages};
+  uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
+  Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
+  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // L1 epilogues warpgroup 0 has stored
+  uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
+
+  const int tid = threadIdx.x;
+  constexpr bool kLL = kProbe & kModeLL, kLLCombine = kProbe & kModeLLCombine, kAnyLL = kLL || kLLCombine;
+  constexpr int kSignalThreads = kLL ? 96 : 64;  // the warps past the load warp that wait at the end (barrier 3)
+  if (tid == 0) {
+    stamp(p, 6);  // entered
+    uint64_t launches = 0;
+    if constexpr (kAnyLL) launches = ll_load(LLRows(p).count);  // before this CTA adds its share, at its end
+    route_items(p, it);  // its loads go out first
+    if constexpr (kAnyLL) flag[1] = int(launch_flag(launches));
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
+      mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
+    }
+    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], kLL ? 3 : 1);  // an arrival per input warp
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    epilogues = 0;
+  }
+  __syncthreads();  // the barriers and the routing: the load warp starts
+
+  const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
+  if (tid == 0) stamp(p, 0);  // set up
+  if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
+    regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
+    if constexpr (kLL) {
+      if (tid >= kComputeThreads + 32) {  // ---- three input warps: each item's row from its LL words ----
+        ll_input_warp(p, sched, (tid - kComputeThreads) / 32 - 1, tid % 32, uint32_t(flag[1]), hs, hrow, sf2,
+                      input_ready);
+        named_sync(3, kComputeThreads + kSignalThreads);
+        return;
+      }
+    }
+    if (tid >= kComputeThreads + 96) {  // the idle warp; in probe mode touch it asks for the CTA's pages first
+      if constexpr (kProbe == kModeTouch) touch_tiles(p, sched, it.expert, tid % 32);
+      return;
+    }
+    // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
+    // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
+    // while the weights stream.
+    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
+      const int lane = tid % 32;
+      uint32_t have = 0;
+      sched.for_each([](int, bool) {}, [&](int tile) {
+        const int item = tile / tpe2;
+        if (have >> item & 1) return;
+        have |= 1u << item;
+        if constexpr (!(kProbe & kModeNoWait))
+          if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+        __syncwarp();
+        const size_t src = size_t(it.row[item]);
+        for (int c = lane; c < I / 16; c += 32)
+          reinterpret_cast<uint4*>(hs + item * hrow)[c] = __ldcg(reinterpret_cast<const uint4*>(p.l2_q + src * I) + c);
+        for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
+        fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive(&input_ready[item]);
+          stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+        }
+      });
+      named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
+      return;
+    }
+    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
+      if (tid % 32 == 0) {
+        uint32_t l1_tiles = 0;
+        sched.for_each(
+            [&](int tile, bool) {
+              wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
+              if constexpr (kProbe == kModeRelaxed)
+                add_relaxed(l1_done + tile / tpe1, 1);
+              else
+                add_release(l1_done + tile / tpe1, 1);
+            },
+            [](int) {});
+      }
+      __syncwarp();
+      named_sync(3, kComputeThreads + 64);
+      return;
+    }
+    {  // ---- the load warp ----
+      const int lane = tid - kComputeThreads;
+      if (lane != 0) {  // one lane issues the bulk copies; another writes route's outputs
+        if (lane == 1 && blockIdx.x == 0) write_route(p, it);
+        return;
+      }
+      if constexpr (kProbe & kModeRegs) return;  // the computing warpgroups load their own stages
+      Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
+      Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
+      int traced = 0;
+      uint32_t issued = 0;
+      auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
+        const int s = cur.stage;
+        uint8_t* dst = ring.data + size_t(s) * kStageBytes;
+        mbar_wait(&ring.empty[s], cur.phase);
+        if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
+          mbar_wait(&ring.full[lag.stage], lag.phase);
+          lag.advance(1, ring.stages);
+        }
+        ++issued;
+        if (p.mode & kModeNoLoad) {
+          mbar_arrive(&ring.full[s]);
+          cur.advance(1, ring.stages);
+          return;
+        }
+        const bool scales_too = !(p.mode & kModeNoScales);
+        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
+        bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
+        if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
+        cur.advance(1, ring.stages);
+        trace(p.trace, 0, traced);
+      };
+      // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
+      auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
+        const size_t base = weight_tile(it.expert, tile, tpe);
+        for (int b = 0; b < nb / kParts; b += kBlocks)
+          for (int q = 0; q < kParts; ++q) {
+            const size_t blk = base * nb + q * (nb / kParts) + b;
+            issue(codes + blk * 4096, scales + blk * 256);
+          }
+      };
+      // Probe mode prefetch: once its last L1 block is asked for, the CTA's L2 weights not yet asked for are asked of
+      // the L2 cache, so that DRAM streams them while the ring waits for L2 inputs. It delays L1's last tiles more
+      // than it saves (run 36), so the step leaves it off.
+      int next_l2 = blockIdx.x;
+      sched.for_each(
+          [&](int tile, bool last) {
+            if constexpr (kProbe == kModeAhead)
+              prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
+            if constexpr (!(kProbe & kModeRegsL1)) issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
+            if (!last) return;
+            stamp(p, 1);  // the last L1 block asked for
+            if (!(p.mode & kModePrefetch)) return;
+            for (int k = next_l2; k < sched.n2; k += gridDim.x) {
+              const size_t base = weight_tile(it.expert, k, tpe2);
+              bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
+              bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
+            }
+          },
+          [&](int tile) {
+            if constexpr (kProbe == kModeAhead) prefetch_tile_l2(p, sched, it.expert, tile + gridDim.x, false);
+            issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
+            next_l2 = tile + gridDim.x;
+          });
+      stamp(p, 2);  // the last block asked for
+      return;
+    }
+  }
+  regs_inc<kComputeRegs>();
+
+  // ---- the computing warpgroups: decode, MMA, promotion ----
+  // The token's codes and scales; zeros past the ends of x and of each input row (B's unused columns read them)
+  for (int c = tid; c < H / 16; c += kComputeThreads)
+    reinterpret_cast<uint4*>(xs)[c] = reinterpret_cast<const uint4*>(p.x_q)[c];
+  for (int c = tid; c < kPad / 16; c += kComputeThreads) reinterpret_cast<uint4*>(xs + H)[c] = uint4{0, 0, 0, 0};
+  for (int c = tid; c < nb1; c += kComputeThreads) xsf[c] = p.x_sf[c];
+  for (int c = tid; c < kMaxTopK * kPad / 16; c += kComputeThreads)
+    reinterpret_cast<uint4*>(hs + (c / (kPad / 16)) * hrow + I)[c % (kPad / 16)] = uint4{0, 0, 0, 0};
+  fence_async_smem();
+  named_sync(1, kComputeThreads);
+  const int wg = tid / 128, t = tid % 128;
+  const int r0 = 16 * (t / 32) + (t % 32) / 4;
+  const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
+  const bool bare = p.mode & kModeBare;
+  Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
+  int traced = 0;
+  RegStream regs{};  // probe modes regs, regs L1: this warpgroup's stages straight into registers, one ahead
+  if constexpr (kProbe & (kModeRegs | kModeRegsL1)) regs.start(p, sched, it.expert, wg, t, kProbe & kModeRegsL1);
+  auto regs_sums = [&](uint64_t desc, float(&dg)[kBlocks][4][2]) {  // the sums of the stage read ahead
+    const StageRegs s = regs.ahead;
+    regs.next(p, sched, it.expert, wg, t);
+    stage_sums_of(s, desc, dg, bare, [] {});
+  };
+  int tiles_done = 0;
+  uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
+  int mine = 0;           // this CTA's L2 tiles
+  uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
+
+  auto l1_tile = [&](int tile, bool last) {
+    const int item = tile / tpe1, ct = tile % tpe1;
+    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int b = 0; b < nb1 / kParts; b += kBlocks) {
+      const int kb = wg * (nb1 / kParts) + b;
+      float dg[kBlocks][4][2];
+      if constexpr (kProbe & (kModeRegs | kModeRegsL1)) {
+        regs_sums(b_desc(xs + kb * 128), dg);
+      } else {
+        const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
+        stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
+      }
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) {
+        const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][0], dg[j][1][0]), dg[j][2][0]), dg[j][3][0]);
+        const float blk1 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][1], dg[j][1][1]), dg[j][2][1]), dg[j][3][1]);
+        const float term0 = __fmul_rn(blk0, xsf[kb + j]), term1 = __fmul_rn(blk1, xsf[kb + j]);
+        if (wg == 0) {
+          acc0 = __fadd_rn(acc0, term0);
+          acc1 = __fadd_rn(acc1, term1);
+        } else if (col0) {
+          tb[(kb + j - nb1 / kParts) * 64 + r0] = term0;  // the later quarters' terms, in ascending K
+          tb[(kb + j - nb1 / kParts) * 64 + r0 + 8] = term1;
+        }
+      }
+    }
+    named_sync(1, kComputeThreads);  // the later quarters' terms are in shared memory
+    if (wg != 0) return;
+    for (int b = 0; b < nb1 - nb1 / kParts; ++b) {  // the chain goes on through the later quarters, in order
+      acc0 = __fadd_rn(acc0, tb[b * 64 + r0]);
+      acc1 = __fadd_rn(acc1, tb[b * 64 + r0 + 8]);
+    }
+    if (col0) {
+      ep[r0] = acc0;
+      ep[r0 + 8] = acc1;
+    }
+    named_sync(2, 128);
+    if (t < 32) {
+      if constexpr (kLL) {
+        l1_epilogue_ll(p, ep, it, item, ct, t, uint32_t(flag[1]));
+      } else {
+        float sf;
+        l1_epilogue(p, ep, it, item, ct, t, sf);
+      }
+      __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
+      if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
+    }
+    if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+  };
+
+  auto l2_tile = [&](int tile) {
+    const int item = tile / tpe2, ot = tile % tpe2;
+    ++mine;
+    if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warp
+      mbar_wait(&input_ready[item], 0);
+      inputs |= 1u << item;
+    }
+    const uint8_t* hw = hs + item * hrow + wg * (I / kParts);  // this warpgroup's quarter of the row's codes
+    const float* sfw = sf2 + item * (I / 32) + wg * (I / 32 / kParts);
+    float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int b = 0; b < nb2 / kParts; b += kBlocks) {
+      float dg[kBlocks][4][2];
+      if constexpr (kProbe & kModeRegs) {
+        regs_sums(b_desc(hw + b * 128), dg);
+      } else {
+        const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
+        stage_sums(ring, cur, t, stage, b_desc(hw + b * 128), dg, bare);
+      }
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const float c = sfw[4 * (b + j) + g];
+          const float term0 = __fmul_rn(dg[j][g][0], c), term1 = __fmul_rn(dg[j][g][1], c);
+          if (wg == 0) {
+            acc0 = __fadd_rn(acc0, term0);
+            acc1 = __fadd_rn(acc1, term1);
+          } else if (col0) {
+            const int jj = 4 * ((wg - 1) * (nb2 / kParts) + b + j) + g;  // the later quarters' groups, ascending K
+            tb[jj * 64 + r0] = term0;
+            tb[jj * 64 + r0 + 8] = term1;
+          }
+        }
+    }
+    named_sync(1, kComputeThreads);
+    if (wg != 0) return;
+    for (int j = 0; j < 4 * (nb2 - nb2 / kParts); ++j) {
+      acc0 = __fadd_rn(acc0, tb[j * 64 + r0]);
+      acc1 = __fadd_rn(acc1, tb[j * 64 + r0 + 8]);
+    }
+    if (col0) {
+      const int row = it.row[item];
+      p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
+      p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
+      if constexpr (kLLCombine) ll_combine(p, it, item, ot, r0, bf16_bits(acc0), bf16_bits(acc1), uint32_t(flag[1]));
+    }
+  };
+
+  sched.for_each(l1_tile, l2_tile);
+
+  if constexpr (!kLLCombine)
+    if (wg == 0) combine_tiles(p, it, mine, flag, t);
+  // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
+  // waits by then.
+  named_sync(3, kComputeThreads + kSignalThreads);  // with the signal warps
+  if (tid == 0) {
+    uint32_t* finished = l1_done + kMaxTopK;
+    if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
+      for (int i = 0; i < kMaxTopK; ++i) l1_done[i] = 0;
+      *finished = 0;
+    }
+    stamp(p, 5);  // this CTA done
+    if constexpr (kAnyLL) launch_done(LLRows(p).count);
+  }
+}
+
+}  // namespace
