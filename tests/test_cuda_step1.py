@@ -127,3 +127,17 @@ def test_the_step_sync_buffer_holds_the_counts_then_the_ll_words():
     ll_words = 1 + 8 * (g.intermediate // 4 + g.intermediate // 32) + 8 * g.hidden // 2
     assert buf.step_sync.numel() == base + 2 * ll_words
     assert not buf.step_sync.any()
+
+
+@pytest.mark.skipif(cuda_step1.nvcc() is None, reason="no nvcc on this machine")
+def test_every_cta_of_an_ll_launch_gets_one_flag_and_each_launch_a_new_one(tmp_path):
+    """tests/cuda/ll_flag_check.cu runs the LL probe modes' launch_flag and launch_share on the host over 1,600
+    launches of 1 to 1,024 CTAs in random interleavings (and a control whose flags must repeat, so the check can
+    fail)."""
+    src = Path(__file__).with_name("cuda") / "ll_flag_check.cu"
+    exe = tmp_path / "ll_flag_check"
+    build = subprocess.run([cuda_step1.nvcc(), "-std=c++17", "-o", str(exe), str(src)], capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("1600 launches, 0 failed"), run.stdout[-4000:]

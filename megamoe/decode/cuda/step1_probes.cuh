@@ -46,13 +46,16 @@ __device__ __forceinline__ void ll_wait(uint64_t (&v)[N], const uint64_t* word, 
 // The launch count: every LL launch adds 2**16 to it in all (CTA 0 2**16 - G + 1, each other CTA 1, as it ends), so a
 // CTA that reads it before it adds its own share reads 2**16 n + (less than 2**16) whatever the others have done.
 // Its flag: the launch number with the top bit set (never the 0 of a fresh buffer); it repeats after 2**31 launches.
-__device__ __forceinline__ uint32_t launch_flag(uint64_t count) {
+// (On the host too, for tests/cuda/ll_flag_check.cu.)
+__host__ __device__ __forceinline__ uint32_t launch_flag(uint64_t count) {
   return 0x80000000u | (uint32_t(count >> 16) & 0x7FFFFFFFu);
 }
 
+__host__ __device__ __forceinline__ uint64_t launch_share(int cta, int G) { return cta == 0 ? 65536u - G + 1 : 1u; }
+
 __device__ __forceinline__ void launch_done(uint64_t* count) {
-  const uint64_t share = blockIdx.x == 0 ? 65536u - gridDim.x + 1 : 1u;
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(count), "l"(share) : "memory");
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(count), "l"(launch_share(blockIdx.x, gridDim.x))
+               : "memory");
 }
 
 // Probe modes LL and LL combine: Params::sync past its counts (H/64 combine counts, kMaxTopK L1 counts, CTAs done),
