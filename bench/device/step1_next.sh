@@ -15,7 +15,7 @@
 #      counts, no release fences), each checked bit for bit before it is timed, one process each.
 #
 #   python3 bench/device/step1_ab.py --export build/ab main 4887964      # where git is
-#   OUT=/tmp/next bash bench/device/step1_next.sh                        # on the H200
+#   OUT=build/next bash bench/device/step1_next.sh                       # on the H200
 #   python3 bench/device/step1_trace.py $OUT/probe/trace-*.pt            # any machine
 #
 # The checks and the probe run from the exported main line ($AB/main), so they and the A/B's first version are the
