@@ -80,6 +80,11 @@ def main() -> int:
         res["rows"][name] = tm
         print(f"[step1] {name}: {tm['median_us']:.1f} us (p10 {tm['p10_us']:.1f}, p90 {tm['p90_us']:.1f}) kineto "
               f"{ {k: round(v, 1) for k, v in tm['kineto_us'].items()} }", flush=True)
+        save()
+
+    def save():  # after every row: what ran is kept if a later variant never returns
+        with open(os.path.join(args.out, "step1_probe.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
     y_triton = moe_decode(tw, buf, 1, g.clamp, cfg).clone()  # the backend's launch: the Triton kernels
     y_cuda = cuda_step1.step1(tw, buf, g.clamp).clone()
@@ -110,12 +115,12 @@ def main() -> int:
                 **{f"inflight{lim}": {"inflight": lim} for lim in args.inflight},
                 **{f"lag{lag}": {"lag": lag} for lag in args.lags},
                 **{f"bare_lag{lag}": {"lag": lag, "mode": M["bare"]} for lag in args.lags}}
+    nbytes = touched * tw.nbytes_per_expert()  # the read first, so that a variant that never returns leaves it
+    src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
+    run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     for name in args.modes:
         run(name, lambda: cuda_step1.step1(tw, buf, g.clamp, **variants[name]))
     print(f"[step1] same y as the Triton launches: {res['same_y']}", flush=True)
-    nbytes = touched * tw.nbytes_per_expert()
-    src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
-    run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
     for name, kw in ((n, variants[n]) for n in args.timelines):
         res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
@@ -130,8 +135,7 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.save(tr.cpu(), os.path.join(args.out, f"trace-{name}.pt"))
     res.update(touched=touched, weight_mb=nbytes / 1e6)
-    with open(os.path.join(args.out, "step1_probe.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    save()
     return 0
 
 
