@@ -112,6 +112,8 @@ def test_the_selfcheck_takes_only_the_variants_meant_to_keep_the_bits():
     for mode in ("no-wait", "regs-l1+relaxed"):
         with pytest.raises(ValueError, match=rf"mode must be of .*'regs'.* got '{re.escape(mode)}'"):
             run_step1_case(CASES[0], mode=mode)
+    with pytest.raises(ValueError, match=r"mode 'touch\+ahead' is no kernel instance's"):
+        run_step1_case(CASES[0], mode="touch+ahead")
 
 
 def test_the_step_sync_buffer_holds_the_counts_then_the_ll_words():

@@ -43,7 +43,8 @@ class DecodeBuffers:
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
         counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
         step_sync int32 [cuda_step1.sync_words(H, I)]   the 1-token CUDA step's combine counts, L1 tiles done per
-                                           item (up to 8) and CTAs done, then its probe mode ll's LL words
+                                           item (up to 8) and CTAs done, then probe modes ll / ll-combine's
+                                           LL words
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items

@@ -47,9 +47,13 @@ Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1", "ll", "ll-combine
 
 
 def _mode_ok(mode: str) -> None:
+    """A sum of Y_RIGHT_MODES ('regs-l1+ll') that some kernel instance compiles (cuda_step1.INSTANCES), or why not."""
     if not set(mode.split("+")) <= set(Y_RIGHT_MODES):
         raise ValueError(f"mode must be of {Y_RIGHT_MODES}, joined by '+' (the variants meant to keep the step's "
                          f"bits), got {mode!r}")
+    runtime = sum(cuda_step1.MODES[f] for f in cuda_step1.RUNTIME_FLAGS)
+    if sum(cuda_step1.MODES[m] for m in set(mode.split("+"))) & ~runtime not in cuda_step1.INSTANCES:
+        raise ValueError(f"mode {mode!r} is no kernel instance's (cuda_step1.INSTANCES)")
 
 
 def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
@@ -79,7 +83,7 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
         if mode is None:
             moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
         elif row["unsupported"] is None:  # (else the row fails on "unsupported")
-            cuda_step1.step1(tw, bufs[1], g.clamp, mode=sum(cuda_step1.MODES[m] for m in mode.split("+")))
+            cuda_step1.step1(tw, bufs[1], g.clamp, mode=sum(cuda_step1.MODES[m] for m in set(mode.split("+"))))
 
     for b in bufs:
         b.poison_()
