@@ -111,11 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     // while the weights stream.
     if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
       const int lane = tid % 32;
-      uint32_t have = 0;
-      sched.for_each([](int, bool) {}, [&](int tile) {
-        const int item = tile / tpe2;
-        if (have >> item & 1) return;
-        have |= 1u << item;
+      for_each_l2_item(sched, [&](int item) {
         if constexpr (!(kProbe & kModeNoWait))
           if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
         __syncwarp();

@@ -187,30 +187,24 @@ struct StageRegs {
   uint32_t w[kBlocks][2];
 };
 
-// ... from the stage's bytes in a ring slot (the stage's layout: codes of blocks 0, 1, then their scale words)
-__device__ __forceinline__ void stage_read_smem(const uint8_t* stage, int tid, StageRegs& s) {
+// ... from a stage's codes (kBlocks x 4,096 bytes) and scale words (kBlocks x 256 bytes): in a ring slot (kGlobal
+// false: codes = the slot, scales = the slot + kCodeBytes), or straight from the weights (probe mode regs, no ring:
+// streaming loads that leave no line in L1)
+template <bool kGlobal>
+__device__ __forceinline__ void stage_read(const uint8_t* codes, const uint8_t* scales, int tid, StageRegs& s) {
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
 #pragma unroll
   for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
-    for (int g = 0; g < 4; ++g) s.v[j][g] = *reinterpret_cast<const uint2*>(stage + j * 4096 + g * 1024 + 8 * tid);
-    const uint8_t* words = stage + kCodeBytes + j * 256;
-    s.w[j][0] = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
-    s.w[j][1] = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
-  }
-}
-
-// ... straight from the weights (probe mode regs: no ring), streaming loads that leave no line in L1
-__device__ __forceinline__ void stage_read_global(const uint8_t* codes, const uint8_t* scales, int tid,
-                                                  StageRegs& s) {
-  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
-#pragma unroll
-  for (int j = 0; j < kBlocks; ++j) {
-#pragma unroll
-    for (int g = 0; g < 4; ++g) s.v[j][g] = __ldcs(reinterpret_cast<const uint2*>(codes + j * 4096 + g * 1024) + tid);
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(scales + j * 256);
-    s.w[j][0] = __ldcs(words + r0);
-    s.w[j][1] = __ldcs(words + r0 + 8);
+    for (int g = 0; g < 4; ++g) {
+      const uint2* v = reinterpret_cast<const uint2*>(codes + j * 4096 + g * 1024 + 8 * tid);
+      s.v[j][g] = kGlobal ? __ldcs(v) : *v;
+    }
+    const uint8_t* words = scales + j * 256;
+    const uint32_t* w0 = reinterpret_cast<const uint32_t*>(words + 4 * r0);
+    const uint32_t* w1 = reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
+    s.w[j][0] = kGlobal ? __ldcs(w0) : *w0;
+    s.w[j][1] = kGlobal ? __ldcs(w1) : *w1;
   }
 }
 
@@ -271,7 +265,7 @@ __device__ __forceinline__ void stage_sums_of(const StageRegs& s, uint64_t desc,
 __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* stage, uint64_t desc,
                                            float dg[kBlocks][4][2], bool bare) {
   StageRegs s;
-  stage_read_smem(stage, tid, s);
+  stage_read<false>(stage, stage + kCodeBytes, tid, s);
   stage_sums_of(s, desc, dg, bare, [&] { stage_release(ring, cur, tid); });
 }
 

@@ -122,6 +122,18 @@ __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int t
   return size_t(expert[tile / tpe]) * tpe + tile % tpe;
 }
 
+// Each item the CTA's L2 tiles need, once, in the order its L2 tiles come: fn(item).
+template <class Fn>
+__device__ __forceinline__ void for_each_l2_item(const Schedule& sched, Fn fn) {
+  uint32_t have = 0;
+  sched.for_each([](int, bool) {}, [&](int tile) {
+    const int item = tile / sched.tpe2;
+    if (have >> item & 1) return;
+    have |= 1u << item;
+    fn(item);
+  });
+}
+
 // The step's routing (K <= 8 slots of one token) -> it: the valid slots in slot order, each one's pool row as
 // routing.route_torch numbers them (stable by expert).
 __device__ void route_items(const Params& p, Items& it) {

@@ -102,9 +102,9 @@ struct RegStream {
   __device__ void next(const Params& p, const Schedule& sched, const int* expert, int wg, int t) {
     if (tile < 0) return;
     const int nb = l2 ? p.I / 128 : p.H / 128, tpe = l2 ? p.H / 64 : p.I / 32;
-    const size_t blk = weight_tile(expert, tile, tpe) * nb + wg * (nb / kParts) + b;
-    stage_read_global((l2 ? p.l2_codes : p.l1_codes) + blk * 4096, (l2 ? p.l2_scales : p.l1_scales) + blk * 256, t,
-                      ahead);
+    const size_t blk = weight_tile(expert, tile, tpe) * nb + wg * (nb / kParts) + b;  // as the load warp's issue_tile
+    stage_read<true>((l2 ? p.l2_codes : p.l1_codes) + blk * 4096, (l2 ? p.l2_scales : p.l1_scales) + blk * 256, t,
+                     ahead);
     b += kBlocks;
     if (b == nb / kParts) {
       b = 0;
@@ -196,12 +196,7 @@ __device__ __forceinline__ void ll_input_row(const Params& p, int item, int iw, 
 // from its LL words into shared memory (hs + item hrow, sf2 + item I/32), then one arrival on input_ready[item].
 __device__ __forceinline__ void ll_input_warp(const Params& p, const Schedule& sched, int iw, int lane, uint32_t flag,
                                               uint8_t* hs, int hrow, float* sf2, uint64_t* input_ready) {
-  const int tpe2 = p.H / 64;
-  uint32_t have = 0;
-  sched.for_each([](int, bool) {}, [&](int tile) {
-    const int item = tile / tpe2;
-    if (have >> item & 1) return;
-    have |= 1u << item;
+  for_each_l2_item(sched, [&](int item) {
     ll_input_row(p, item, iw, lane, flag, hs + item * hrow, sf2 + item * (p.I / 32));
     fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
     __syncwarp();
