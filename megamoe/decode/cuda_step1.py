@@ -47,6 +47,18 @@ INSTANCES = tuple(sum(MODES[f] for f in names) for names in (
 MAX_TOPK = 8  # cuda/step1_ops.cuh's kMaxTopK
 
 
+def mode_error(mode: int) -> str | None:
+    """Why ``step1`` cannot launch probe mode ``mode`` (None when it can): not a sum of ``MODES``' flags, or flags
+    besides ``RUNTIME_FLAGS`` that no kernel instance compiles (``INSTANCES``)."""
+    if mode < 0 or mode & ~sum(MODES.values()):
+        return f"mode must be a sum of MODES' flags {MODES}, got {mode}"
+    if mode & ~sum(MODES[f] for f in RUNTIME_FLAGS) not in INSTANCES:
+        names = lambda m: "+".join(k for k, v in MODES.items() if m & v) or "the step"  # noqa: E731
+        return (f"mode {mode} ({names(mode)}): besides {RUNTIME_FLAGS} its flags must be those of one kernel "
+                f"instance, one of {[names(m) for m in INSTANCES]}")
+    return None
+
+
 def count_words(hidden: int) -> int:
     """int32 words of the step's counts at the start of ``DecodeBuffers.step_sync``: a combine count per 64
     columns, L1 tiles done per item, CTAs done. Each is back at zero after every launch."""
@@ -179,12 +191,8 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     issued each stage (row 0) and when warpgroup w found each of its stages landed (row 1 + w); ``mode``
     (``MODES``) a probe variant (``step1_params.cuh`` says which leave y wrong); ``inflight`` a bound on the stages
     on their way; ``lag`` L1 rounds between an item's last L1 tiles and its L2 tiles in each CTA's order (``LAG``)."""
-    if mode < 0 or mode & ~sum(MODES.values()):
-        raise ValueError(f"mode must be a sum of MODES' flags {MODES}, got {mode}")
-    if mode & ~sum(MODES[f] for f in RUNTIME_FLAGS) not in INSTANCES:
-        names = lambda m: "+".join(k for k, v in MODES.items() if m & v) or "the step"  # noqa: E731
-        raise ValueError(f"mode {mode} ({names(mode)}): besides {RUNTIME_FLAGS} its flags must be those of one "
-                         f"kernel instance, one of {[names(m) for m in INSTANCES]}")
+    if (why := mode_error(mode)) is not None:
+        raise ValueError(why)
     lib = _library()
     dev = tw.l1_codes.device
     index = device_index(dev)

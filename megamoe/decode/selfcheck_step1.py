@@ -46,22 +46,23 @@ CASES = (
 Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1", "ll", "ll-combine")  # variants meant to keep the bits
 
 
-def _mode_ok(mode: str) -> None:
-    """A sum of Y_RIGHT_MODES ('regs-l1+ll') that some kernel instance compiles (cuda_step1.INSTANCES), or why not."""
+def _mode_bits(mode: str) -> int:
+    """A sum of Y_RIGHT_MODES ('regs-l1+ll') that some kernel instance compiles -> cuda_step1.step1's mode, or
+    ValueError naming why not."""
     if not set(mode.split("+")) <= set(Y_RIGHT_MODES):
         raise ValueError(f"mode must be of {Y_RIGHT_MODES}, joined by '+' (the variants meant to keep the step's "
                          f"bits), got {mode!r}")
-    runtime = sum(cuda_step1.MODES[f] for f in cuda_step1.RUNTIME_FLAGS)
-    if sum(cuda_step1.MODES[m] for m in set(mode.split("+"))) & ~runtime not in cuda_step1.INSTANCES:
-        raise ValueError(f"mode {mode!r} is no kernel instance's (cuda_step1.INSTANCES)")
+    bits = sum(cuda_step1.MODES[m] for m in set(mode.split("+")))
+    if (why := cuda_step1.mode_error(bits)) is not None:
+        raise ValueError(f"mode {mode!r} is no kernel instance's: {why}")
+    return bits
 
 
 def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
     """One staged token through the Triton launches and through the CUDA step (buffers for ``capacity`` tokens,
     so that a row past the step shows whether it kept its poison); ``mode``: a probe variant of the step instead,
     ``Y_RIGHT_MODES`` joined by '+' (``regs-l1+ll``)."""
-    if mode is not None:
-        _mode_ok(mode)
+    bits = None if mode is None else _mode_bits(mode)
     from ..reference import moe_forward
     from ..staging import stage_into
 
@@ -83,7 +84,7 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
         if mode is None:
             moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
         elif row["unsupported"] is None:  # (else the row fails on "unsupported")
-            cuda_step1.step1(tw, bufs[1], g.clamp, mode=sum(cuda_step1.MODES[m] for m in set(mode.split("+"))))
+            cuda_step1.step1(tw, bufs[1], g.clamp, mode=bits)
 
     for b in bufs:
         b.poison_()
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for mode in args.mode or ():  # all refused before any runs
         try:
-            _mode_ok(mode)
+            _mode_bits(mode)
         except ValueError as exc:
             ap.error(str(exc))
     rows = []
