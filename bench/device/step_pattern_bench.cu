@@ -62,6 +62,13 @@ __host__ __device__ int tile_at(int c, int G, int n, int blocked, int i) {
   return blocked ? c * n / G + i : c + i * G;
 }
 
+// The 4 KB block where stage k of step tile j starts (tpe tiles per expert, nb blocks per tile): two blocks of each
+// K quarter in turn, as the step takes them, or in address order.
+__device__ __forceinline__ size_t stage_block(const int* experts, int j, int tpe, int nb, int k, int in_order) {
+  const size_t tile = size_t(experts[j / tpe]) * tpe + j % tpe;
+  return tile * nb + (in_order ? 2 * k : (k % 4) * (nb / 4) + k / 4 * 2);
+}
+
 __device__ __forceinline__ void issue(uint8_t* ring, uint64_t* full, uint64_t* empty, int u, const uint8_t* codes,
                                       const uint8_t* scales) {
   const int s = u % kDepth;
@@ -107,10 +114,8 @@ __global__ void __launch_bounds__(576, 1) pattern_kernel(Weights w, Pattern p, u
           const int j = tile_at(c, G, n, p.blocked, i);
           uint32_t zero = 0;
           if (p.reload) asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(zero) : "l"(count + 32 + c) : "memory");
-          const size_t tile = size_t(w.experts[j / tpe]) * tpe + j % tpe + zero;
           for (int k = 0; k < nb / 2; ++k, stamp()) {  // stage k: blocks blk, blk + 1 of the tile
-            const int b = k / 4 * 2, q = k % 4;  // the step's order: two blocks of each K quarter in turn
-            const size_t blk = tile * nb + (p.in_order ? 2 * k : q * (nb / 4) + b);
+            const size_t blk = stage_block(w.experts, j, tpe, nb, k, p.in_order) + zero;
             issue(smem, full, empty, u, codes + blk * 4096, scales + blk * 256);
           }
         }
@@ -153,8 +158,7 @@ __device__ __forceinline__ void step_stage(const Weights& w, const int* experts,
   const bool l1 = u < l1_stages;
   const int v = l1 ? u : u - l1_stages, per_tile = (l1 ? kNb1 : kNb2) / 2, tpe = l1 ? kTpe1 : kTpe2;
   const int nb = l1 ? kNb1 : kNb2, j = tile_at(c, G, 0, 0, v / per_tile), k = v % per_tile;
-  const size_t tile = size_t(experts[j / tpe]) * tpe + j % tpe;
-  const size_t blk = tile * nb + (k % 4) * (nb / 4) + k / 4 * 2;
+  const size_t blk = stage_block(experts, j, tpe, nb, k, 0);
   codes = (l1 ? w.c1 : w.c2) + blk * 4096;
   scales = (l1 ? w.s1 : w.s2) + blk * 256;
 }
@@ -168,7 +172,6 @@ __global__ void __launch_bounds__(512, 1) regs_kernel(Weights w, unsigned long l
   __shared__ int experts[6];  // not the parameter's array: indexed at run time, it would be copied to the stack
   if (threadIdx.x < 6) experts[threadIdx.x] = w.experts[threadIdx.x];
   __syncthreads();
-  const Weights wl{w.c1, w.s1, w.c2, w.s2, {}};  // the pointers alone, in registers (no stack copy of w)
   const int G = gridDim.x, c = blockIdx.x, wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int stages = tile_count(c, G, 6 * kTpe1, 0) * kNb1 / 2 + tile_count(c, G, 6 * kTpe2, 0) * kNb2 / 2;
   uint4 cd[D][4];
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(512, 1) regs_kernel(Weights w, unsigned long l
   auto load = [&](int u, uint4 (&into)[4], uint32_t& s) {
     if (u >= stages) return;
     const uint8_t *codes, *scales;
-    step_stage(wl, experts, c, G, u, codes, scales);
+    step_stage(w, experts, c, G, u, codes, scales);
     if constexpr (kFrag) {
       const uint2* src = reinterpret_cast<const uint2*>(codes) + t;
 #pragma unroll
