@@ -25,15 +25,16 @@ from decode_probe import staged_buffers  # noqa: E402
 from megamoe.decode import cuda_step1, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import case_weights  # noqa: E402
+from megamoe.decode.selfcheck_step1 import Y_RIGHT_MODES  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 
-RIGHT_Y = {"step": True, "no-load": False, "bare": False}  # step1_params.cuh: which modes leave y right
+MODES = ("step", "no-load", "bare")  # the step, or a cuda_step1.MODES name
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="*", default=["step", "no-load", "bare"], choices=sorted(RIGHT_Y))
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=sorted(MODES))
     args = ap.parse_args()
     g = get_geometry("dsv4-flash")
     dev = torch.device("cuda")
@@ -49,7 +50,7 @@ def main() -> int:
         torch.cuda.synchronize()
         same = torch.equal(y.view(torch.int16), y_triton.view(torch.int16))
         print(f"[step1_ncu] {name}: y {'equals' if same else 'differs from'} the Triton launches' "
-              f"({'expected' if same == RIGHT_Y[name] else 'UNEXPECTED'})", flush=True)
+              f"({'expected' if same == (name == 'step' or name in Y_RIGHT_MODES) else 'UNEXPECTED'})", flush=True)
     return 0
 
 
