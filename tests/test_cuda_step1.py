@@ -78,13 +78,18 @@ def test_source_builds_and_agrees_with_the_python_constants(tmp_path):
 def test_the_tile_order_takes_every_tile_once_and_cannot_deadlock(tmp_path):
     """tests/cuda/schedule_check.cu runs the kernel's own Schedule on the host over 1,575 grids, expert counts, tiles
     per expert and lags (and a hand-made order that must deadlock, so the check can fail)."""
-    src = Path(__file__).with_name("cuda") / "schedule_check.cu"
-    exe = tmp_path / "schedule_check"
+    _host_check(tmp_path, "schedule_check", "1575 cases, 0 failed")
+
+
+def _host_check(tmp_path, name: str, last_line: str) -> None:
+    """Build tests/cuda/<name>.cu for the host with nvcc, run it: exit 0 and `last_line` last."""
+    exe = tmp_path / name
     build = subprocess.run([cuda_step1.nvcc(), "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-o",
-                            str(exe), str(src)], capture_output=True, text=True)
+                            str(exe), str(Path(__file__).with_name("cuda") / f"{name}.cu")], capture_output=True,
+                           text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip().endswith("1575 cases, 0 failed"), run.stdout[-4000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith(last_line), run.stdout[-4000:]
 
 
 @pytest.mark.gpu
@@ -136,10 +141,4 @@ def test_every_cta_of_an_ll_launch_gets_one_flag_and_each_launch_a_new_one(tmp_p
     """tests/cuda/ll_flag_check.cu runs the LL probe modes' launch_flag and launch_share on the host over 1,600
     launches of 1 to 1,024 CTAs in random interleavings (and a control whose flags must repeat, so the check can
     fail)."""
-    src = Path(__file__).with_name("cuda") / "ll_flag_check.cu"
-    exe = tmp_path / "ll_flag_check"
-    build = subprocess.run([cuda_step1.nvcc(), "-std=c++17", "-o", str(exe), str(src)], capture_output=True,
-                           text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip().endswith("1600 launches, 0 failed"), run.stdout[-4000:]
+    _host_check(tmp_path, "ll_flag_check", "1600 launches, 0 failed")
