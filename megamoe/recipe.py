@@ -5,14 +5,16 @@ reproduces a kernel's quantization points exactly and the only residual left is 
 accumulate inside one 128-wide K block. The contract is ``docs/kernel-contract.md``.
 
 Pipeline stages and the recipe fields that steer them:
-    stage x         stage_x, x_gran, x_scale               (bf16 -> e4m3 + scale per token per gran)
+    stage x         stage_x, x_gran, x_scale, fp8_scale_rule  (bf16 -> e4m3 + scale per token per gran)
     decode weights  weight_format, weight_decode          (MXFP4 -> the e4m3 value the MMA reads)
     L1 GEMM         promote_k, accum, mma, accumulate     (per-K-block promotion of x_sf, FP32 acc)
     global scales   global_scales                         (gs1 on L1 acc before the clamp, gs2 on L2)
-    SwiGLU          gate_up_bf16, silu_exp                (round gate/up to bf16 first: SM100 only; the exp)
-    L2 requant      l2_group, l2_scale, l2_amax_floor     (routing weight folded in before this)
+    SwiGLU          gate_up_bf16, silu_exp, swiglu_bf16   (round gate/up to bf16 first; the exp; bf16 output)
+    routing weight  routing_weight                        (folded in before the requant, or at the combine)
+    L2 requant      l2_group, l2_scale, l2_amax_floor
     L2 GEMM         slot_output_bf16                      (bf16 per (token, slot))
     combine         combine_bf16                          (FP32 slot-ordered sum, one bf16 rounding)
+    weight window   max_scale_span                        (Humming W4A8: bytes within [max - span, max] per tensor)
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from .formats import WEIGHT_DECODERS, scale_byte_window
 
 WEIGHT_DECODES = tuple(WEIGHT_DECODERS)  # ("exact", "e4m3_flush_saturate", "e4m3_rn")
-L2_SCALES = ("pow2_ceil", "continuous")
+L2_SCALES = ("pow2_ceil", "continuous", "div448")
+FP8_SCALE_RULES = ("mul-inv448", "div448")
+ROUTING_WEIGHTS = ("before-requant", "at-combine")
 MMA_MODELS = ("exact-block", "sm90-fp8-tc", "sm90-fp8-tc-operands")  # megamoe.reference.tensorcore.MODELS
 ACCUMULATE_MODES = ("promote", "rescale", "rescale-ratio")
 SILU_EXPS = ("fp32", "fp64-rounded", "fast-math")
@@ -41,6 +45,14 @@ class Recipe:
     l2_scale:
         ``pow2_ceil``   sf = 2**ceil(log2(amax * fl32(1/448))), amax 0 -> sf 0
         ``continuous``  sf = max(amax, l2_amax_floor) * fl32(1/448)
+        ``div448``      sf = max(fl32(amax / 448), fl32(1e-30)): an IEEE division (Humming's process_input)
+    fp8_scale_rule (staging x):
+        ``mul-inv448``  DeepGEMM's per_token_cast_to_fp8 as it runs on CUDA: max(amax, 1e-4) * fl32(1/448)
+        ``div448``      Humming's process_input: max(fl32(amax / 448), fl32(1e-30))
+    routing_weight:
+        ``before-requant``  v * w before the L2 requant (the Mega MoE kernels); the combine sums the slots
+        ``at-combine``      the L2 input is v alone; the combine is acc = fma(slot, w, acc) in FP32 (vLLM's
+                            Humming chain: ``moe_fused_mul_sum``)
     silu_exp:
         ``fp32``          exp(-g) in FP32 (each device's own exp: not bit-reproducible across devices)
         ``fp64-rounded``  exp(-g) in float64, rounded once to FP32 (devices agree unless their float64
@@ -56,10 +68,13 @@ class Recipe:
     stage_x: bool = True
     x_gran: int = 128
     x_scale: str = "fp32"  # "fp32" (SM90) or "ue8m0" (SM100: power of two per x_gran)
+    fp8_scale_rule: str = "mul-inv448"  # how an FP32 x scale is computed (docstring)
     promote_k: int = 128
     global_scales: bool = False
     gate_up_bf16: bool = False
     silu_exp: str = "fp32"
+    swiglu_bf16: bool = False  # SwiGLU's output rounded to bf16 before the requant / the L2 GEMM
+    routing_weight: str = "before-requant"
     l2_group: int | None = 128  # None: no requant, L2 reads FP32 activations
     l2_scale: str = "pow2_ceil"
     l2_amax_floor: float = 0.0
@@ -79,6 +94,9 @@ class Recipe:
     # FP8 block weights. Checked, never clipped.
     min_scale_byte: int | None = field(default=None, init=False)
     max_scale_byte: int | None = field(default=None, init=False)
+    # Humming W4A8: per (expert, tensor) the bytes of nonzero groups must lie in [max - span, max]
+    # (megamoe.layouts.humming); None: no relative window (the absolute one above applies).
+    max_scale_span: int | None = None
     verified: str = "read from source"  # what on-hardware evidence backs this recipe
 
     def __post_init__(self) -> None:
@@ -94,6 +112,10 @@ class Recipe:
             raise ValueError(f"mma must be one of {MMA_MODELS}, got {self.mma!r}")
         if self.silu_exp not in SILU_EXPS:
             raise ValueError(f"silu_exp must be one of {SILU_EXPS}, got {self.silu_exp!r}")
+        if self.fp8_scale_rule not in FP8_SCALE_RULES:
+            raise ValueError(f"fp8_scale_rule must be one of {FP8_SCALE_RULES}, got {self.fp8_scale_rule!r}")
+        if self.routing_weight not in ROUTING_WEIGHTS:
+            raise ValueError(f"routing_weight must be one of {ROUTING_WEIGHTS}, got {self.routing_weight!r}")
         if self.x_scale not in ("fp32", "ue8m0"):
             raise ValueError(f"x_scale must be 'fp32' or 'ue8m0', got {self.x_scale!r}")
         if self.l2_group is not None and (self.l2_group <= 0 or 128 % self.l2_group and self.l2_group % 128):
@@ -201,9 +223,55 @@ MEGAMOE_DECODE_TC = MEGAMOE_DECODE.with_(
               "(bench/results/2026-12-04_nvidia-h200_decode-tc)"),
 )
 
+HUMMING_W4A8 = Recipe(
+    name="humming-w4a8",
+    kernel=("humming.humming_forward, indexed MoE GEMMs with FP8 e4m3 activations per 128 (humming-kernels 0.1.20, "
+            "SM90), chained as vLLM's HummingIndexedExperts runs them"),
+    # Where it rounds, in order (megamoe/fused/humming.py; humming's sources):
+    #  1. x staged by Humming's process_input: sf = max(fl32(amax / 448), fl32(1e-30)) per token per 128 (an IEEE
+    #     division, not DeepGEMM's multiply by fl32(1/448)), q = e4m3 RTNE satfinite of x * fl32(1 / sf).
+    #  2. Weights: e2m1 x 2**byte' (an exact e4m3) with the per-expert weight_scale_2 on the output: exact for the
+    #     bytes in [max - 11, max] of each (expert, sublayer) (megamoe.layouts.humming; others are refused, or
+    #     rewritten as the kernel rewrites them under accept_lossy_scales).
+    #  3. Gate/up: FP8 tensor-core block sums per 128-K block promoted with the activation scale in FP32, then
+    #     bf16 (the GEMM's output dtype).
+    #  4. SwiGLU from the bf16 gate/up in FP32 (float64 exp rounded once, IEEE division), rounded to bf16.
+    #  5. Requant per token per 128 by step 1's rule; the routing weight is NOT folded in.
+    #  6. Down: as 3, bf16 per (token, slot).
+    #  7. Combine: acc = fma(slot, w, acc) in FP32 over the slots in ascending order, masked skipped, then bf16.
+    weight_decode="exact",
+    fp8_scale_rule="div448",
+    gate_up_bf16=True,
+    silu_exp="fp64-rounded",
+    swiglu_bf16=True,
+    routing_weight="at-combine",
+    l2_group=128,
+    l2_scale="div448",
+    mma="sm90-fp8-tc-operands",
+    max_scale_span=11,
+    verified="read from source (humming-kernels 0.1.20); the H200 matrix is the test",
+)
+
+HUMMING_W4A16 = Recipe(
+    name="humming-w4a16",
+    kernel=("humming.humming_forward, indexed MoE GEMMs with bf16 activations (humming-kernels 0.1.20, SM90, "
+            "mma.sync), chained as vLLM's HummingIndexedExperts runs them"),
+    # bf16 x and bf16 weights (e2m1 x 2**(byte - 127), exact) multiply exactly; the kernel sums them in FP32 in its
+    # own order, the reference in float64 and rounds once to bf16 (the GEMM's output): the residual is that order.
+    stage_x=False,
+    weight_decode="exact",
+    gate_up_bf16=True,
+    silu_exp="fp64-rounded",
+    swiglu_bf16=True,
+    routing_weight="at-combine",
+    l2_group=None,
+    accum=torch.float64,
+    verified="read from source (humming-kernels 0.1.20); the H200 matrix is the test",
+)
+
 RECIPES: dict[str, Recipe] = {
     r.name: r for r in (EXACT, FLASHINFER_MXFP4, DEEPGEMM_SM90_FP4, DEEPGEMM_SM90_FP8, DEEPGEMM_SM100_FP4,
-                        MEGAMOE_DECODE, MEGAMOE_DECODE_TC)
+                        MEGAMOE_DECODE, MEGAMOE_DECODE_TC, HUMMING_W4A8, HUMMING_W4A16)
 }
 
 

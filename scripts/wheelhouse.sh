@@ -6,6 +6,7 @@
 # begin each command there with:   source .whl/prelude.sh
 #   apache-tvm-ffi 0.1.11       the FFI both kernel packages load through
 #   sgl-deep-gemm 0.1.5.post1   `deep_gemm` for the FP8 backends
+#   humming-kernels 0.1.20      `humming`: the Humming backends (vLLM main's default MoE GEMMs on Hopper)
 #   flashinfer-python 0.7.4     `flashinfer.megamoe`, trimmed to what that module's JIT builds need (the
 #                               megamoe sources, the include trees and csrc/*.h, tvm_ffi_utils.h among them:
 #                               without it every megamoe JIT build fails)
@@ -21,6 +22,8 @@ plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 ls .whl/apache_tvm_ffi-0.1.11-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d .whl apache-tvm-ffi==0.1.11
 # shellcheck disable=SC2086
 ls .whl/sgl_deep_gemm-0.1.5.post1-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d .whl sgl-deep-gemm==0.1.5.post1
+# shellcheck disable=SC2086
+ls .whl/humming_kernels-0.1.20-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d .whl humming-kernels==0.1.20
 if [ ! -f .whl/flashinfer-megamoe.tar.gz ]; then
   tmp=$(mktemp -d)
   python3 -m pip download -q --no-deps -d "$tmp" flashinfer-python==0.7.4

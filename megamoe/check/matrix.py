@@ -20,7 +20,11 @@ import torch
 MAX_DIFF = 1e-5
 MIN_CODE_MATCH = 0.99
 TOKENS = (1, 2, 7, 64, 128, 300, 512, 2048, 8192)
-BROKEN_CASES_FOR = ("flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4")  # backends whose layouts _break knows how to break
+# Backends whose layouts _break knows how to break (or that break their own: ``break_layout``).
+BROKEN_CASES_FOR = ("flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4", "humming-w4a8", "humming-w4a16")
+# Backends whose weight window is relative to each tensor's largest byte (Humming W4A8): their lossy cases
+# lower a few groups of every tensor below it ("below-window" weights).
+BELOW_WINDOW_FOR = ("humming-w4a8",)
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class Case:
     block_m: int | None = None  # forced BLOCK_M (None: the backend's own plan)
     routing: str = "uniform"  # uniform | masked | allmasked | empty-expert | skewed
     ragged: tuple[int, ...] = ()  # per-rank counts of a data-parallel step; this rank runs num_tokens padded to max
-    weights: str = "random"  # random | checkpoint | lossy (real-like scales below the window, accepted)
+    weights: str = "random"  # random | checkpoint | lossy (real-like scales below the window, accepted) | below-window
     broken: str = ""  # "" | gate-up-not-interleaved | scale-off-by-one
     seed: int = 0
 
@@ -81,9 +85,12 @@ def _all_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: b
         cases.append(Case("small", t, seed=t))
     for t in big_tokens:
         cases.append(Case("dsv4-flash", t, seed=t))
-    for bm in legal_block_ms:
+    legal = legal_block_ms if isinstance(legal_block_ms, dict) else {"small": legal_block_ms,
+                                                                     "dsv4-flash": legal_block_ms}
+    for bm in legal.get("small", ()):
         for t in (7, 64, 300):
             cases.append(Case("small", t, block_m=bm, seed=t))
+    for bm in legal.get("dsv4-flash", ()):
         for t in (7, 128, 512) if not quick else (128,):
             cases.append(Case("dsv4-flash", t, block_m=bm, seed=t))
     for geo, t in (("small", 64), ("dsv4-flash", 128)):
@@ -97,6 +104,9 @@ def _all_cases(backend_name: str, legal_block_ms=(), allows_zero=False, quick: b
         cases += [Case("small", 64, broken="gate-up-not-interleaved", seed=16), Case("small", 64, broken="scale-off-by-one", seed=16)]
     if backend_name == "deepgemm-sm90-fp4":  # real-like scales below its window, run under the opt-in
         cases += [Case("dsv4-flash", t, weights="lossy", seed=17) for t in (1, 128)]
+    if backend_name in BELOW_WINDOW_FOR:  # groups pushed below the window, rewritten by the kernel, run under the opt-in
+        cases += [Case("small", 64, weights="below-window", seed=18)]
+        cases += [Case("dsv4-flash", t, weights="below-window", seed=18) for t in (1, 128)]
     return cases
 
 
@@ -137,7 +147,26 @@ def _weights(preset: str, kind: str, device, cls=None):
         w = load_layer(d, 3, device=device)
     if cls is not None and kind != "lossy" and cls.weight_format == "mxfp4":
         w = cls.synthetic_weights(w)
+    if kind == "below-window":
+        w = below_window(w)
     return g, w
+
+
+def below_window(w, frac: float = 0.03, drop=(12, 13, 14, 16), seed: int = 0):
+    """About ``frac`` of the groups of every (expert, tensor), their bytes lowered by one of ``drop`` binades
+    (never below 1), so that they fall under Humming's W4A8 window of 12 bytes below each tensor's largest: each
+    drop rounds the codes differently (12: halves and ties, 16: nearly all to zero). Codes are unchanged."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(seed)
+    new = {}
+    for name in ("l1_scale", "l2_scale"):
+        s = getattr(w, name)
+        pick = torch.rand(s.shape, generator=gen) < frac
+        by = torch.tensor(drop)[torch.randint(len(drop), s.shape, generator=gen)]
+        lowered = (s.cpu().to(torch.int16) - torch.where(pick, by, torch.zeros_like(by))).clamp(min=1)
+        new[name] = lowered.to(torch.uint8).to(s.device)
+    return dataclasses.replace(w, **new)
 
 
 def _break(be, case: Case):
@@ -145,6 +174,8 @@ def _break(be, case: Case):
 
     gate-up-not-interleaved: the kernel gets gate | up rows where it expects them interleaved (by 8 for
     DeepGEMM, FlashInfer's own order otherwise); scale-off-by-one: the L2 weight scales one binade high."""
+    if hasattr(be, "break_layout"):  # a backend that knows its own layout breaks it itself
+        return be.break_layout(case.broken)
     kw = be.kernel_weights
     old = (be.l1, be.l2)
     if be.weight_format == "fp8_block":  # DeepGEMM SM90 FP8: ((l1, l1_sf), (l2, l2_sf))
@@ -251,8 +282,9 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
     probe = cls(get_geometry_safe("small"), capacity=1)
     dev = probe.device  # CUDA for the kernels; a registered external backend may run on the CPU
     backends, refs, rows = {}, {}, []
-    if cases is None:
-        cases = default_cases(backend_name, probe.legal_block_ms(), cls.allows_zero_tokens, quick=quick,
+    if cases is None:  # the forced BLOCK_M values of each geometry (Humming's tuning lists differ by shape)
+        legal = {geo: cls(get_geometry_safe(geo), capacity=1).legal_block_ms() for geo in ("small", "dsv4-flash")}
+        cases = default_cases(backend_name, legal, cls.allows_zero_tokens, quick=quick,
                               max_tokens=getattr(cls, "max_tokens_per_rank", None))
     cases = list(cases)
     # One backend (buffer, prepared weights) per (geometry, weights); every plan built before any launch.
@@ -262,7 +294,7 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             continue
         g, w = _weights(c.geometry, c.weights, dev, cls)
         cap = max([x.launch_tokens for x in cases if (x.geometry, x.weights) == key] + [1])
-        be = cls(g, capacity=cap, **({"accept_lossy_scales": True} if c.weights == "lossy" else {}))
+        be = cls(g, capacity=cap, **({"accept_lossy_scales": True} if c.weights in ("lossy", "below-window") else {}))
         be.prepare(w if cls.weight_format == "mxfp4" else _fp8(w))
         be.allocate()
         backends[key] = be
@@ -327,7 +359,9 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             loss = getattr(be, "decode_loss", None)
             if loss:  # accepted lossy scales: what the decode loses, against the exact-decode layer
                 row["decode_loss"] = loss["summary"]
-                y_exact = moe_forward(ref_inp, be.kernel_weights, recipe.with_(weight_decode="exact"), g)
+                # Against the checkpoint's exact values (a backend that rewrites weights keeps them aside).
+                y_exact = moe_forward(ref_inp, getattr(be, "checkpoint_weights", be.kernel_weights),
+                                      recipe.with_(weight_decode="exact"), g)
                 row["calc_diff_vs_exact_decode"] = calc_diff(y, y_exact)
                 row["ref_vs_exact_decode"] = calc_diff(res.y[0], y_exact)
             if m and repeats and not c.broken:  # the same staged step again: a kernel must give the same bits

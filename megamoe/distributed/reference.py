@@ -157,14 +157,15 @@ def moe_forward_dist(
         t_max = max(counts)
         dev = comm_device(group)
         if t_max == 0:
-            return combine(torch.zeros(0, k, h, dtype=out_dtype, device=inputs.x.device), filled, recipe)
+            return combine(torch.zeros(0, k, h, dtype=out_dtype, device=inputs.x.device), filled, recipe,
+                           inputs.topk_weights)
         slots_all = torch.zeros(world, t_max, k, h, dtype=out_dtype, device=dev)  # [R, T_max, K, H]
         real = lay.is_real
         slots_all[lay.src_rank[real], lay.src_token[real], lay.src_slot[real]] = l2_out[real].to(dev)
         mine = torch.empty(t_max, k, h, dtype=out_dtype, device=dev)
         _reduce_scatter_single(mine, slots_all.view(world * t_max, k, h), op=dist.ReduceOp.SUM, group=group)
         slots = mine[:t].to(inputs.x.device)
-        return _checked(combine(slots, filled, recipe), recipe, rank)
+        return _checked(combine(slots, filled, recipe, inputs.topk_weights), recipe, rank)
 
     # all_to_all: send rank d the tokens with a slot on its experts, with their token ids.
     tok_ids = torch.arange(t, dtype=torch.int64, device=inputs.x.device)
@@ -196,7 +197,7 @@ def moe_forward_dist(
         seen[tok, slot] = True
     if not torch.equal(seen, filled):
         raise AssertionError(f"rank {rank}: {int((seen != filled).sum())} routed slots did not come back")
-    return _checked(combine(slots, filled, recipe), recipe, rank)
+    return _checked(combine(slots, filled, recipe, inputs.topk_weights), recipe, rank)
 
 
 def _checked(y: torch.Tensor, recipe: Recipe, rank: int) -> torch.Tensor:

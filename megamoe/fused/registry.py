@@ -16,12 +16,13 @@ from .base import FusedBackend
 from .deepgemm_fp4 import DeepGEMMFP4
 from .deepgemm_fp8 import DeepGEMMFP8
 from .flashinfer_mxfp4 import FlashInferMXFP4
+from .humming import HummingW4A8, HummingW4A16
 from .megamoe_decode import MegaMoEDecode, MegaMoEDecodeTC
 from .staged_deepgemm import StagedDeepGEMM
 
 BACKENDS: dict[str, type[FusedBackend]] = {
     cls.name: cls for cls in (FlashInferMXFP4, DeepGEMMFP8, DeepGEMMFP4, StagedDeepGEMM, MegaMoEDecode,
-                             MegaMoEDecodeTC)
+                             MegaMoEDecodeTC, HummingW4A8, HummingW4A16)
 }
 
 

@@ -215,6 +215,10 @@ def check_ranges(weights: MXFP4Weights, recipe) -> None:
     naming the expert, the tensor (l1 / l2), the offending bytes and how many weights would decode
     differently (``decode_loss``), and whether an exact rebase exists."""
     recipe = get_recipe(recipe)
+    if recipe.max_scale_span is not None:  # a window relative to each tensor's largest byte (Humming W4A8)
+        from .humming import check_humming_window
+
+        check_humming_window(weights, who=recipe.name, span=recipe.max_scale_span)
     report = analyze_ranges(weights, recipe)
     bad = report.bad()
     if not bad:

@@ -12,6 +12,9 @@ is a multiply on the GPU; a true division on a CPU tensor differs in the scale's
 inputs (measured on the H200, see docs/kernel-contract.md). Here the multiply is spelled out, so
 the result is the same on every device.
 
+Humming (``per_token_cast_to_fp8_div448``): the same FP32 scales by another rule, its ``process_input``
+compiled without fast math: ``sf = max(fl32(amax / 448), fl32(1e-30))``, a true IEEE division.
+
 SM100 (not used by SM90 kernels): UE8M0 scales per 32 channels, 4 packed per int32 [T, H/128].
 """
 
@@ -65,6 +68,35 @@ def per_token_cast_to_fp8_into(v: torch.Tensor, q: torch.Tensor, sf: torch.Tenso
     torch.reciprocal(sf, out=inv)
     torch.mul(v.view(m, c // gran, gran), inv.unsqueeze(2), out=ws.view(m, c // gran, gran))
     q.copy_(ws.clamp_(-E4M3_MAX, E4M3_MAX))  # e4m3_satfinite: clamp, then RNE to e4m3
+
+
+# fl32(1e-30): the floor Humming's process_input puts under each scale (``fmaxf(amax / 448.f, 1e-30f)``).
+_SCALE_FLOOR_DIV448 = torch.tensor(1e-30, dtype=torch.float32)
+
+
+def fp8_scale_div448(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax -> fp32 sf = max(fl32(amax / 448), fl32(1e-30)), the IEEE quotient on every device: a float64
+    division of a float32 by 448, rounded once to float32, is the correctly rounded float32 quotient (53 >= 2 x 24
+    + 2 bits, so the double rounding is innocuous); torch's own float32 division by a scalar is a multiply by the
+    reciprocal on CUDA."""
+    q = (amax.double() / 448.0).float()
+    return torch.maximum(q, _SCALE_FLOOR_DIV448.to(amax.device))
+
+
+def reciprocal_rn(sf: torch.Tensor) -> torch.Tensor:
+    """fp32 1 / sf correctly rounded on every device (through float64, as ``fp8_scale_div448``)."""
+    return (1.0 / sf.double()).float()
+
+
+def per_token_cast_to_fp8_div448(x: torch.Tensor, gran: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Humming's staging: x [T, H] -> (e4m3 [T, H], fp32 scales [T, H/gran]) with sf = ``fp8_scale_div448``(amax)
+    and q = e4m3 RTNE satfinite of x * fl32(1 / sf) (an FP32 product)."""
+    _check_x(x, gran)
+    t, h = x.shape
+    xv = x.float().view(t, h // gran, gran)
+    sf = fp8_scale_div448(xv.abs().amax(dim=2))
+    q = e4m3_satfinite(xv * reciprocal_rn(sf).unsqueeze(2)).view(t, h)
+    return q, sf
 
 
 def per_token_cast_to_fp8_ue8m0_packed(x: torch.Tensor, gran: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@
     SwiGLU    clamp, silu(g) * u * topk_weight -> FP8 requant [P, I] + sf         (swiglu.py)
     L2        @ W2[e]^T -> [P, H], bf16 per (token, slot)                         (gemm.py)
     combine   FP32 sum over slots in ascending slot order, skip masked, one bf16 rounding
+              (recipe.routing_weight "at-combine": the weight is applied here instead, as an FP32 FMA)
 
 One rank is R = 1; ``moe_forward_ep`` with R ranks gives bit-identical rows for kernel recipes,
 because every row's arithmetic is independent of which other rows share its pool (see gemm.py).
@@ -22,7 +23,7 @@ from ..formats import (WEIGHT_DECODERS, dequantize_mxfp4_lookup, e2m1_decode, e8
                        mxfp4_decode_table, unpack_e2m1, unpack_ue8m0_x4)
 from ..geometry import Geometry
 from ..inputs import MoEInputs
-from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_ue8m0_packed
+from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_div448, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
 from ..weights import FP8BlockWeights, MXFP4Weights
 from ..validate import as_int, check_output, check_step, check_weights
@@ -58,7 +59,8 @@ def stage_activations(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, to
     if not recipe.stage_x:
         return x.to(recipe.accum), None
     if recipe.x_scale == "fp32":
-        q, sf = per_token_cast_to_fp8(x, gran=recipe.x_gran)
+        cast = per_token_cast_to_fp8_div448 if recipe.fp8_scale_rule == "div448" else per_token_cast_to_fp8
+        q, sf = cast(x, gran=recipe.x_gran)
         return q.float(), sf
     q, packed = per_token_cast_to_fp8_ue8m0_packed(x, gran=recipe.x_gran)
     return q.float(), e8m0_to_float(unpack_ue8m0_x4(packed))
@@ -158,7 +160,10 @@ def experts_forward(
     if gs1 is not None:
         h = h * gs1  # FlashInfer: on the L1 accumulators, before the clamp
     v = swiglu(h, g.clamp, recipe.gate_up_bf16, recipe.silu_exp)
-    vw = v * weight.to(v.dtype).unsqueeze(-1)  # the routing weight, before the requant
+    if recipe.swiglu_bf16:
+        v = v.to(torch.bfloat16).to(v.dtype)
+    # The routing weight, before the requant (the Mega MoE kernels), or left for the combine.
+    vw = v * weight.to(v.dtype).unsqueeze(-1) if recipe.routing_weight == "before-requant" else v
     if recipe.l2_group is None:
         l2_in, l2_sf = vw, None
         out = exact_gemm(vw, w2, recipe.accum)
@@ -228,14 +233,25 @@ def _weight_bytes_per_expert(g: Geometry) -> int:
     return 20 * 3 * g.intermediate * g.hidden
 
 
-def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+def combine(slots: torch.Tensor, filled: torch.Tensor, recipe: Recipe,
+            topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """slots [T, K, H] (bf16 per slot), filled bool [T, K] -> y [T, H]: FP32 sum over slots in
-    ascending slot order, masked slots skipped, one final rounding (bf16 unless the recipe keeps FP32)."""
+    ascending slot order, masked slots skipped, one final rounding (bf16 unless the recipe keeps FP32).
+    With ``recipe.routing_weight == "at-combine"`` (topk_weights fp32 [T, K]) each step is one FP32 FMA,
+    acc = fl32(slot * w + acc): the product of a bf16 and an FP32 is exact in float64, so one float64 add
+    rounded once to FP32 is the FMA's single rounding."""
     acc_dtype = torch.float32 if recipe.combine_bf16 else recipe.accum
     t, k, h = slots.shape
     acc = torch.zeros(t, h, dtype=acc_dtype, device=slots.device)
+    weighted = recipe.routing_weight == "at-combine"
+    if weighted and topk_weights is None:
+        raise ValueError(f"combine: recipe {recipe.name!r} applies the routing weights at the combine; pass topk_weights")
     for s in range(k):
-        acc = torch.where(filled[:, s : s + 1], acc + slots[:, s].to(acc_dtype), acc)
+        if weighted:
+            fma = (slots[:, s].double() * topk_weights[:, s : s + 1].double() + acc.double()).to(acc_dtype)
+            acc = torch.where(filled[:, s : s + 1], fma, acc)
+        else:
+            acc = torch.where(filled[:, s : s + 1], acc + slots[:, s].to(acc_dtype), acc)
     return acc.to(torch.bfloat16) if recipe.combine_bf16 else acc
 
 
@@ -327,7 +343,7 @@ def moe_forward_ep(
     ys = []
     for r, inp in enumerate(inputs):
         slots, filled = undispatch(outs, layouts, r, inp.num_tokens, g.num_topk)
-        ys.append(combine(slots, filled, recipe))
+        ys.append(combine(slots, filled, recipe, inp.topk_weights))
         check_output(f"y of rank {r}", ys[-1], f"reference ({recipe.name})", OVERFLOW_HINT)
     return MoEResult(ys, stages)
 

@@ -6,6 +6,7 @@
     per token, per G channels:  amax = max |vw|
         pow2_ceil:   sf = 2**ceil(log2(amax * fl32(1/448)))   (amax 0 -> sf 0, values 0)
         continuous:  sf = max(amax, floor) * fl32(1/448)
+        div448:      sf = max(fl32(amax / 448), fl32(1e-30))   (Humming: an IEEE division)
     q = e4m3_rn_satfinite(vw * (1 / sf))
 
 The kernels use a fast-math sigmoid (approximate exp and reciprocal). ``silu_exp="fast-math"`` models the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import E4M3_MAX, e4m3_satfinite, e8m0_to_float, float_to_e8m0
+from ..layouts.staging import fp8_scale_div448, reciprocal_rn
 
 _INV_448 = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 _LOG2E_F32 = 1.4426950408889634  # __expf multiplies its argument by fl32(log2 e) in FP32
@@ -59,8 +61,11 @@ def requant_fp8(
         sf = torch.where(pos, e8m0_to_float(sf_bytes), torch.zeros_like(y))
     elif rule == "continuous":
         sf = amax.clamp(min=amax_floor) * _INV_448.to(vw.device)
+    elif rule == "div448":
+        sf = fp8_scale_div448(amax)
+        return e4m3_satfinite(v3 * reciprocal_rn(sf).unsqueeze(-1)).reshape(*lead, i), sf
     else:
-        raise ValueError(f"rule must be 'pow2_ceil' or 'continuous', got {rule!r}")
+        raise ValueError(f"rule must be 'pow2_ceil', 'continuous' or 'div448', got {rule!r}")
     inv = torch.where(sf > 0, torch.reciprocal(sf), torch.zeros_like(sf))
     q = e4m3_satfinite(v3 * inv.unsqueeze(-1)).reshape(*lead, i)
     return q, sf
