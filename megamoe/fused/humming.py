@@ -305,7 +305,7 @@ class _Humming(FusedBackend):
     def break_layout(self, kind: str):
         """Swap in a deliberately broken weight layout; returns a function that restores the real one.
         gate-up-not-interleaved: gate/up handed over as up | gate (the kernel then gates with the up rows);
-        scale-off-by-one: the down GEMM's weight scales one binade high."""
+        scale-off-by-one: the down GEMM's weight scale bytes one binade high."""
         old = (self.w13, self.w2)
         if kind == "gate-up-not-interleaved":
             from ..layouts.humming import to_humming_mxfp4
@@ -314,12 +314,10 @@ class _Humming(FusedBackend):
             i = self.g.intermediate
             swap = lambda t: torch.cat([t[:, i:], t[:, :i]], dim=1).contiguous()  # noqa: E731
             _, self.w13 = self._sublayer("w13", swap(w13.weight), swap(w13.weight_scale), 2 * i, self.g.hidden, [i, i])
-        elif kind == "scale-off-by-one":
+        elif kind == "scale-off-by-one":  # every E8M0 byte of the down GEMM's scales + 1, whatever their layout
             w2 = dict(self.w2)
-            if "weight_scale_2" in w2:
-                w2["weight_scale_2"] = w2["weight_scale_2"] * 2
-            else:
-                raise ValueError(f"{self.name}: no weight_scale_2 to break")
+            ws = w2["weight_scale"]
+            w2["weight_scale"] = (ws.view(torch.uint8).clamp(max=253) + 1).view(ws.dtype)
             self.w2 = w2
         else:
             raise ValueError(f"{self.name}: unknown broken layout {kind!r}")

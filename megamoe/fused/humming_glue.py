@@ -14,10 +14,9 @@ beside its torch twin (the twin is the specification; the tests run both, the ke
 Written here rather than imported because vLLM is not a dependency: these are the few lines of its own glue,
 and the Humming backend needs them capturable in one CUDA graph with no host sync.
 
-The align kernels place an expert's slots in the order their atomic increments land, so the order inside an
-expert's segment may differ between launches (vLLM's CUDA kernel sorts them). Humming's GEMM computes each
-row from its own input row alone, so the output bits do not depend on that order (the matrix's relaunch check
-asserts it on the GPU).
+The align counts with atomics (integers: the counts are exact whatever the order) and places each expert's
+slots in ascending slot order, one program per expert, as vLLM's CUDA kernel does: the layout is the same on
+every launch, so a relaunch that differs is the GEMM's own doing.
 """
 
 from __future__ import annotations
@@ -94,11 +93,18 @@ if triton is not None:
 
     @triton.jit
     def _align_scatter(idx_ptr, cursor_ptr, sorted_ptr, n, E: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + offs, mask=offs < n, other=-1)
-        ok = (e >= 0) & (e < E)
-        pos = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), tl.full([BLOCK], 1, tl.int32), mask=ok)
-        tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=ok)
+        """Program e: expert e's slots in ascending order into its segment (vLLM's order; no atomics, so the
+        layout is the same on every launch)."""
+        e = tl.program_id(0)
+        pos = tl.load(cursor_ptr + e)
+        s0 = 0
+        while s0 < n:
+            offs = s0 + tl.arange(0, BLOCK)
+            mine = tl.load(idx_ptr + offs, mask=offs < n, other=-1) == e
+            rank = tl.cumsum(mine.to(tl.int32), axis=0)
+            tl.store(sorted_ptr + pos + rank - 1, offs.to(tl.int32), mask=mine)
+            pos += tl.sum(mine.to(tl.int32), axis=0)
+            s0 += BLOCK
 
 
 def align_block_size(topk_idx: torch.Tensor, num_experts: int, block: int, *, sorted_ids: torch.Tensor,
@@ -115,7 +121,7 @@ def align_block_size(topk_idx: torch.Tensor, num_experts: int, block: int, *, so
     grid = (triton.cdiv(n, block_n),)
     _align_count[grid](topk_idx, counts, n, E=num_experts, BLOCK=block_n)
     _align_layout[(1,)](counts, cursor, sorted_ids, expert_ids, num_padded, n, block, E=num_experts, CHUNK=128)
-    _align_scatter[grid](topk_idx, cursor, sorted_ids, n, E=num_experts, BLOCK=block_n)
+    _align_scatter[(num_experts,)](topk_idx, cursor, sorted_ids, n, E=num_experts, BLOCK=block_n)
 
 
 # ------------------------------------------------------------------------------------------------ swiglu

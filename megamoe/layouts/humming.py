@@ -125,13 +125,14 @@ def rebase_fused_e8m0(codes: torch.Tensor, scale: torch.Tensor, span: int = W4A8
     lo = torch.maximum(mn, hi - span)  # [E]
     delta = (lo[:, None] - s).clamp(min=0).clamp(max=31).view(e, n, -1)  # [E, N, K/32]
     new_scale = (torch.maximum(s, lo[:, None]) - lo[:, None] + 1).to(torch.uint8).view(e, n, -1)
-    # Each nibble through the table of its group's delta (delta 0 maps -0 to 0 and keeps the rest).
-    c = codes.view(torch.uint8).view(e, n, -1, MXFP4_BLOCK // 2).long()  # [E, N, K/32, 16 bytes]
-    d = delta.long().unsqueeze(-1)
-    table = _SHRUNK.to(codes.device).long()
-    low = table[d, c & 0xF]
-    high = table[d, c >> 4]
-    new_codes = (low | (high << 4)).to(torch.uint8).view(e, n, half_k)
+    # Each nibble through the table of its group's delta (delta 0 maps -0 to 0 and keeps the rest), one expert at
+    # a time: the int64 indices of a whole DeepSeek-V4-Flash sublayer would take 16 GiB.
+    table = _SHRUNK.to(codes.device).flatten().long()  # [32 * 16], entry 16 * delta + code
+    new_codes = torch.empty_like(codes.view(torch.uint8))
+    for x in range(e):
+        c = codes[x].view(torch.uint8).view(n, -1, MXFP4_BLOCK // 2).long()  # [N, K/32, 16 bytes]
+        row = (delta[x].long() * 16).unsqueeze(-1)
+        new_codes[x] = (table[row + (c & 0xF)] | (table[row + (c >> 4)] << 4)).to(torch.uint8).view(n, half_k)
     ws2 = torch.exp2(lo.double() - E8M0_BIAS - 1).float()
     return Rebased(new_codes, new_scale, ws2, lo.to(torch.uint8))
 
