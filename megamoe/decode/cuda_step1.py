@@ -158,7 +158,7 @@ def _unsupported_here(device_index: int, hidden: int, intermediate: int, num_top
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
+def launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
     """(CTAs, ring stages, dynamic shared memory bytes): one CTA per SM, as many stages as the SM's shared memory
     holds beside the kernel's fixed buffers, a multiple of the computing warpgroups (stages go round them)."""
     lib = _library()
@@ -198,7 +198,7 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     index = device_index(dev)
     if buf.x_q.device != dev:
         raise ValueError(f"the weights are on {dev} but the buffers on {buf.x_q.device}")
-    ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
+    ctas, most, smem = launch_shape(index, tw.hidden, tw.intermediate)
     stages = most if stages is None else stages
     if not (2 * PARTS <= stages <= most and stages % PARTS == 0):
         raise ValueError(f"stages must be a multiple of {PARTS} in [{2 * PARTS}, {most}], got {stages}")

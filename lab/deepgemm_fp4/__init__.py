@@ -1,0 +1,1 @@
+"""deepgemm_fp4"""
