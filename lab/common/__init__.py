@@ -1,1 +1,1 @@
-"""common"""
+"""Tools the studies share (see lab/common/JOURNAL.md)."""

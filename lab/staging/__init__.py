@@ -1,1 +1,1 @@
-"""staging"""
+"""The staging study: FP8 staging and forced BLOCK_M (lab/staging/JOURNAL.md)."""
