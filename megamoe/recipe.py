@@ -83,7 +83,7 @@ class Recipe:
     accum: torch.dtype = torch.float32
     # How the tensor cores sum one promotion block (megamoe.reference.tensorcore): "exact-block" rounds
     # the exact block sum once to FP32; "sm90-fp8-tc-operands" emulates the H200's FP8 accumulation bit by
-    # bit (on the test vectors of bench/device/tc_fit.py); "sm90-fp8-tc" is the earlier, 90%-exact fit.
+    # bit (on the test vectors of lab/numerics/tc_fit.py); "sm90-fp8-tc" is the earlier, 90%-exact fit.
     mma: str = "exact-block"
     # How the block sums are combined (megamoe.reference.gemm): "promote" (fresh block, FFMA into an FP32
     # accumulator), "rescale" / "rescale-ratio" (one running tensor-core accumulator, divided by each

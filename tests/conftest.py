@@ -7,9 +7,6 @@ Tests marked ``@pytest.mark.gpu`` run only where torch sees a CUDA device of com
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,24 +33,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def device_script():
-    """load(name): bench/device/<name>.py as a module, for CPU tests of what a device script computes (the scripts
-    themselves run on the H200). Their folder goes on sys.path: they import each other by name."""
-    folder = Path(__file__).resolve().parents[1] / "bench" / "device"
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-    @functools.lru_cache(maxsize=None)
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    return load
 
 
 # Weights are read-only in every test: build each (preset, seed) once per session.

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 MoE block: routing once-scaled, shared expert added, the fused path through a backend.
 
 The fused path is checked on the CPU with a fake backend that stages into a buffer (megamoe.staging)
-and runs the reference; the real backends are checked on the H200 (``gpu`` test, bench/device/staging_block.py).
+and runs the reference; the real backends are checked on the H200 (``gpu`` test, lab/staging/staging_block.py).
 """
 
 from __future__ import annotations

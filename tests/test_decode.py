@@ -141,25 +141,6 @@ def test_on_the_gpu(case):
     assert passed(row), json.dumps(row, indent=1, default=str)
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_decode_probe_bytes_and_table(weights_for, capsys, device_script):
-    """The device script's arithmetic and its last table, on synthetic rows (it runs once on the H200)."""
-    probe = device_script("decode_probe")
-    g, w = weights_for("tiny")
-    nb = probe.launch_bytes(g, 3, 5, 6, prepare_decode_weights(w))
-    assert nb["weights"] == 5 * g.expert_weight_bytes()  # 0.53125 bytes per weight, scales included
-    row = {"tokens": 8, "touched": 44, "weight_mb": 588.2, "graph": {"median_us": 170.0},
-           "kineto_us": dict.fromkeys(probe.KERNELS, 1.0), "read": {"median_us": 150.0}, "of_read": 1.13, "gbps": 3460,
-           "flashinfer_us_issue25": 225.0, "speedup_vs_flashinfer": 1.32, "calc_diff": 0.0, "bitwise_frac": 1.0,
-           "repeat_identical": True, "correct": True}
-    probe.print_table({"device": "H200", "torch": "x", "triton": "y", "geometry": "dsv4-flash", "total_s": 1,
-                       "rows": [row, {"tokens": 64}], "errors": [],
-                       "variants": [{"tokens": 8, "variant": "warps8", "graph": {"median_us": 1.0},
-                                     "kineto_us": {}, "same_bits": True}]})
-    out = capsys.readouterr().out
-    assert "| 8 | 44 | 588.2 | 170.0 |" in out and "1.32x" in out and "| 64 | - |" in out
-
-
 def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
     from megamoe.check.matrix import default_cases
     from megamoe.fused.megamoe_decode import MegaMoEDecode, default_block_m

@@ -1,6 +1,6 @@
 """DeepGEMM SM90 FP4 backend, the parts a CPU can check: the decode window (refusal, measured loss, the
 synthetic shift), the plan read back from the heuristic's printout and the JIT source, the source build's
-pin check. The kernel itself runs in the gpu-marked tests and bench/device/deepgemm_fp4_probe.py."""
+pin check. The kernel itself runs in the gpu-marked tests and lab/deepgemm_fp4/probe.py."""
 
 from __future__ import annotations
 

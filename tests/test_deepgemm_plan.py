@@ -1,5 +1,5 @@
 """DeepGEMM SM90 plan read-back (no GPU): the heuristic's printout and the JIT source's template
-arguments, as seen on the H200 (bench/device/dg_probe.py, 2026-12-02), and the recipe they imply."""
+arguments, as seen on the H200 (lab/numerics/dg_probe.py, 2026-12-02), and the recipe they imply."""
 
 from __future__ import annotations
 

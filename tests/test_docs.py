@@ -1,5 +1,7 @@
 """The docs stand alone: every repository path they name exists, none points outside the repository,
-and the quick start's Python runs as written on a CPU (blocks marked `# H200 only` are skipped)."""
+and the quick start's Python runs as written on a CPU (blocks marked `# H200 only` are skipped). The lab's index
+(lab/README.md) is held to the same rule; its journals only to the first half (they name runs that git history
+keeps)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = sorted((REPO / "docs").glob("*.md"))
-TOP_DIRS = ("megamoe", "bench", "docs", "notebooks", "tests", "scripts", ".ci")
+DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "lab" / "README.md"]
+JOURNALS = sorted((REPO / "lab").glob("*/JOURNAL.md"))
+TOP_DIRS = ("megamoe", "bench", "docs", "notebooks", "tests", "scripts", ".ci", "lab")
 
 
 def test_docs_exist():
@@ -18,11 +21,22 @@ def test_docs_exist():
     assert {"quickstart.md", "kernel-contract.md", "kernel-numerics.md"} <= names, names
 
 
+def outside_paths(text: str) -> list[str]:
+    """Paths that climb out of the repository or name an absolute path on some machine (URLs are fine)."""
+    return re.findall(r"(?<![\w:/.])(?:\.\./|/[A-Za-z_][\w.-]*/)[\w./-]*", text)
+
+
+@pytest.mark.parametrize("journal", JOURNALS, ids=lambda p: p.parent.name)
+def test_no_journal_points_outside_the_repository(journal):
+    assert len(JOURNALS) >= 5
+    assert not outside_paths(journal.read_text()), f"{journal} points outside the repository"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_path_a_doc_names_is_in_the_repository(doc):
     text = doc.read_text()
-    # Nothing climbs out of the repository or names an absolute path on some machine (URLs are fine) ...
-    outside = re.findall(r"(?<![\w:/.])(?:\.\./|/[A-Za-z_][\w.-]*/)[\w./-]*", text)
+    # Nothing climbs out of the repository or names an absolute path on some machine ...
+    outside = outside_paths(text)
     assert not outside, f"{doc.name} points outside the repository: {outside}"
     # ... and every markdown document it cites is one of the repository's own.
     cited = set(re.findall(r"`([\w./-]+\.md)`", text))

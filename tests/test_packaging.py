@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 # Written by the build itself, not by us.
 GENERATED = {"PKG-INFO", "setup.cfg"}
 GENERATED_DIRS = ("megamoe.egg-info/",)
-# Tracked, deliberately not shipped.
+# Tracked, deliberately not shipped: the lab (studies, their probes and journals) stays in the repository.
 NOT_SHIPPED = {".gitignore"}
+NOT_SHIPPED_DIRS = ("lab/",)
 
 
 def _pyproject() -> dict:
@@ -55,7 +56,7 @@ def sdist_files(tmp_path_factory) -> set[str]:
 
 
 def test_sdist_ships_every_project_file(sdist_files):
-    missing = sorted(_git_files() - NOT_SHIPPED - sdist_files)
+    missing = sorted(p for p in _git_files() - NOT_SHIPPED - sdist_files if not p.startswith(NOT_SHIPPED_DIRS))
     assert not missing, f"{len(missing)} project files are not in the sdist (MANIFEST.in): {missing[:20]}"
 
 
@@ -77,6 +78,19 @@ def test_sdist_has_what_its_own_tests_read(sdist_files):
                 need |= {f"bench/results/{run}/{p.name}" for p in (REPO / "bench" / "results" / run).glob("*.json")}
     assert not sorted(need - sdist_files), f"sdist lacks {sorted(need - sdist_files)}"
     assert not [p for p in sdist_files if p.endswith((".pyc", ".ipynb")) or p.startswith("notebooks/figures/")]
+
+
+def test_no_lab_file_ships(sdist_files):
+    """The lab is the repository's, not the package's: no lab/ file in the sdist, and no lab package among those
+    setuptools puts in the wheel (the same ``packages.find`` rule the wheel build reads from pyproject.toml)."""
+    from setuptools import find_packages
+
+    assert not [p for p in sdist_files if p.startswith("lab/")], "lab/ files in the sdist (MANIFEST.in: prune lab)"
+    find = _pyproject()["tool"]["setuptools"]["packages"]["find"]
+    wheel_packages = find_packages(where=str(REPO), include=find["include"], exclude=find.get("exclude", ()))
+    assert "megamoe.decode" in wheel_packages  # the rule finds packages at all
+    assert not [p for p in wheel_packages if not p.startswith("megamoe")], wheel_packages
+    assert (REPO / "lab" / "__init__.py").exists() or not (REPO / "lab").exists()  # lab is a package the rule skips
 
 
 def test_license_file_matches_the_metadata():

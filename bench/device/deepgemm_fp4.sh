@@ -12,7 +12,7 @@
 #             by side (DeepGEMM compiles one kernel at a time in the launching thread)
 #   tests     the gpu-marked FP4 tests (layout byte-equal to transform_weights_for_mega_moe_sm90_fp4, the
 #             backend against its reference, broken layouts, the window, the block, the one-rank launcher)
-#   probe     bench/device/deepgemm_fp4_probe.py (decode table, the checkpoint case, recipe variants, lossy
+#   probe     lab/deepgemm_fp4/probe.py (decode table, the checkpoint case, recipe variants, lossy
 #             scales, plans)
 #   matrix    the full differential matrix of deepgemm-sm90-fp4 (megamoe.check.matrix); MATRIX_ONLY=substring
 #             of the case ids to run, MATRIX_REPEATS relaunches per case (8), MATRIX_MMA the reference's
@@ -96,7 +96,7 @@ step_tests() {
 
 step_probe() {
   # shellcheck disable=SC2086
-  python3 bench/device/deepgemm_fp4_probe.py --out "$OUT" --deadline "${PROBE_DEADLINE:-240}" \
+  python3 lab/deepgemm_fp4/probe.py --out "$OUT" --deadline "${PROBE_DEADLINE:-240}" \
     ${PROBE_SECTIONS:+--sections $PROBE_SECTIONS} ${PROBE_ARGS:-} >> "$LOG" 2>&1
   say "probe exit $?"
 }

@@ -8,9 +8,9 @@ step pays three ramps and tails around them (docs/decode-kernel-tc.md, "Where th
 one CTA per SM and streams the CTA's L1 and then L2 blocks through a ring of shared-memory stages
 (``cp.async.bulk`` with mbarriers, which Triton does not expose), so L2's weights load while L1 finishes; each L2
 tile waits only for its own expert's L1 tiles, and two signal warps keep those cross-CTA waits off the computing
-warpgroups. On the H200 it is a little faster than the Triton launches (41.4 against 42.7 us; 38.9 against 42.1 us
-of kernel time: bench/results/2026-12-04_nvidia-h200_decode-tc/run36-cuda-step1/), but it needs nvcc at run time,
-so the backend leaves it off: ``LaunchConfig.tc_cuda_step1`` turns it on.
+warpgroups. It is level with the Triton launches on the H200 and slower on the H100, and no variant tried was 3%
+faster (docs/decode-kernel-tc.md, "The 1-token CUDA step": a recorded negative result), so the Triton launches stay
+the backend's 1-token path and this step is opt-in: ``LaunchConfig.tc_cuda_step1`` turns it on.
 
 The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
 ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot
@@ -158,7 +158,7 @@ def _unsupported_here(device_index: int, hidden: int, intermediate: int, num_top
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
+def launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int, int, int]:
     """(CTAs, ring stages, dynamic shared memory bytes): one CTA per SM, as many stages as the SM's shared memory
     holds beside the kernel's fixed buffers, a multiple of the computing warpgroups (stages go round them)."""
     lib = _library()
@@ -198,7 +198,7 @@ def step1(tw, buf, clamp: float, *, stages: int | None = None, stamps: torch.Ten
     index = device_index(dev)
     if buf.x_q.device != dev:
         raise ValueError(f"the weights are on {dev} but the buffers on {buf.x_q.device}")
-    ctas, most, smem = _launch_shape(index, tw.hidden, tw.intermediate)
+    ctas, most, smem = launch_shape(index, tw.hidden, tw.intermediate)
     stages = most if stages is None else stages
     if not (2 * PARTS <= stages <= most and stages % PARTS == 0):
         raise ValueError(f"stages must be a multiple of {PARTS} in [{2 * PARTS}, {most}], got {stages}")

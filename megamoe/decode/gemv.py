@@ -61,7 +61,8 @@ class LaunchConfig:
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
     # The tensor-core path at 1 token: the whole step in one persistent CUDA launch (``cuda_step1.py``) where the
-    # machine can build and run it (SM90, nvcc), else the Triton launches. Same bits; 41.4 against 42.7 us (run 36).
+    # machine can build and run it (SM90, nvcc), else the Triton launches. Same bits; level with them on the H200,
+    # slower on the H100 (docs/decode-kernel-tc.md, "The 1-token CUDA step"), so off by default.
     tc_cuda_step1: bool = False
     # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
     # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.

@@ -49,8 +49,8 @@ def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
       at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
       slower (run 27);
     - not the whole 1-token step in one persistent CUDA launch (``cuda_step1.py``, ``LaunchConfig.tc_cuda_step1``):
-      the same bits and now a little faster (41.4 us against 42.7 for these three launches, side by side; run 36),
-      but it builds with nvcc on first use, which a serving process should not meet by default."""
+      the same bits, level with these three launches on the H200 and slower on the H100 (docs/decode-kernel-tc.md,
+      "The 1-token CUDA step"), and it builds with nvcc on first use."""
     return LaunchConfig(pdl=True, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
                         tc_route=num_tokens * top_k <= ROUTE_SLOTS_FASTER,
                         tc_l1_maxnreg=72 if num_tokens >= 16 else 80)

@@ -19,7 +19,7 @@ MMA-Sim for Hopper's FP8 ``wgmma`` (13 fraction bits, truncation, output truncat
 It chains such steps over the instruction's K (32 for FP8) and over successive instructions that
 accumulate into the same registers (the four k32 steps of one 128-wide block). ``TensorCoreModel``
 names the parameters; ``SM90_FP8_TC_OPERANDS`` reproduces the H200 bit for bit on its test vectors
-(``bench/device/tc_fit.py`` runs them and ranks ``model_grid()`` with ``fit_tensorcore_model``;
+(``lab/numerics/tc_fit.py`` runs them and ranks ``model_grid()`` with ``fit_tensorcore_model``;
 docs/kernel-numerics.md records the result), ``SM90_FP8_TC`` is the earlier, 90%-exact fit.
 ``EXACT_BLOCK`` is the plain model: the exact block sum rounded once to FP32.
 
@@ -70,7 +70,7 @@ EXACT_BLOCK = TensorCoreModel("exact-block")
 SM90_FP8_TC = TensorCoreModel("sm90-fp8-tc", chunk=32, frac_bits=13, term_round="rz", out_bits=13, out_round="rz")
 # The same with the alignment of Microsoft's MMA-Sim for Hopper FP8 wgmma: e_max from the operands'
 # exponents (ea + eb), so a largest product with significands multiplying to >= 2 keeps one more bit.
-# 100% of the H200's test outputs at K = 32, 64 and 128 (2026-12-03, bench/device/tc_fit.py): the default.
+# 100% of the H200's test outputs at K = 32, 64 and 128 (2026-12-03, lab/numerics/tc_fit.py): the default.
 SM90_FP8_TC_OPERANDS = TensorCoreModel(
     "sm90-fp8-tc-operands", chunk=32, frac_bits=13, term_round="rz", out_bits=13, out_round="rz", align="operands"
 )

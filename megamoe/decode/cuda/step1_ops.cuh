@@ -9,7 +9,7 @@ namespace {
 
 // A stage: two consecutive 128-K blocks of a tile (each four 1,024-byte code blocks), then their scale words (64 per
 // block). Both runs are contiguous in layout_tc.py, so a stage is two bulk copies: fewer, larger copies stream
-// faster (bench/device/stream_ring_bench.cu: one copy costs the issuing thread about as much as 4 KB takes to land).
+// faster (lab/cuda_step/ring_bench.cu: one copy costs the issuing thread about as much as 4 KB takes to land).
 constexpr int kBlocks = 2;
 constexpr int kCodeBytes = kBlocks * 4096;
 constexpr int kStageBytes = kCodeBytes + kBlocks * 256;

@@ -1,0 +1,1 @@
+"""Tools the studies share (see lab/common/JOURNAL.md)."""

@@ -1,0 +1,1 @@
+"""The 1-token CUDA step study (lab/cuda_step/JOURNAL.md)."""

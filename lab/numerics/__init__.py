@@ -1,0 +1,1 @@
+"""The numerics study: tensor-core accumulation and the kernels' rounding points (lab/numerics/JOURNAL.md)."""

@@ -1,0 +1,1 @@
+"""The staging study: FP8 staging and forced BLOCK_M (lab/staging/JOURNAL.md)."""
