@@ -129,7 +129,9 @@ class ReadCandidate:
     def parse(cls, name: str) -> "ReadCandidate":
         """The candidate a ``name`` names ("cuda/16", "triton-cg/8", "triton-evict-first/4", "triton-stream")."""
         kernel, _, per_sm = name.partition("/")
-        if kernel in (STREAM, "torch") and not per_sm:
+        if kernel in (STREAM, "torch"):
+            if per_sm:
+                raise ValueError(f"read candidate {name!r}: {kernel} has no grid to size (no '/N')")
             return cls(kernel)
         if kernel == "cuda" or kernel.startswith("triton-"):
             if not per_sm.isdigit() or int(per_sm) < 1:
