@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``script`` in a fresh Python under Triton's CPU interpreter (it must be on before triton imports)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300,
                           check=True, cwd=ROOT)
 

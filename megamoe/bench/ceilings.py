@@ -253,3 +253,9 @@ class ReadCeiling:
 
     def us(self, nbytes: float) -> float:
         return self.record(nbytes)["us"]
+
+    def summary(self) -> dict:
+        """What a results file keeps: ``read`` (``how``), ``read_candidates`` (names) and ``read_sizes`` (every
+        size measured so far, its record, by size)."""
+        return {"read": self.how, "read_candidates": [c.name for c in self.candidates],
+                "read_sizes": [self.cache[n] for n in sorted(self.cache)]}

@@ -9,12 +9,13 @@ once and writes, per program, the xor of what it read (so no load is dead code a
                                           thread issues 128-bit loads), and the last program also the masked tail
     grid_stride_programs(n, per_sm, sms)  how many programs the persistent read launches
 
-Why both: the streaming read issues 32-bit loads whenever the word count is not a multiple of 16 (Triton
-vectorises a masked load only where it knows n % 16 == 0: at DeepSeek-V4-Flash's 1, 2 and 4 tokens the step's
-bytes, rounded to 16, are 4, 4 and 8 words past one), and it pays one program's start per 16 KB. The persistent
-read keeps the mask out of its loop. ``HINTS`` names the load hints it can take: Triton 3.6 emits ``ld.global.cg`` (L2 only, not L1) or
-``ld.global.L1::evict_first``, not both (ptxas refuses the pair) and not the ``.nc`` read-only path, which is the
-CUDA read's (``read_cuda``). Checked for exactness under Triton's CPU interpreter (TRITON_INTERPRET=1).
+Why a second read: the streaming read issues 32-bit loads whenever the word count is not a multiple of 16
+(Triton vectorises a masked load only where it knows n % 16 == 0; at DeepSeek-V4-Flash's 1, 2 and 4 tokens the
+step's bytes, rounded up to 16, are 4, 4 and 8 words past a multiple of 16), and it pays one program's start per
+16 KB. The persistent read keeps the mask out of its loop. ``HINTS`` names the load hints it can take: Triton 3.6
+emits ``ld.global.cg`` (L2 only, not L1) or ``ld.global.L1::evict_first``, not both (ptxas refuses the pair), and
+never the ``.nc`` read-only path, which is the CUDA read's (``read_cuda``). Both are checked for exactness under
+Triton's CPU interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
