@@ -191,6 +191,24 @@ def test_the_ceiling_keeps_the_fastest_read_that_read_every_word():
     assert rec["how"].startswith("fastest of 3 reads per size")
 
 
+@pytest.mark.parametrize("compiler", [None, "/bin/false"], ids=["no nvcc", "nvcc fails"])
+def test_without_a_cuda_build_the_ceiling_falls_back_to_the_triton_reads_and_says_why(monkeypatch, tmp_path, compiler):
+    """On a CUDA device (faked: the candidates are only listed, nothing launches) with no nvcc, or one that fails:
+    the Triton reads alone, and the note names the reason."""
+    from megamoe.bench.ceilings import BLOCKS_PER_SM, default_candidates
+
+    monkeypatch.setenv("MEGAMOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(read_cuda, "nvcc", lambda: compiler)
+    monkeypatch.setattr(read_cuda, "arch_of", lambda device: "90a")
+    read_cuda.library.cache_clear()
+    cands, notes = default_candidates(torch.device("cuda"))
+    read_cuda.library.cache_clear()
+    assert [c.name for c in cands] == [f"triton-cg/{k}" for k in BLOCKS_PER_SM] + [STREAM]
+    why = "building the CUDA read needs nvcc" if compiler is None else "nvcc failed on read_kernel.cu (arch 90a)"
+    assert len(notes) == 1 and notes[0].startswith("no CUDA read (RuntimeError: " + why), notes
+    assert notes[0].endswith("the Triton reads only") and not list(tmp_path.glob("*.so"))
+
+
 def test_the_ceiling_on_a_cpu_is_a_torch_sum_measured_once_per_size():
     read = ReadCeiling("cpu", repeats=2)
     nbytes = random.randint(17, 1 << 16)
