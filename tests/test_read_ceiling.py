@@ -169,14 +169,14 @@ class SkipsFourWords(ReadCandidate):  # a broken read: the persistent read of al
 
 
 def test_the_ceiling_keeps_the_fastest_read_that_read_every_word():
-    """Under the interpreter on a CPU (one 'SM', one program each): every candidate is timed, the one that skips
-    words is dropped with a warning, the kept fastest read the same words as the streaming read, and the
-    streaming read's time is recorded beside it."""
+    """Under the interpreter on a CPU (one 'SM', one program each): the read that skips words and the one that
+    cannot run here (CUDA) are dropped with a warning, the rest timed; the fastest of them is kept and the
+    streaming read's time recorded beside it."""
     nbytes = 4 * (rk.TILE + random.randint(1, rk.TILE - 1)) + random.randint(1, 15)  # not a multiple of 16
     script = ("import json, sys, warnings\n"
               "from megamoe.bench.ceilings import ReadCandidate, ReadCeiling\n" + SKIPS_FOUR_WORDS +
               "cands = [ReadCandidate.parse('triton-plain/1'), ReadCandidate.parse('triton-stream'),\n"
-              "         SkipsFourWords('triton', 1)]\n"
+              "         SkipsFourWords('triton', 1), ReadCandidate.parse('cuda/1')]\n"
               "read = ReadCeiling('cpu', candidates=cands, repeats=1, warmup=0)\n"
               "with warnings.catch_warnings(record=True) as w:\n"
               "    warnings.simplefilter('always')\n"
@@ -185,10 +185,10 @@ def test_the_ceiling_keeps_the_fastest_read_that_read_every_word():
     rec = json.loads(_interpreted(script, str(nbytes)).stdout.strip().splitlines()[-1])
     assert rec["bytes"] == -(-nbytes // 16) * 16 and rec["bytes"] % 16 == 0
     assert rec["rejected"] == ["skips-four-words"] and "skips-four-words" in rec["warnings"][0]
-    assert set(rec["screen_us"]) == {"triton-plain/1", STREAM, "skips-four-words"}
-    kept = {k: v for k, v in rec["screen_us"].items() if k not in rec["rejected"]}
-    assert rec["best"] == min(kept, key=kept.get) and rec["us"] > 0 and rec["stream_us"] > 0
-    assert rec["how"].startswith("fastest of 3 reads per size")
+    assert rec["failed"] == {"cuda/1": "ValueError: buf must be on a CUDA device, got cpu"}  # raised: left out
+    assert set(rec["screen_us"]) == {"triton-plain/1", STREAM}  # neither a wrong read nor a failed one is timed
+    assert rec["best"] == min(rec["screen_us"], key=rec["screen_us"].get) and rec["us"] > 0 and rec["stream_us"] > 0
+    assert rec["how"].startswith("fastest of 4 reads per size")
 
 
 @pytest.mark.parametrize("compiler", [None, "/bin/false"], ids=["no nvcc", "nvcc fails"])
@@ -215,6 +215,7 @@ def test_the_ceiling_on_a_cpu_is_a_torch_sum_measured_once_per_size():
     rec = read.record(nbytes)
     assert read.record(nbytes + (-nbytes) % 16) is rec and list(read.cache) == [rec["bytes"]]  # same rounded size
     assert rec["best"] == "torch" and rec["us"] > 0 and rec["stream_us"] is None and rec["screen_us"] == {}
+    assert rec["rejected"] == [] and rec["failed"] == {}
     assert "no CUDA device" in read.how
     with pytest.raises(ValueError, match="at least one read"):
         ReadCeiling("cpu", candidates=[])

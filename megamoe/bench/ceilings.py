@@ -202,12 +202,12 @@ class ReadCeiling:
     megamoe can launch here, the L2 flushed between reads, measured once per size and kept: a ceiling is the best
     read one can measure. The buffer is random bytes (never zeros) and each read's result is kept.
 
-    Per size, every candidate (``default_candidates``) is timed for ``screen_s`` (at least ``repeats`` calls);
-    a candidate whose xor of the buffer differs from the streaming read's (or, without it, the first
-    candidate's) is dropped with a warning (``rejected``: it skipped or repeated words); the fastest of the rest
-    and the streaming read are then timed again for ``min_time_s`` each. ``record(nbytes)`` holds all of it:
-    ``best`` (its name), ``us``, ``stream_us`` (the old read; None where it is not a candidate), ``screen_us``
-    per candidate. ``how`` names the candidates and any note."""
+    Per size, every candidate (``default_candidates``) reads the buffer once first: one whose xor of it differs
+    from the streaming read's (or, without it, the first candidate's) is dropped with a warning (``rejected``: it
+    skipped or repeated words), and so is one that raises (``failed``, with its error). The rest are timed for
+    ``screen_s`` each (at least ``repeats`` calls), then the fastest and the streaming read for ``min_time_s``.
+    ``record(nbytes)`` holds all of it: ``best`` (its name), ``us``, ``stream_us`` (the old read; None where it
+    is not a candidate), ``screen_us`` per kept candidate. ``how`` names the candidates and any note."""
 
     def __init__(self, device=None, *, min_time_s: float = 0.1, screen_s: float = 0.02, repeats: int = 20,
                  warmup: int = 3, candidates: list[ReadCandidate] | None = None):
@@ -235,19 +235,28 @@ class ReadCeiling:
         if n not in self.cache:
             gen = torch.Generator(device=self.dev).manual_seed(n)  # made on the device: up to ~7 GB at 8192 tokens
             buf = torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, generator=gen, device=self.dev)
-            calls = {c.name: c.prepare(buf, self.sms) for c in self.candidates}
-            screen = {k: self._time(fn, self.screen_s) for k, (fn, _) in calls.items()} if len(calls) > 1 else {}
-            xors = {k: xor_of(out) for k, (_, out) in calls.items()}
+            calls, xors, failed = {}, {}, {}
+            for c in self.candidates:  # each read once, its result checked, before any is timed
+                try:
+                    fn, out = c.prepare(buf, self.sms)
+                    fn()
+                    xors[c.name], calls[c.name] = xor_of(out), fn
+                except Exception as exc:  # noqa: BLE001 - a read that cannot launch here is left out, by name
+                    failed[c.name] = f"{type(exc).__name__}: {exc}"
+            if not calls:
+                raise RuntimeError(f"no read could run at {n} bytes: {failed}")
             ref = STREAM if STREAM in xors else next((k for k, x in xors.items() if x is not None), None)
             want = xors[ref] if ref is not None else None
             rejected = sorted(k for k, x in xors.items() if want is not None and x is not None and x != want)
-            if rejected:  # a kernel that skips or repeats words must not set the ceiling, nor vanish unseen
-                warnings.warn(f"read ceiling at {n} bytes: {rejected} read other words than {ref}; dropped")
+            if rejected or failed:  # a read that skips or repeats words must not set the ceiling, nor vanish unseen
+                warnings.warn(f"read ceiling at {n} bytes: dropped {rejected} (read other words than {ref}) and "
+                              f"{sorted(failed)} (failed: {failed})")
             kept = [k for k in calls if k not in rejected]
-            best = min(kept, key=screen.get) if screen else kept[0]
-            final = {k: self._time(calls[k][0], self.min_time_s) for k in dict.fromkeys([best, STREAM]) if k in calls}
+            screen = {k: self._time(calls[k], self.screen_s) for k in kept} if len(kept) > 1 else {}
+            best = min(screen, key=screen.get) if screen else kept[0]
+            final = {k: self._time(calls[k], self.min_time_s) for k in dict.fromkeys([best, STREAM]) if k in kept}
             self.cache[n] = {"bytes": n, "best": best, "us": final[best], "stream_us": final.get(STREAM),
-                             "screen_us": screen, "rejected": rejected, "xor": want}
+                             "screen_us": screen, "rejected": rejected, "failed": failed, "xor": want}
             del calls, buf
         return self.cache[n]
 
