@@ -119,5 +119,3 @@ def read_grid_stride(buf: torch.Tensor, out: torch.Tensor, hint: str = "cg") -> 
                                         EVICT=evict, num_warps=NUM_WARPS, num_stages=1)
     return out
 
-
-read_all.programs = programs  # ReadCeiling sizes ``out`` through the function it calls
