@@ -137,6 +137,12 @@ def test_the_sweep_end_to_end_on_a_cpu(tiny, fakes, tmp_path):
         assert r["statistic"] == "median" and r["us"] == r["median_us"] and not r["host_bound"]
         assert r["checked"] and r["correct"] and r["calc_diff"] == 0.0 and r["process"] == 1
         assert r["read_us"] > 0 and r["frac_of_read"] == pytest.approx(r["read_us"] / r["us"])
+        assert r["read_kernel"] == "torch" and r["read_us_stream"] is None  # no streaming read off CUDA
+    # every size's reads, once each, in the ceilings: the rows' figures are theirs
+    sizes = {s["bytes"]: s for s in res["ceilings"]["read_sizes"]}
+    assert res["ceilings"]["read_candidates"] == ["torch"] and len(sizes) == len(res["ceilings"]["read_sizes"])
+    for r in dev:
+        assert sizes[-(-int(r["bytes"]) // 16) * 16]["us"] == r["read_us"]
     assert {r["block_m"] for r in dev if r["backend"] == "fake-kernel"} == {8, 24}
     assert {(x["backend"], x["tokens"]) for x in res["repeatability"]} == {(r["backend"], r["tokens"]) for r in dev}
     assert len(res["block_m"]) == 2 * 2 and res["block_m_best"]  # 2 forced BMs x 2 token counts

@@ -190,9 +190,11 @@ def test_the_read_ceiling_reads_each_size_once_and_feeds_the_floor():
     g = get_geometry("tiny")
     idx = torch.randint(0, g.num_experts, (3, g.num_topk))
     fl = step_floor(g, idx, Ceilings("cpu", 10.0, 1.0, 1.0), "mxfp4", read=read)
-    assert fl.read_us == read.cache[-(-int(fl.bytes) // 16) * 16]
+    rec = read.cache[-(-int(fl.bytes) // 16) * 16]
+    assert fl.read_us == rec["us"] and fl.read_kernel == rec["best"] == "torch" and fl.read_us_stream is None
     a = achieved(fl, 4 * fl.read_us, Ceilings("cpu", 10.0, 1.0, 1.0))
-    assert a["frac_of_read"] == pytest.approx(0.25) and a["read_us"] == fl.read_us
+    assert a["frac_of_read"] == pytest.approx(0.25) and a["read_us"] == fl.read_us and a["read_kernel"] == "torch"
+    assert a["read_us_stream"] is None and a["frac_of_read_stream"] is None  # no streaming read off CUDA
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="triton is not installed")

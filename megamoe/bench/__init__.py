@@ -1,7 +1,7 @@
 """Benchmarks: device timing, measured ceilings, roofline floors, the token sweep (``megamoe bench``).
 
     timing.py      CUDA-event / CUDA-graph timing, the harness-vs-bare-loop check; kineto.py: the second clock
-    ceilings.py    copy bandwidth, FP8 and bf16 matmul rates, the read ceiling (read_kernel.py), on the card
+    ceilings.py    copy bandwidth, FP8 and bf16 matmul rates, the read ceiling (read_kernel.py, read_cuda.py)
     roofline.py    bytes of the experts touched + activations, FLOPs: the floor of one step
     backends.py    the one adapter between the harness and megamoe.fused backends (or any callable)
     sweep.py       the sweep: checks, timed passes, the second clock; studies.py: overhead, BLOCK_M, ragged, staging

@@ -51,14 +51,18 @@ def sweep_table(results: dict) -> tuple[list[str], list[list[str]]]:
     names = backend_names(rows)
     spd = {(s["tokens"], s["fused"]): s for s in results.get("speedup", [])}
     fused = [n for n in names if any(r["fused"] for r in rows if r["backend"] == n)]
-    head = (["tokens", "floor us (MXFP4)", "read us (MXFP4 bytes)"] + [f"{n} us" for n in names]
+    stream = any(r.get("read_us_stream") for r in rows)  # the streaming read (the ceiling until issue 47) beside
+    head = (["tokens", "floor us (MXFP4)", "read us (MXFP4 bytes)"] + (["streaming read us"] if stream else [])
+            + [f"{n} us" for n in names]
             + [f"{f} vs unfused" for f in fused if any("speedup" in s for s in spd.values() if s["fused"] == f)])
     body = []
     for t in sorted({r["tokens"] for r in rows}):
         at = {r["backend"]: r for r in rows if r["tokens"] == t}
         mx = next((r for r in at.values() if r["weight_format"] == "mxfp4"), next(iter(at.values())))
-        line = [str(t), f"{fmt_us(mx['floor_mxfp4_us'])} ({mx['bound']})",
-                fmt_us(mx.get("read_us")) if mx["weight_format"] == "mxfp4" else "-"]
+        mxfp4 = mx["weight_format"] == "mxfp4"
+        read = fmt_us(mx.get("read_us")) + (f" ({mx['read_kernel']})" if mx.get("read_kernel") else "")
+        line = [str(t), f"{fmt_us(mx['floor_mxfp4_us'])} ({mx['bound']})", read if mxfp4 else "-"]
+        line += [fmt_us(mx.get("read_us_stream")) if mxfp4 else "-"] if stream else []
         line += [cell(at[n]) if n in at else "-" for n in names]
         for f in fused:
             if len(head) > len(line):
@@ -111,8 +115,8 @@ def header(results: dict) -> list[str]:
             f"{cfg.get('passes')} passes, the repeatability bar 3%. Host-bound rows (+-): mean +- standard error over "
             f"{cfg.get('rep_ms')} ms of calls, one pass. Wall time {results.get('wall_seconds', '?')} s",
             "- 'of floor' = floor / time, floor = max(bytes of the experts touched + activations over copy bandwidth, "
-            "FLOPs over the FP8 rate), each backend with its own weight format; 'read' = a plain read of the same "
-            "bytes / time (1.0 = as fast as reading them)"]
+            "FLOPs over the FP8 rate), each backend with its own weight format; 'read' = the fastest plain read of the "
+            "same bytes / time (1.0 = as fast as reading them; the read kernel that was fastest in brackets)"]
     return out
 
 
@@ -207,7 +211,7 @@ def print_tables(results: dict, console=None) -> None:
                   f"{c.get('copy_gbps', float('nan')):.0f} GB/s, FP8 {c.get('fp8_tflops', float('nan')):.0f} TFLOP/s")
     if results["rows"]:
         head, body = sweep_table(results)
-        t = Table(title="time per layer, us (of floor, of a plain read, BLOCK_M); host-bound rows: mean +- s.e.")
+        t = Table(title="time per layer, us (of floor, of the fastest read, BLOCK_M); host-bound rows: mean +- s.e.")
         for h in head:
             t.add_column(h, justify="right")
         for row in body:

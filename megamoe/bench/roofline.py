@@ -5,8 +5,9 @@
                      topk_idx int64 + topk_weights fp32 [T, K] read
     FLOPs            routed (unmasked) rows x flops_per_routed_row = 2 (2I H + H I) per (token, slot)
     floor            max(bytes / copy bandwidth, FLOPs / FP8 rate); ``bound`` names the larger term
-    read             the measured time of a plain read of the same bytes (``ceilings.ReadCeiling``): the
-                     size-aware ceiling; "of read" = read time / kernel time, beside "of floor"
+    read             the measured time of the fastest plain read of the same bytes (``ceilings.ReadCeiling``):
+                     the size-aware ceiling; "of read" = read time / kernel time, beside "of floor". Beside it the
+                     kernel that read fastest and the streaming read's time (the ceiling until issue 47)
 
 Bytes per weight: MXFP4 = 4 bits + one E8M0 byte per 32 = 0.53125; FP8 block = 1 + 4 / (128 * 128).
 """
@@ -58,7 +59,9 @@ class Floor:
     hbm_us: float
     compute_us: float
     weight_format: str
-    read_us: float | None = None  # a plain read of ``bytes``, measured (None: not measured)
+    read_us: float | None = None  # the fastest plain read of ``bytes``, measured (None: not measured)
+    read_kernel: str | None = None  # which read that was (a ``ceilings.ReadCandidate`` name)
+    read_us_stream: float | None = None  # the streaming read of ``bytes`` (None: not a candidate here)
 
     @property
     def bytes(self) -> float:
@@ -93,7 +96,8 @@ def step_floor(
     read=None,
 ) -> Floor:
     """The floor of one step whose routing is ``topk_idx`` [T, K] (-1 = masked); ``read``: a
-    ``ceilings.ReadCeiling`` whose measured read of the step's bytes goes into ``read_us``."""
+    ``ceilings.ReadCeiling`` whose measured reads of the step's bytes go into ``read_us`` (the fastest),
+    ``read_kernel`` and ``read_us_stream``."""
     t = topk_idx.shape[0]
     lo, hi = expert_range or (0, g.num_experts)
     n_exp = distinct_experts(topk_idx, lo, hi)
@@ -103,13 +107,15 @@ def step_floor(
     flops = float(rows * g.flops_per_routed_row())
     hbm_us = (wbytes + abytes) / (ceilings.copy_gbps * 1e9) * 1e6
     compute_us = flops / (ceilings.fp8_tflops * 1e12) * 1e6
-    read_us = None if read is None else read.us(wbytes + abytes)
-    return Floor(t, n_exp, rows, wbytes, abytes, flops, hbm_us, compute_us, weight_format, read_us)
+    rec = {} if read is None else read.record(wbytes + abytes)
+    return Floor(t, n_exp, rows, wbytes, abytes, flops, hbm_us, compute_us, weight_format, rec.get("us"),
+                 rec.get("best"), rec.get("stream_us"))
 
 
 def achieved(floor: Floor, time_us: float, ceilings: Ceilings) -> dict:
     """TFLOP/s, GB/s (of the floor's bytes), their fractions of the ceilings, and the time as a fraction of
-    the floor and of a plain read of the same bytes (when measured), for a measured time."""
+    the floor and of a plain read of the same bytes (when measured: the fastest read, and the streaming read
+    beside it), for a measured time."""
     s = time_us * 1e-6
     tflops = floor.flops / s / 1e12 if s > 0 else float("nan")
     gbps = floor.bytes / s / 1e9 if s > 0 else float("nan")
@@ -122,5 +128,12 @@ def achieved(floor: Floor, time_us: float, ceilings: Ceilings) -> dict:
         "frac_of_floor": floor.floor_us / time_us if time_us > 0 else float("nan"),  # 1.0 = at the floor
         "bound": floor.bound,
         "read_us": floor.read_us,
-        "frac_of_read": floor.read_us / time_us if floor.read_us and time_us > 0 else None,  # 1.0 = a plain read
+        "frac_of_read": _frac(floor.read_us, time_us),  # 1.0 = as fast as the fastest read
+        "read_kernel": floor.read_kernel,
+        "read_us_stream": floor.read_us_stream,
+        "frac_of_read_stream": _frac(floor.read_us_stream, time_us),
     }
+
+
+def _frac(read_us: float | None, time_us: float) -> float | None:
+    return read_us / time_us if read_us and time_us > 0 else None

@@ -289,7 +289,7 @@ class Sweep:
     def section_ceilings(self) -> None:
         c = self.ceilings = self.cfg.ceilings or measure_ceilings(self.dev)
         self.read = ReadCeiling(self.dev) if self.cfg.read_ceiling else None
-        self.results["ceilings"] = {**c.as_dict(), "read": self.read and self.read.how}
+        self.results["ceilings"] = {**c.as_dict(), **(self.read.summary() if self.read else {"read": None})}
         self.meta["ceilings"] = self.results["ceilings"]
         self.log(f"[bench] ceilings: copy {c.copy_gbps:.0f} GB/s, FP8 {c.fp8_tflops:.0f} TFLOP/s, "
                  f"bf16 {c.bf16_tflops:.0f} TFLOP/s")
@@ -337,6 +337,7 @@ class Sweep:
             for t in cfg.tokens:
                 for fmt in {b.weight_format for b in self.backends}:
                     step_floor(self.g, self.inputs(t).topk_idx, self.ceilings, fmt, read=self.read)
+            self.results["ceilings"].update(self.read.summary())  # every size's reads: each candidate's time
 
     def section_sweep(self) -> None:
         """Checks first (every case, before anything is timed), then the device-bound rows, ``passes`` each, then
