@@ -1,6 +1,7 @@
 """Results of ``megamoe bench`` as files and screen tables.
 
     results.json   everything (meta of each process, ceilings, every row with its samples, studies, errors)
+    results.jsonl  one record per timed row (megamoe.bench.jsonl)
     results.md     the tables below in Markdown
     sweep.png      time vs tokens per backend, log-log, the floor and the read ceiling drawn (plots.py)
     block_m.png    every forced BLOCK_M vs tokens (when the study ran)
@@ -184,13 +185,16 @@ def to_markdown(results: dict) -> str:
 
 
 def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
-    """results.json (written whole, then moved into place), results.md, and the plots when ``plots``."""
+    """results.json (written whole, then moved into place), results.jsonl (a record per timed row:
+    ``megamoe.bench.jsonl``), results.md, and the plots when ``plots``."""
     os.makedirs(out_dir, exist_ok=True)
     p = os.path.join(out_dir, "results.json")
     with open(p + ".tmp", "w") as f:
         json.dump(results, f, indent=1, default=repr)
     os.replace(p + ".tmp", p)
-    written = [p, os.path.join(out_dir, "results.md")]
+    from .jsonl import write_jsonl
+
+    written = [p, os.path.join(out_dir, "results.md"), write_jsonl(results, out_dir)]
     with open(written[1], "w") as f:
         f.write(to_markdown(results))
     if plots:
