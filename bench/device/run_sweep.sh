@@ -39,6 +39,7 @@ P1_DEADLINE_S=${P1_DEADLINE_S:-300}
 EXTRA=${EXTRA:-}                 # extra `megamoe bench` flags for both processes
 EXTRA1=${EXTRA1:-}               # ... for process 1 only (e.g. --studies overhead staging)
 EXTRA2=${EXTRA2:-}               # ... for process 2 only
+BEFORE2=${BEFORE2:-}             # a command run before process 2 (e.g. wait for a build, then compile its kernels)
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export MEGAMOE_COMMIT=${MEGAMOE_COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
@@ -59,7 +60,9 @@ if [ -z "${DEEPGEMM_FP4_PATH:-}" ]; then
   echo "[run_sweep] process 2 skipped: DEEPGEMM_FP4_PATH is not set (the DeepGEMM PR #323 build for deepgemm-sm90-fp4)"
 elif [ -z "$dir" ] || [ ! -f "$dir/results.json" ]; then
   echo "[run_sweep] process 2 skipped: process 1 left no results folder to append to"
-elif [ "$left" -lt 60 ]; then
+elif [ -n "$BEFORE2" ] && ! bash -c "$BEFORE2"; then
+  echo "[run_sweep] process 2 skipped: BEFORE2 failed ($BEFORE2)"
+elif left=$((TOTAL_S - (SECONDS - start))) && [ "$left" -lt 60 ]; then
   echo "[run_sweep] process 2 skipped: only $left s of the $TOTAL_S s budget left"
 else
   # shellcheck disable=SC2086
