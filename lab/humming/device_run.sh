@@ -24,6 +24,6 @@ PY
   echo "[humming] matrix $name exit $? at $((SECONDS - start)) s"
   grep -E "^\[matrix\]" "$OUT/matrix-$name.log" | cut -c1-260 | tail -n 60
 done
-timeout -k 5 "${BENCH_S:-150}" python3 -m megamoe bench --preset dsv4-flash --tokens ${TOKENS:-1 8 64 512 4096} \
+[ "${BENCH_S:-150}" -gt 0 ] && timeout -k 5 "${BENCH_S:-150}" python3 -m megamoe bench --preset dsv4-flash --tokens ${TOKENS:-1 8 64 512 4096} \
   --backends ${BENCH_BACKENDS:-humming-w4a8 humming-w4a16 flashinfer-mxfp4} --passes 1 --studies --deadline-s 100 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
 echo "[humming] bench exit $? at $((SECONDS - start)) s"; tail -n 40 "$OUT/bench.log" | cut -c1-250
