@@ -175,15 +175,14 @@ def humming_window(weights: MXFP4Weights, span: int = W4A8_SCALE_SPAN) -> list[W
         experts = torch.nonzero(below.flatten(1).any(1)).flatten()
         if not experts.numel():
             continue
-        exact = dequantize_mxfp4(codes[experts], scale[experts]).double()  # only the tensors that change
-        got = dequantize_mxfp4(getattr(kernel, codes_name)[experts], getattr(kernel, scale_name)[experts]).double()
-        changed = (got != exact).flatten(1)
-        to_zero = (changed & (got == 0).flatten(1) & (exact != 0).flatten(1)).sum(1)
-        err = (got - exact).abs().flatten(1).amax(1)
-        low_bytes = torch.where(below[experts], scale[experts].to(torch.int16), torch.full_like(lo[experts], 255))
-        for j, e in enumerate(experts.tolist()):
+        kc, ks = getattr(kernel, codes_name), getattr(kernel, scale_name)
+        for e in experts.tolist():  # one expert at a time: a whole sublayer in float64 is tens of GiB
+            exact = dequantize_mxfp4(codes[e], scale[e]).double()
+            got = dequantize_mxfp4(kc[e], ks[e]).double()
+            changed = got != exact
             out.append(WindowEntry(e, codes_name, int(scale[e].max()), int(lo[e]), int(below[e].sum()),
-                                   int(low_bytes[j].min()), int(changed[j].sum()), int(to_zero[j]), float(err[j])))
+                                   int(scale[e][below[e]].min()), int(changed.sum()),
+                                   int((changed & (got == 0) & (exact != 0)).sum()), float((got - exact).abs().max())))
     return sorted(out, key=lambda x: (x.expert, x.tensor))
 
 
