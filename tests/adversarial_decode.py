@@ -285,11 +285,11 @@ def _repair_after(kind):
 def _unread_expert_untouched():
     """A 0xFF in an expert this step does not read: the step is computed (what it reads is right), and equals the
     step on the clean weights bit for bit."""
-    inp = inputs()
+    inp = inputs(2)
     unread = sorted(set(range(8)) - set(inp.topk_idx.flatten().tolist()))[0]
     w = dataclasses.replace(W_TINY, l1_scale=W_TINY.l1_scale.clone())
     w.l1_scale.data[unread, 0, 0] = 255
-    return fwd(w, "flashinfer-mxfp4"), fwd(W_TINY, "flashinfer-mxfp4")
+    return fwd(w, "flashinfer-mxfp4", inp), fwd(W_TINY, "flashinfer-mxfp4", inp)
 
 
 IN_PLACE = [
@@ -317,7 +317,7 @@ def _stage_torch(x=None, out_x=None, capacity=1, agreed=None):
     views = list(allocate_buffers(capacity, TINY).views())
     if out_x is not None:
         views[0] = out_x
-    idx, w = torch.tensor([[1, 5]] * t), torch.tensor([[0.75, 0.25]] * t)
+    idx, w = torch.tensor([1, 5] * t).view(t, 2), torch.tensor([0.75, 0.25] * t).view(t, 2)
     return stage_into(x, idx, w, *views, agreed, num_experts=8, backend="torch")
 
 
@@ -358,7 +358,7 @@ def _decode_scale_written(tc: bool):
     if tc:
         dw.l1_scales.data[e, 1, 0, 5, 2] = (255 + 6) % 256  # stored s + 6: byte 0xFF
     else:
-        dw.l1_scales.data[e, 0, 1, 0, 3, 2] = 255  # [E, I/bn, H/bk, half, bn, g]: gate row 3, group 8 + 2
+        dw.l1_scales.data[e, 0, 0, 0, 3, 2] = 255  # [E, I/bn, H/bk, half, bn, g]: gate row 3, group 2
     return _twin(dw, buf)
 
 
@@ -389,7 +389,7 @@ class _DecodeOnCPU:
         be._prepared = be._allocated = True
         inp = inputs(3, seed=60)
         e = int(inp.topk_idx[1, 0])
-        be.dw.l2_scales.numpy()[e, 2, 1, 7, 0] = 255  # [E, H/bn2, I/bk2, bn2, g2]: l2 row 2 * 64 + 7, group 4 + 0
+        be.dw.l2_scales.numpy()[e, 2, 0, 7, 1] = 255  # [E, H/bn2, I/bk2, bn2, g2]: l2 row 2 * 64 + 7, group 1
         return be.run(inp), e
 
 
@@ -414,13 +414,13 @@ def _e_of(t, k=0, seed=60, tokens=3):
 MESSAGES = [
     Case("messages", "0xFF written into prepared decode weights, twin", lambda wf: _decode_scale_written(False),
          Refused(ValueError, rf"moe_decode_torch: DecodeWeights.l1_scales: expert {_e_of(0)}, l1 row 3 \(gate\), 32-K group "
-                             r"10 holds scale byte 0xFF \(NaN\) \(prepare refuses it: was it written in place\?\)")),
+                             r"2 holds scale byte 0xFF \(NaN\) \(prepare refuses it: was it written in place\?\)")),
     Case("messages", "0xFF written into prepared tensor-core weights, twin", lambda wf: _decode_scale_written(True),
-         Refused(ValueError, rf"moe_decode_torch: TCWeights.l1_scales: expert {_e_of(0)}, l1 row 37 \(up\), 32-K group 2 "
+         Refused(ValueError, rf"moe_decode_torch: TCWeights.l1_scales: expert {_e_of(0)}, l1 row 37 \(gate\), 32-K group 2 "
                              r"holds scale byte 255 \(stored 5; outside 20..236")),
     Case("messages", "NaN y from a scale byte, backend run", lambda wf: _DecodeOnCPU.run_with_nan_scale(),
          Refused(NonFiniteOutputError, rf"megamoe-decode: y {NONFINITE}; caused by the weights: DecodeWeights.l2_scales: "
-                                       rf"expert {_e_of(1)}, l2 row 135, 32-K group 4 holds scale byte 0xFF")),
+                                       rf"expert {_e_of(1)}, l2 row 135, 32-K group 1 holds scale byte 0xFF")),
     Case("messages", "0xFF written into an FP8 block value, reference", lambda wf: fwd(_fp8_written(), "deepgemm-sm90-fp8"),
          Refused(ValueError, rf"reference: FP8 block weights l1 contains NaN or Inf \(first at \[expert, row, column\] "
                              rf"= \[{_read_expert()}, 4, 9\]")),

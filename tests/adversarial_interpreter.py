@@ -96,8 +96,8 @@ def _stage_triton(x, out_x=None, capacity: int = 1, agreed=None):
     g, _ = _tiny()
     t = x.shape[0]
     bufs = allocate_buffers(capacity, g)
-    idx = torch.tensor([[1, 5]] * t, dtype=torch.int64)
-    w = torch.tensor([[0.75, 0.25]] * t, dtype=torch.float32)
+    idx = torch.tensor([1, 5] * t, dtype=torch.int64).view(t, 2)
+    w = torch.tensor([0.75, 0.25] * t, dtype=torch.float32).view(t, 2)
     views = list(bufs.views())
     if out_x is not None:
         views[0] = out_x
