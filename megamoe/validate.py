@@ -21,19 +21,13 @@ message starts with the entry point (``who``) and names the argument, the expect
     check_output            NaN / Inf in a result computed from accepted, finite inputs (``diagnose``: what
                             in the weights caused it, named instead of the activations)
 
-What the library promises about weights: they are frozen once a call has them. A write torch's version
-counter sees (``w.l1_scale[5] = 255``, an in-place op, ``torch.no_grad`` included) and one it does not
-(``param.data.copy_(...)``, a numpy view written through ``.numpy()``, a write through the storage) are
-treated alike: a call reads what is there now. Checks that are cheap next to the work re-run each call on
-what the call reads (``check_expert_scales``: the reference's experts of this step); results that are
-dear (the setup agreement's sha256) are kept per content (``memo_per_content``: the tensor's version and
-its ``content_checksum``, one read of its bytes where the library already synchronises). A kernel's
-prepared weights are the kernel's own copy: changing the checkpoint tensors after ``prepare`` changes
-nothing the kernel reads, and changing the prepared copy in place is not checked per launch (the launch
-stays sync-free); a non-finite result then names the weight that caused it (``check_output``'s
-``diagnose``).
-
-Legend: T tokens, K top-k slots, E experts, H hidden.
+What the library promises about weights: they are frozen once a call has them, and a write torch's version
+counter sees (``w.l1_scale[5] = 255``, an in-place op under ``torch.no_grad``) is treated like one it does not
+(``param.data.copy_(...)``, a numpy view, the storage). Checks cheap next to the work re-run each call on what it
+reads (``check_expert_scales``); dear results (the setup agreement's sha256) are kept per content
+(``memo_per_content``: version and ``content_checksum``). A kernel's prepared weights are its own copy, not
+checked per launch (the launch stays sync-free); a non-finite result then names the weight that caused it
+(``check_output``'s ``diagnose``).
 """
 
 from __future__ import annotations
@@ -254,12 +248,10 @@ def check_step(x, topk_idx, topk_weights, *, hidden: int, num_topk: int, num_exp
 
 # ------------------------------------------------------------------------------------ weights
 def content_checksum(t: torch.Tensor, row_words: int = 4096) -> tuple[int, ...]:
-    """A cheap digest of ``t``'s bytes, on its device (one host sync): its 32-bit words (bytes where the
-    size is not a multiple of 4) laid out as rows of ``row_words``, then (sum, sum of row sums weighted by
-    row, sum of column sums weighted by column) in int64, plus the dtype, shape and data pointer. Any
-    write that changes one word changes the sum; a word moved to another place changes a weighted sum.
-    Not a cryptographic digest: it guards against writes made behind torch's version counter, not
-    against an adversary. Costs two reads of the data (a CPU reads a GB in a fraction of a second)."""
+    """A cheap digest of ``t``'s bytes on its device (one host sync): its 32-bit words as rows of ``row_words``,
+    (sum, row sums weighted by row, column sums weighted by column) in int64, with dtype, shape and data pointer.
+    A changed word changes the sum, a moved one a weighted sum: a guard against writes made behind torch's
+    version counter, not a cryptographic digest. Two reads of the data."""
     flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
     raw = flat.view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.data_ptr() % 4 == 0 else raw
@@ -276,19 +268,16 @@ def content_checksum(t: torch.Tensor, row_words: int = 4096) -> tuple[int, ...]:
     return (str(t.dtype), tuple(t.shape), t.data_ptr(), *parts.tolist())
 
 
-# Results per tensor, by id: (weak reference, content key, value). The key is the tensor's version and its
-# ``content_checksum``: a write torch counts (``w.l1_scale[5] = 255``, through any view) and one it does not
-# (``.data.copy_``, a numpy view) both make the result be computed again.
+# Per tensor id: (weak reference, (version, content_checksum), value): a write seen by torch or not recomputes it.
 _MEMO: dict[tuple[int, str], tuple[weakref.ref, object, object]] = {}
 
 
 def memo_per_content(t: torch.Tensor, key: str, fn):
-    """fn() for tensor ``t``, computed once per (tensor, content, key): for results that cost more than a
-    ``content_checksum`` (a sha256 over host copies, say). Inference-mode tensors have no version and are
-    keyed on their checksum alone."""
+    """fn() for tensor ``t``, once per (tensor, content, key): for results dearer than a ``content_checksum`` (a
+    sha256 over host copies). Inference-mode tensors have no version: keyed on the checksum alone."""
     try:
         version = t._version
-    except RuntimeError:  # an inference-mode tensor tracks no version: its checksum alone says
+    except RuntimeError:
         version = None
     content = (version, content_checksum(t))
     slot = (id(t), key)
