@@ -7,16 +7,27 @@ twin. Each raises TypeError (wrong type or dtype) or ValueError (wrong shape, va
 message starts with the entry point (``who``) and names the argument, the expected and the actual value.
 
     as_int, as_float        Python scalars: nothing truncated (6.9 is not 6), no NaN, bounds named
-    expect_tensor           type, dtype, shape and device of one tensor
+    as_clamp                the SwiGLU clamp: > 0, finite or +inf (the rule ``Geometry`` applies)
+    expect_tensor           type, dtype, shape, device (and, for a kernel's raw pointer, contiguity) of one tensor
     check_finite            NaN / Inf, with the index of the first bad element
     check_scale_bytes       E8M0 byte 0xFF is NaN: refused anywhere, all-zero groups included
     routing_error_bits      bad routing as bit flags in a device tensor, without a host sync
     check_topk              the same on the host, naming the token and its values
     check_step              one rank's step (x, topk_idx, topk_weights) against the layer's shape
     check_weights           MXFP4 scale bytes, global scales; FP8 block values and scales
-    check_output            NaN / Inf in a result computed from accepted, finite inputs
+    check_expert_scales     the scale bytes of the experts one call reads, checked where it reads them
+    content_checksum        a cheap digest of a tensor's bytes that every write changes, seen or not by torch
+    memo_per_content        a result computed once per tensor content (version and checksum)
+    check_output            NaN / Inf in a result computed from accepted, finite inputs (``diagnose``: what
+                            in the weights caused it, named instead of the activations)
 
-Legend: T tokens, K top-k slots, E experts, H hidden.
+What the library promises about weights: they are frozen once a call has them, and a write torch's version
+counter sees (``w.l1_scale[5] = 255``, an in-place op under ``torch.no_grad``) is treated like one it does not
+(``param.data.copy_(...)``, a numpy view, the storage). Checks cheap next to the work re-run each call on what it
+reads (``check_expert_scales``); dear results (the setup agreement's sha256) are kept per content
+(``memo_per_content``: version and ``content_checksum``). A kernel's prepared weights are its own copy, not
+checked per launch (the launch stays sync-free); a non-finite result then names the weight that caused it
+(``check_output``'s ``diagnose``).
 """
 
 from __future__ import annotations
@@ -42,6 +53,12 @@ class NonFiniteOutputError(ValueError):
 
 def _p(who: str) -> str:
     return f"{who}: " if who else ""
+
+
+def as_clamp(value, who: str = "") -> float:
+    """The SwiGLU clamp as ``Geometry`` takes it: a real number > 0, finite or +inf ("no clamp"); NaN,
+    zero and negatives refused (a NaN clamp makes every output row NaN)."""
+    return as_float("clamp", value, lo=0.0, lo_open=True, allow_inf=True, who=who)
 
 
 # ------------------------------------------------------------------------------------ scalars
@@ -77,8 +94,10 @@ def as_float(name: str, value, *, lo: float | None = None, lo_open: bool = False
 # ------------------------------------------------------------------------------------ tensors
 def expect_tensor(name: str, t, shape: tuple[int, ...] | None = None,
                   dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
-                  device: torch.device | str | None = None, who: str = "") -> None:
-    """Raise TypeError / ValueError naming ``name``, the expected and the actual type, dtype, shape, device."""
+                  device: torch.device | str | None = None, who: str = "", contiguous: bool = False) -> None:
+    """Raise TypeError / ValueError naming ``name``, the expected and the actual type, dtype, shape, device;
+    ``contiguous``: a kernel indexes it as a dense row-major array from its first element (any shape, one
+    row and zero rows included: torch ignores the strides of size-1 dimensions, and so does such a kernel)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{_p(who)}{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
@@ -89,6 +108,9 @@ def expect_tensor(name: str, t, shape: tuple[int, ...] | None = None,
         raise ValueError(f"{_p(who)}{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if device is not None and t.device != torch.device(device):
         raise ValueError(f"{_p(who)}{name} must be on device {torch.device(device)}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{_p(who)}{name} must be contiguous (a kernel reads it as a dense row-major array), got "
+                         f"strides {t.stride()} for shape {tuple(t.shape)}")
 
 
 def check_finite(name: str, t: torch.Tensor, who: str = "", index: str = "index") -> None:
@@ -105,7 +127,10 @@ def check_finite(name: str, t: torch.Tensor, who: str = "", index: str = "index"
 
 def check_scale_bytes(name: str, scale: torch.Tensor, who: str = "") -> None:
     """E8M0 bytes (uint8 [..., G]): byte 0xFF is NaN, not 2**128. Refused wherever it is, an all-zero
-    group included (no decoder agrees on what NaN times zero is), and never repaired."""
+    group included (no decoder agrees on what NaN times zero is), and never repaired. 0xFF is the largest byte,
+    so one max says whether there is any (a CPU's max reads bytes ~10x faster than ``==`` then ``any``)."""
+    if not scale.numel() or int(scale.max()) != E8M0_NAN:
+        return
     bad = scale == E8M0_NAN
     if bool(bad.any()):
         first = bad.nonzero()[0].tolist()
@@ -222,45 +247,71 @@ def check_step(x, topk_idx, topk_weights, *, hidden: int, num_topk: int, num_exp
 
 
 # ------------------------------------------------------------------------------------ weights
-# Results per tensor, by id: (weak reference, version counter, key, value). A tensor changed in place
-# since (``w.l1_scale[5] = 255``, through any view) has a new version and is computed again; unchanged
-# weights are scanned once, not on every reference call or distributed step.
-_MEMO: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+def content_checksum(t: torch.Tensor, row_words: int = 4096) -> tuple[int, ...]:
+    """A cheap digest of ``t``'s bytes on its device (one host sync): its 32-bit words as rows of ``row_words``,
+    (sum, row sums weighted by row, column sums weighted by column) in int64, with dtype, shape and data pointer.
+    A changed word changes the sum, a moved one a weighted sum: a guard against writes made behind torch's
+    version counter, not a cryptographic digest. Two reads of the data."""
+    flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.data_ptr() % 4 == 0 else raw
+    n = words.numel()
+    rows = n // row_words
+    main, tail = words[: rows * row_words].view(rows, row_words), words[rows * row_words:]
+    row_sums = main.sum(dim=1, dtype=torch.int64)
+    col_sums = main.sum(dim=0, dtype=torch.int64)
+    r = torch.arange(1, rows + 1, dtype=torch.int64, device=t.device)
+    c = torch.arange(1, row_words + 1, dtype=torch.int64, device=t.device)
+    tail_w = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=t.device)
+    parts = torch.stack([row_sums.sum() + tail.sum(dtype=torch.int64), (row_sums * r).sum(), (col_sums * c).sum(),
+                         (tail.to(torch.int64) * tail_w).sum()])
+    return (str(t.dtype), tuple(t.shape), t.data_ptr(), *parts.tolist())
 
 
-def memo_per_version(t: torch.Tensor, key: str, fn):
-    """fn() for tensor ``t``, computed once per (tensor, version of its data, key)."""
+# Per tensor id: (weak reference, (version, content_checksum), value): a write seen by torch or not recomputes it.
+_MEMO: dict[tuple[int, str], tuple[weakref.ref, object, object]] = {}
+
+
+def memo_per_content(t: torch.Tensor, key: str, fn):
+    """fn() for tensor ``t``, once per (tensor, content, key): for results dearer than a ``content_checksum`` (a
+    sha256 over host copies). Inference-mode tensors have no version: keyed on the checksum alone."""
     try:
         version = t._version
-    except RuntimeError:  # an inference-mode tensor tracks no version: compute every time
-        return fn()
+    except RuntimeError:
+        version = None
+    content = (version, content_checksum(t))
     slot = (id(t), key)
     entry = _MEMO.get(slot)
-    if entry is not None and entry[0]() is t and entry[1] == version:
+    if entry is not None and entry[0]() is t and entry[1] == content:
         return entry[2]
     value = fn()
-    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), version, value)
+    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), content, value)
     return value
 
 
-def _check_once(t: torch.Tensor, check: str, fn) -> None:
-    memo_per_version(t, f"check:{check}", lambda: fn() or True)
+memo_per_version = memo_per_content  # the earlier name (it keyed on the version alone, which misses .data writes)
 
 
-def _e4m3_nan_check(name: str, t: torch.Tensor, who: str) -> None:
-    """e4m3fn has no Inf; NaN is S.1111.111. Read as bytes, one expert at a time (no float copy)."""
-    for e in range(t.shape[0]):
-        nan = (t[e].view(torch.uint8) & 0x7F) == 0x7F
+def _e4m3_nan_check(name: str, t: torch.Tensor, who: str, ids) -> None:
+    """e4m3fn has no Inf; NaN is S.1111.111. Read as bytes, one expert at a time (no float copy); t [B, N, K]
+    holds experts ``ids``."""
+    for b, e in enumerate(ids):
+        nan = (t[b].view(torch.uint8) & 0x7F) == 0x7F
         if bool(nan.any()):
             raise ValueError(f"{_p(who)}FP8 block weights {name} contains NaN or Inf (first at [expert, row, "
                              f"column] = {[e, *nan.nonzero()[0].tolist()]}; {int(nan.sum())} in expert {e})")
 
 
 def check_mxfp4_values(weights, who: str = "") -> None:
-    """MXFP4Weights: no E8M0 byte 0xFF in l1_scale / l2_scale; global scales finite and positive."""
+    """MXFP4Weights: no E8M0 byte 0xFF in l1_scale / l2_scale; global scales finite and positive. Scans the
+    scale bytes every call (1/16 of the weights' bytes: no memo, so no write can hide from it)."""
     for name in ("l1_scale", "l2_scale"):
-        t = getattr(weights, name)
-        _check_once(t, "e8m0", lambda: check_scale_bytes(f"weights.{name}", t, who))
+        check_scale_bytes(f"weights.{name}", getattr(weights, name), who)
+    check_global_scales(weights, who)
+
+
+def check_global_scales(weights, who: str = "") -> None:
+    """MXFP4Weights' per-expert global scales (E floats each): finite and positive, or None."""
     for name in ("l1_global_scale", "l2_global_scale"):
         gs = getattr(weights, name)
         if gs is not None and not bool((torch.isfinite(gs) & (gs > 0)).all()):
@@ -268,19 +319,57 @@ def check_mxfp4_values(weights, who: str = "") -> None:
             raise ValueError(f"{_p(who)}weights.{name} must be finite and positive, got {gs[e].item()!r} at expert {e}")
 
 
-def check_fp8_block_values(weights, who: str = "") -> None:
+def check_fp8_block_values(weights, who: str = "", experts=None) -> None:
     """FP8BlockWeights: e4m3 values finite (e4m3fn's NaN byte refused); block scales finite and > 0
-    (a zero or negative scale silently zeroes or flips a 128 x 128 block)."""
+    (a zero or negative scale silently zeroes or flips a 128 x 128 block). ``experts``: only these (a call
+    that reads a few), else all; errors name the expert id."""
+    ids = list(range(weights.l1.shape[0])) if experts is None else list(experts)
+
+    def of(t):
+        return t if experts is None else t[torch.tensor(ids, dtype=torch.int64, device=t.device)]
+
     for name in ("l1", "l2"):
-        t = getattr(weights, name)
-        _check_once(t, "e4m3", lambda: _e4m3_nan_check(name, t, who))
+        _e4m3_nan_check(name, of(getattr(weights, name)), who, ids)
     for name in ("l1_scale", "l2_scale"):
-        s = getattr(weights, name)
-        check_finite(f"FP8 block weights {name}", s, who, "[expert, block row, block column]")
-        if bool((s <= 0).any()):
-            first = (s <= 0).nonzero()[0].tolist()
-            raise ValueError(f"{_p(who)}FP8 block weights {name} must be > 0, got {s[tuple(first)].item()!r} "
-                             f"at [expert, block row, block column] = {first}")
+        s = of(getattr(weights, name))
+        bad = ~torch.isfinite(s) | (s <= 0)
+        if bool(bad.any()):
+            b, *blk = bad.nonzero()[0].tolist()
+            v, where = s[(b, *blk)].item(), f"[expert, block row, block column] = {[ids[b], *blk]}"
+            if v != v or abs(v) == float("inf"):
+                raise ValueError(f"{_p(who)}FP8 block weights {name} contains NaN or Inf (first at {where}; "
+                                 f"{int((~torch.isfinite(s)).sum())} of {s.numel()} elements)")
+            raise ValueError(f"{_p(who)}FP8 block weights {name} must be > 0, got {v!r} at {where}")
+
+
+def check_expert_scales(name: str, scale: torch.Tensor, experts, who: str = "",
+                        ok_bytes: tuple[int, int] | None = None, nonzero: torch.Tensor | None = None) -> None:
+    """The scale bytes of the experts one call reads, where it reads them (every call, no memo: a write made
+    behind torch's version counter is seen too). scale uint8 [B, N, G] of experts ``experts`` (B ids);
+    refused: E8M0 byte 0xFF (NaN), and with ``ok_bytes`` = (lo, hi) a byte outside lo..hi in a group whose
+    codes are nonzero (``nonzero`` bool [B, N, G]; all groups when None). The error names the tensor, the
+    expert, the [row, group] and the byte. The bytes' min and max decide the common case (nothing wrong)."""
+    if not scale.numel():
+        return
+    lo_hi = torch.aminmax(scale)
+    lo, hi = int(lo_hi.min), int(lo_hi.max)
+    if hi != E8M0_NAN and (ok_bytes is None or ok_bytes[0] <= lo and hi <= ok_bytes[1]):
+        return
+    bad = scale == E8M0_NAN
+    if ok_bytes is not None:
+        bad = bad | (scale < ok_bytes[0]) | (scale > ok_bytes[1])
+    if nonzero is not None and ok_bytes is not None:
+        bad = bad & (nonzero | (scale == E8M0_NAN))
+    if bool(bad.any()):
+        b, row, grp = bad.nonzero()[0].tolist()
+        byte = int(scale[b, row, grp])
+        where = f"first at expert {list(experts)[b]}, [row, group] = [{row}, {grp}], of the experts this call reads"
+        if byte == E8M0_NAN:
+            what = f"holds {int((scale == E8M0_NAN).sum())} E8M0 byte(s) 0xFF, which is NaN, not a scale ({where})"
+        else:
+            what = (f"holds {int(bad.sum())} E8M0 byte(s) outside {ok_bytes[0]}..{ok_bytes[1]} in groups with nonzero "
+                    f"codes ({where}: byte {byte})")
+        raise ValueError(f"{_p(who)}{name} {what}; weights are frozen once prepared: was the tensor written in place?")
 
 
 def check_weights(weights, who: str = "") -> None:
@@ -295,14 +384,17 @@ def check_weights(weights, who: str = "") -> None:
 
 
 # ------------------------------------------------------------------------------------ results
-def check_output(name: str, y: torch.Tensor, who: str = "", why: str = "") -> None:
+def check_output(name: str, y: torch.Tensor, who: str = "", why: str = "", diagnose=None) -> None:
     """A result with NaN / Inf computed from accepted, finite inputs -> NonFiniteOutputError naming the
-    rows (and ``why``: where the overflow can come from), never returned silently."""
+    rows and the cause: ``diagnose(rows)`` (called on this error path only) returns the weight that made
+    it (tensor, expert, byte) or None, in which case ``why`` says where an overflow can come from."""
     if not y.numel():
         return
     bad = ~torch.isfinite(y.float() if y.dtype in (torch.bfloat16, torch.float16) else y)
     if bool(bad.any()):
         rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        cause = diagnose(rows) if diagnose is not None else None
+        because = f"; caused by the weights: {cause}" if cause else (f"; {why}" if why else "")
         raise NonFiniteOutputError(
             f"{_p(who)}{name} holds {int(bad.sum())} NaN / Inf value(s) in {len(rows)} row(s) (first rows "
-            f"{rows[:8]}) although every input was finite{f'; {why}' if why else ''}")
+            f"{rows[:8]}) although every input was finite{because}")

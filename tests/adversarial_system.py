@@ -162,6 +162,35 @@ def _ff_in_shard(d):
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _stale_copy(d):
+    """An old shard left in the folder: expert 5's w3 scale again, with other bytes, in zz-old.safetensors (it sorts
+    last, so a loader that lets the last file win would read it)."""
+    from safetensors.torch import load_file, save_file
+
+    name = f"layers.{LAYER}.ffn.experts.5.w3.scale"
+    t = load_file(str(d / "model-00002-of-00002.safetensors"))[name].view(torch.uint8).clone()
+    save_file({name: (t ^ 1).view(torch.float8_e8m0fnu)}, str(d / "zz-old.safetensors"))
+
+
+def _with_index_warned():
+    """With the index, the stale shard is not read (the weights are the ones written) and is reported."""
+    import warnings
+
+    from megamoe.layouts.checkpoint import UnlistedShardWarning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w = _ckpt(_stale_copy)
+    said = [str(x.message) for x in seen if issubclass(x.category, UnlistedShardWarning)]
+    return w, said
+
+
+def _index_followed(r):
+    w, said = r
+    _bitwise(W_TINY)(w)
+    assert len(said) == 1 and "shard(s) ['zz-old.safetensors']" in said[0] and "not read" in said[0], said
+
+
 def _bitwise(want):
     def check(w):
         for name in ("l1", "l1_scale", "l2", "l2_scale"):
@@ -188,6 +217,12 @@ CHECKPOINTS = [
     Case("checkpoint", "an expert twice", lambda wf: _ckpt(lambda d: None, experts=[2, 2]),
          Refused(ValueError, r"load_layer: experts must be distinct, got \[2, 2\]")),
     Case("checkpoint", "round trip", lambda wf: _ckpt(lambda d: None), Correct(_bitwise(W_TINY))),
+    Case("checkpoint", "a tensor in two shards, no index", lambda wf: _ckpt(_stale_copy, index=False),
+         Refused(ValueError, rf"tensor 'layers.{LAYER}.ffn.experts.5.w3.scale' is in two shards, \S*model-00002-of-00002"
+                             rf".safetensors and \S*zz-old.safetensors, and there is no model.safetensors.index.json"),
+         "also-ckpt"),
+    Case("checkpoint", "a stale shard the index does not name", lambda wf: _with_index_warned(),
+         Correct(_index_followed), "also-ckpt"),
 ]
 
 

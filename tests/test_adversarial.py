@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from adversarial_decode import DECODE, IN_PLACE, MESSAGES, ORDER, STRIDED
 from adversarial_inputs import ACTIVATIONS, GEOMETRY, ROUTING, STAGING
 from adversarial_support import E2M1, Refused, independent_table
 from adversarial_system import BACKEND, CHECKPOINTS, CLI, DISTRIBUTED
@@ -22,7 +23,8 @@ from megamoe.formats import WEIGHT_DECODERS, exact_scale_bytes, mxfp4_decode_tab
 from megamoe.recipe import RECIPES
 
 # ------------------------------------------------------------------------------------ the tests
-CASES = SCALE + ACTIVATIONS + ROUTING + GEOMETRY + BACKEND + STAGING + CHECKPOINTS + DISTRIBUTED + CLI
+CASES = (SCALE + ACTIVATIONS + ROUTING + GEOMETRY + BACKEND + STAGING + CHECKPOINTS + DISTRIBUTED + CLI + DECODE + IN_PLACE
+         + STRIDED + MESSAGES + ORDER)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -111,7 +111,7 @@ def test_torch_twins_equal_the_reference(weights_for, tokens, routing):
 
 def test_buffers_refuse_more_than_64_tokens(weights_for):
     g, _ = weights_for("tiny")
-    with pytest.raises(ValueError, match=r"capacity must be in \[1, 64\]"):
+    with pytest.raises(ValueError, match=r"capacity \(tokens per rank\) must be in \[1, 64\], got 65"):
         DecodeBuffers.allocate(g, 65, "cpu")
 
 

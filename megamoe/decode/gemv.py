@@ -20,6 +20,7 @@ from ..formats import dequantize_mxfp4
 from ..recipe import MEGAMOE_DECODE
 from ..reference.gemm import promoted_gemm
 from ..reference.swiglu import requant_fp8, swiglu
+from ..validate import as_int
 from .layout import DecodeWeights, _untile
 from ..formats import pack_e2m1
 
@@ -69,10 +70,26 @@ class LaunchConfig:
     max_spin: int = 1 << 16
 
     def __post_init__(self) -> None:
-        if self.block_m not in (1, 2, 4):
-            raise ValueError(f"block_m must be 1, 2 or 4, got {self.block_m}")
-        if self.tc_split not in (1, 2, 4):
-            raise ValueError(f"tc_split must be 1, 2 or 4, got {self.tc_split}")
+        """Every knob checked before any launch (``validate.as_int``: no float, no bool), the errors naming it."""
+        who = "LaunchConfig"
+        for name, allowed in (("block_m", (1, 2, 4)), ("tc_split", (1, 2, 4)), ("l1_warps", (1, 2, 4, 8, 16)),
+                              ("l2_warps", (1, 2, 4, 8, 16))):
+            v = as_int(name, getattr(self, name), who=who)
+            if v not in allowed:
+                raise ValueError(f"{who}: {name} must be one of {allowed}, got {v}")
+        cb = as_int("combine_block", self.combine_block, lo=1, who=who)
+        if cb & (cb - 1):
+            raise ValueError(f"{who}: combine_block must be a power of two (a Triton block), got {cb}")
+        as_int("tc_stages", self.tc_stages, lo=1, hi=8, who=who)
+        as_int("max_spin", self.max_spin, lo=1, who=who)
+        for name in ("tc_l1_maxnreg", "tc_l2_maxnreg"):
+            if getattr(self, name) is not None:
+                as_int(name, getattr(self, name), lo=24, hi=255, who=who)  # ptxas' register cap range
+        for name in ("store_l1", "fused", "l1_prefetch", "l2_prefetch", "pdl", "pdl_early_release", "tc_pack4",
+                     "tc_route", "tc_cuda_step1"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{who}: {name} must be a bool, got {type(getattr(self, name)).__name__} "
+                                f"{getattr(self, name)!r}")
 
 
 def _kw(warps: int, interpret: bool, pdl: bool = False) -> dict:

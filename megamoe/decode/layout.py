@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import E8M0_NAN, MXFP4_BLOCK, pack_e2m1, unpack_e2m1
+from ..recipe import MEGAMOE_DECODE
+from ..validate import as_int, expect_tensor
 from ..weights import MXFP4Weights
 
 # A 128-K block sum of e4m3 x (e2m1 * 2**(s - 127)) is an integer multiple of 2**(-10 + s_min - 127)
@@ -43,6 +45,8 @@ MAX_SCALE_SPREAD = 24
 MAX_SCALE_BYTE = 252  # 6 * 2**(253 - 127) = 1.5 * 2**128 overflows float32 (the reference's dequantized weights)
 WORD_K = 8  # K values per 32-bit word
 WIG = 4  # words per 32-K scale group
+L1_BN = MEGAMOE_DECODE.l2_group  # L1's rows per program are one L2 requant group (the kernel requantizes them)
+MAGNITUDE_BITS = 0x0FFF0FFF  # the e2m1 magnitude bits of a word's 8 weights (a group is zero iff none is set)
 
 
 def _lo_bits(p: int) -> tuple[int, int]:
@@ -88,19 +92,48 @@ def decode_pair_torch(words: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.
 
 @dataclass(frozen=True)
 class TileShape:
-    """Rows per program (``bn``) and 32-K groups per K-iteration (``groups``) of one GEMM."""
+    """Rows per program (``bn``) and 32-K groups per K-iteration (``groups``) of one GEMM: powers of two (a
+    Triton block's sizes), checked here; what each GEMM takes on top is ``check_tiles``'."""
 
     bn: int
     groups: int
+
+    def __post_init__(self) -> None:
+        for name in ("bn", "groups"):
+            v = as_int(name, getattr(self, name), lo=1, who="TileShape")
+            if v & (v - 1):
+                raise ValueError(f"TileShape: {name} must be a power of two (a Triton block size), got {v}")
 
     @property
     def bk(self) -> int:
         return 32 * self.groups
 
 
+def check_tiles(hidden: int, intermediate: int, l1_tile: TileShape, l2_tile: TileShape, who: str) -> None:
+    """What the kernels take (``triton_gemv``): L1 rows per program = the L2 requant group (32), L1's groups
+    a whole number of 128-K promotion blocks, 1..16 of them, L2's groups 1..16 (its promotion block is one
+    group); each tile dividing its GEMM (L1: I rows of H; L2: H rows of I)."""
+    for name, t in (("l1_tile", l1_tile), ("l2_tile", l2_tile)):
+        if not isinstance(t, TileShape):
+            raise TypeError(f"{who}: {name} must be a TileShape, got {type(t).__name__}")
+    if l1_tile.bn != L1_BN:
+        raise ValueError(f"{who}: l1_tile.bn must be {L1_BN} (L1's rows per program are one L2 requant group), "
+                         f"got {l1_tile.bn}")
+    if not 4 <= l1_tile.groups <= 64:
+        raise ValueError(f"{who}: l1_tile.groups must be 4..64 (1 to 16 promotion blocks of 128 K), got "
+                         f"{l1_tile.groups}")
+    if l2_tile.groups > 16:
+        raise ValueError(f"{who}: l2_tile.groups must be 1..16, got {l2_tile.groups}")
+    for name, t, rows, k in (("l1_tile", l1_tile, intermediate, hidden), ("l2_tile", l2_tile, hidden, intermediate)):
+        if rows % t.bn or k % t.bk:
+            raise ValueError(f"{who}: {name} {t} must divide its GEMM: {rows} rows by bn={t.bn} and K={k} by "
+                             f"bk={t.bk}")
+
+
 @dataclass
 class DecodeWeights:
-    """The prepared experts (module docstring for the layouts), on one device.
+    """The prepared experts (module docstring for the layouts), on one device; their shapes, dtypes,
+    tiles and contiguity are checked at construction (the kernels index them as dense arrays).
 
     l1_words int32 [E, I/bn1, H/bk1, 2, 4, bn1, g1]; l1_scales uint8 [E, I/bn1, H/bk1, 2, bn1, g1];
     l2_words int32 [E, H/bn2, I/bk2, 4, bn2, g2]; l2_scales uint8 [E, H/bn2, I/bk2, bn2, g2]."""
@@ -113,6 +146,51 @@ class DecodeWeights:
     l2_tile: TileShape
     hidden: int
     intermediate: int
+
+    def __post_init__(self) -> None:
+        who = "DecodeWeights"
+        h = as_int("hidden", self.hidden, lo=128, who=who)
+        i = as_int("intermediate", self.intermediate, lo=32, who=who)
+        check_tiles(h, i, self.l1_tile, self.l2_tile, who)
+        expect_tensor("l1_words", self.l1_words, who=who)
+        e, dev = self.l1_words.shape[0] if self.l1_words.ndim else 0, self.l1_words.device
+        t1, t2 = self.l1_tile, self.l2_tile
+        for name, shape, dtype in (
+                ("l1_words", (e, i // t1.bn, h // t1.bk, 2, WIG, t1.bn, t1.groups), torch.int32),
+                ("l1_scales", (e, i // t1.bn, h // t1.bk, 2, t1.bn, t1.groups), torch.uint8),
+                ("l2_words", (e, h // t2.bn, i // t2.bk, WIG, t2.bn, t2.groups), torch.int32),
+                ("l2_scales", (e, h // t2.bn, i // t2.bk, t2.bn, t2.groups), torch.uint8)):
+            expect_tensor(name, getattr(self, name), shape, dtype, dev, who, contiguous=True)
+        if e < 1:
+            raise ValueError(f"{who}: needs at least one expert, got l1_words of shape {tuple(self.l1_words.shape)}")
+
+    def bad_scale(self, experts=None) -> str | None:
+        """The first scale byte of ``experts`` (all when None) that ``prepare_decode_weights`` would refuse in a
+        group with nonzero codes (0xFF, NaN, or above MAX_SCALE_BYTE: 2**(s - 127) * 6 overflows), named by
+        tensor, expert, checkpoint row and 32-K group; None when there is none. Prepared weights hold none: one
+        found was written in place after prepare (for a non-finite result's message: ``validate.check_output``)."""
+        ids = list(range(self.num_experts)) if experts is None else sorted(set(int(e) for e in experts))
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.l1_scales.device)
+        i = self.intermediate
+        for name, words, scales, wig_dim in (("l1_scales", self.l1_words, self.l1_scales, 4),
+                                             ("l2_scales", self.l2_words, self.l2_scales, 3)):
+            nonzero = ((words[idx] & MAGNITUDE_BITS) != 0).any(dim=wig_dim)
+            s = scales[idx]
+            bad = nonzero & ((s == E8M0_NAN) | (s > MAX_SCALE_BYTE))
+            if bool(bad.any()):
+                at = bad.nonzero()[0].tolist()
+                byte = int(s[tuple(at)])
+                if name == "l1_scales":  # [E, I/bn, H/bk, half, bn, g]
+                    b, t, kb, half, r, g = at
+                    row, group = half * i + t * self.l1_tile.bn + r, kb * self.l1_tile.groups + g
+                    what = f"l1 row {row} ({'up' if half else 'gate'})"
+                else:  # [E, H/bn2, I/bk2, bn2, g2]
+                    b, t, kb, r, g = at
+                    row, group = t * self.l2_tile.bn + r, kb * self.l2_tile.groups + g
+                    what = f"l2 row {row}"
+                return (f"DecodeWeights.{name}: expert {ids[b]}, {what}, 32-K group {group} holds scale byte "
+                        f"{'0xFF (NaN)' if byte == E8M0_NAN else byte} (prepare refuses it: was it written in place?)")
+        return None
 
     @property
     def num_experts(self) -> int:
@@ -201,10 +279,14 @@ def prepare_decode_weights(weights: MXFP4Weights, l1_tile: TileShape | None = No
                            l2_tile: TileShape | None = None, experts_per_chunk: int = 8) -> DecodeWeights:
     """Checkpoint form (all experts given) -> ``DecodeWeights`` on the same device, checked exact.
     Experts go through in chunks (the int64 bit packing of DeepSeek-V4-Flash at once would take 34 GB)."""
-    w = fold_global_scales(weights)
-    h, i = w.hidden, w.intermediate
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"prepare_decode_weights: weights must be MXFP4Weights, got {type(weights).__name__}")
+    experts_per_chunk = as_int("experts_per_chunk", experts_per_chunk, lo=1, who="prepare_decode_weights")
+    h, i = weights.hidden, weights.intermediate
     d1, d2 = default_tiles(h, i)
     l1_tile, l2_tile = l1_tile or d1, l2_tile or d2
+    check_tiles(h, i, l1_tile, l2_tile, "prepare_decode_weights")  # before the (long) packing
+    w = fold_global_scales(weights)
     parts = []
     for lo in range(0, w.num_experts, experts_per_chunk):
         c = w.experts(lo, min(lo + experts_per_chunk, w.num_experts))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import MXFP4_BLOCK, e8m0_to_float, scale_byte_window, unpack_e2m1
+from ..validate import as_int, expect_tensor
 from ..weights import MXFP4Weights
 from .layout import fold_global_scales
 
@@ -37,9 +38,20 @@ L2_ROWS = 64  # MMA rows per L2 tile
 GROUP_BYTES = MXFP4_BLOCK // 2  # packed bytes of one row's 32-K group
 
 
+def check_tc_geometry(hidden, intermediate, who: str) -> tuple[int, int]:
+    """The tensor-core kernels' tiles divide the GEMMs: hidden and intermediate multiples of 128."""
+    h = as_int("hidden", hidden, lo=128, who=who)
+    i = as_int("intermediate", intermediate, lo=128, who=who)
+    if h % 128 or i % 128:
+        raise ValueError(f"{who}: the tensor-core decode kernel needs hidden % 128 == 0 and intermediate % 128 == 0, "
+                         f"got hidden={h}, intermediate={i}")
+    return h, i
+
+
 @dataclass
 class TCWeights:
-    """Prepared experts (module docstring for the layouts), on one device."""
+    """Prepared experts (module docstring for the layouts), on one device; shapes, dtypes and contiguity checked
+    at construction (the kernels index them as dense arrays, the scales as 32-bit words)."""
 
     l1_codes: torch.Tensor
     l1_scales: torch.Tensor
@@ -47,6 +59,44 @@ class TCWeights:
     l2_scales: torch.Tensor
     hidden: int
     intermediate: int
+
+    def __post_init__(self) -> None:
+        who = "TCWeights"
+        h, i = check_tc_geometry(self.hidden, self.intermediate, who)
+        expect_tensor("l1_codes", self.l1_codes, who=who)
+        e, dev = self.l1_codes.shape[0] if self.l1_codes.ndim else 0, self.l1_codes.device
+        for name, shape in (("l1_codes", (e, i // 32, h // 32, 64 * GROUP_BYTES)),
+                            ("l1_scales", (e, i // 32, h // 128, L1_ROWS, 4)),
+                            ("l2_codes", (e, h // L2_ROWS, i // 32, 64 * GROUP_BYTES)),
+                            ("l2_scales", (e, h // L2_ROWS, i // 128, L2_ROWS, 4))):
+            expect_tensor(name, getattr(self, name), shape, torch.uint8, dev, who, contiguous=True)
+        if e < 1:
+            raise ValueError(f"{who}: needs at least one expert, got l1_codes of shape {tuple(self.l1_codes.shape)}")
+
+    def bad_scale(self, experts=None) -> str | None:
+        """The first stored scale byte of ``experts`` (all when None) outside the window ``prepare_tc_weights``
+        keeps (bytes 20..236 stored as s + 6; all-zero groups stored as 127 + 6), named by tensor, expert,
+        checkpoint row and 32-K group; None when there is none. Prepared weights hold none: one found was written
+        in place after prepare (for a non-finite result's message)."""
+        lo, hi = (b + FACTOR_BIAS for b in scale_byte_window("e4m3_group"))
+        ids = list(range(self.num_experts)) if experts is None else sorted(set(int(e) for e in experts))
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.l1_scales.device)
+        i = self.intermediate
+        for name in ("l1_scales", "l2_scales"):
+            s = getattr(self, name)[idx]  # [B, N/64, K/128, 64, 4]
+            bad = (s < lo) | (s > hi)
+            if bool(bad.any()):
+                b, t, kb, r, j = bad.nonzero()[0].tolist()
+                if name == "l1_scales":  # tile t's rows: gate 32t..32t+31, then up's (``_l1_rows``)
+                    row = (32 * t + r) if r < 32 else (i + 32 * t + r - 32)
+                    what = f"l1 row {row} ({'gate' if r < 32 else 'up'})"
+                else:
+                    what = f"l2 row {L2_ROWS * t + r}"
+                byte = int(s[b, t, kb, r, j]) - FACTOR_BIAS
+                return (f"TCWeights.{name}: expert {ids[b]}, {what}, 32-K group {4 * kb + j} holds scale byte "
+                        f"{byte % 256} (stored {byte + FACTOR_BIAS}; outside {lo - FACTOR_BIAS}..{hi - FACTOR_BIAS}, "
+                        "which prepare refuses: was it written in place?)")
+        return None
 
     @property
     def num_experts(self) -> int:
@@ -146,11 +196,11 @@ def _l1_rows(t: torch.Tensor, i: int) -> torch.Tensor:
 def prepare_tc_weights(weights: MXFP4Weights, experts_per_chunk: int = 16) -> TCWeights:
     """Checkpoint form (all experts) -> ``TCWeights`` on the same device; global scales folded (powers of two
     only), scale bytes checked (module docstring)."""
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"prepare_tc_weights: weights must be MXFP4Weights, got {type(weights).__name__}")
+    experts_per_chunk = as_int("experts_per_chunk", experts_per_chunk, lo=1, who="prepare_tc_weights")
+    h, i = check_tc_geometry(weights.hidden, weights.intermediate, "prepare_tc_weights")
     w = fold_global_scales(weights)
-    h, i = w.hidden, w.intermediate
-    if i % 32 or h % L2_ROWS or h % 128 or i % 128:
-        raise ValueError(f"the tensor-core decode kernel needs hidden % 128 == 0 and intermediate % 128 == 0, "
-                         f"got hidden={h}, intermediate={i}")
     parts = []
     for lo in range(0, w.num_experts, experts_per_chunk):
         c = w.experts(lo, min(lo + experts_per_chunk, w.num_experts))

@@ -12,22 +12,40 @@
 No host sync and no allocation after ``DecodeBuffers.allocate``: every grid is sized from the token
 count alone (W = min(E_l, T K) work items; programs past ``num_touched`` exit at once), so one call can
 be captured in a CUDA graph and replayed after each ``stage``.
+
+What is checked where (``check_launch``; errors name the argument, the expected and the actual value):
+
+    construction   DecodeBuffers / DecodeWeights / TCWeights: every tensor's shape, dtype, device and contiguity
+                   (the kernels index them as dense arrays), tiles and capacity (1..MAX_TOKENS)
+    staging        ``stage_into``: shapes, strides, expert ids in [-1, E), finite routing weights and x (one host
+                   sync), and a record of the rows staged and the E they were checked against
+    each launch    on the host, no sync, before any kernel: num_tokens (0..capacity, and no more than the last
+                   ``stage_into`` staged), clamp (> 0, finite or +inf), the weights against the buffers (H, I,
+                   experts, device), the launch config against the weights; a structure check again only where a
+                   buffer or weight tensor was replaced since. A CUDA graph replays the kernels alone.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass, fields
 
 import torch
 
 from ..geometry import Geometry
+from ..recipe import MEGAMOE_DECODE
+from ..validate import as_clamp, as_int, check_topk, expect_tensor
 from . import cuda_step1, gemv, routing, tc
 from .gemv import LaunchConfig
 from .layout import DecodeWeights
 from .layout_tc import TCWeights
 
-MAX_TOKENS = 64  # the routing kernel sorts all T * K slots in one program
+# The decode path's token bound, stated once: the buffers' capacity, the launch check and the backends'
+# ``max_tokens_per_rank`` (which the bench harness reads) all read it. The routing kernel sorts all T * K slots in
+# one program.
+MAX_TOKENS = 64
+L2_GROUP = MEGAMOE_DECODE.l2_group  # L2's activation scale group (both decode recipes: 32)
 
 
 @dataclass
@@ -77,6 +95,10 @@ class DecodeBuffers:
     num_local: int = 0
     expert_lo: int = 0
     stamps: torch.Tensor | None = None
+    num_experts: int = 0  # the layer's E, that staged ids are checked against (0: expert_lo + num_local)
+
+    def __post_init__(self) -> None:
+        self.check()
 
     @property
     def interpret(self) -> bool:
@@ -87,11 +109,20 @@ class DecodeBuffers:
 
     @classmethod
     def allocate(cls, g: Geometry, capacity: int, device, *, num_local: int | None = None, expert_lo: int = 0,
-                 l2_group: int = 32, split_tokens: int = 0) -> "DecodeBuffers":
-        if not 0 < capacity <= MAX_TOKENS:
-            raise ValueError(f"capacity must be in [1, {MAX_TOKENS}] tokens per rank, got {capacity}")
+                 l2_group: int = L2_GROUP, split_tokens: int = 0) -> "DecodeBuffers":
+        who = "DecodeBuffers.allocate"
+        if not isinstance(g, Geometry):
+            raise TypeError(f"{who}: g must be a Geometry, got {type(g).__name__}")
+        capacity = as_int("capacity (tokens per rank)", capacity, lo=1, hi=MAX_TOKENS, who=who)
+        num_local = as_int("num_local", g.num_experts if num_local is None else num_local, lo=1, hi=g.num_experts, who=who)
+        expert_lo = as_int("expert_lo", expert_lo, lo=0, hi=g.num_experts - num_local, who=who)
+        as_int("l2_group", l2_group, lo=L2_GROUP, hi=L2_GROUP, who=who)
+        split_tokens = as_int("split_tokens", split_tokens, lo=0, hi=capacity, who=who)
+        if g.hidden % 128 or g.intermediate % L2_GROUP:
+            raise ValueError(f"{who}: the decode kernels need hidden % 128 == 0 and intermediate % {L2_GROUP} == 0, "
+                             f"got hidden={g.hidden}, intermediate={g.intermediate}")
         h, i, k = g.hidden, g.intermediate, g.num_topk
-        el = g.num_experts if num_local is None else num_local
+        el = num_local
         s = capacity * k
         w = min(el, s)
         s_split = min(capacity, split_tokens) * k
@@ -100,7 +131,7 @@ class DecodeBuffers:
         def e(*shape, dtype=f32):
             return torch.empty(shape, dtype=dtype, device=device)
 
-        return cls(
+        buf = cls(
             x_q=e(capacity, h, dtype=torch.float8_e4m3fn), x_sf=e(capacity, h // 128),
             topk_idx=torch.full((capacity, k), -1, dtype=torch.int64, device=device), topk_weights=e(capacity, k),
             x32=e(capacity, h), num_touched=torch.zeros(1, dtype=i32, device=device), touched=e(w, dtype=i32),
@@ -111,8 +142,79 @@ class DecodeBuffers:
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
             step_sync=torch.zeros(cuda_step1.sync_words(h, i), dtype=i32, device=device),
-            num_local=el, expert_lo=expert_lo,
+            num_local=el, expert_lo=expert_lo, num_experts=g.num_experts,
         )
+        from ..staging.stage import record_staged
+
+        record_staged(buf.topk_idx, 0, g.num_experts, True)  # nothing staged yet: every id -1
+        return buf
+
+    def _expected(self) -> dict:
+        """name -> (shape, dtype) of every tensor, from the staged block's C, H, K, the L2 block's I and the
+        split scratch's rows (the docstring's table)."""
+        c, h = self.x_q.shape
+        k, i = self.topk_idx.shape[1], self.l2_q.shape[1]
+        s, el = c * k, self.num_local
+        w = min(el, s)
+        s_split = self.split_terms.shape[0]
+        f32, i32 = torch.float32, torch.int32
+        return {
+            "x_q": ((c, h), torch.float8_e4m3fn), "x_sf": ((c, h // 128), f32), "topk_idx": ((c, k), torch.int64),
+            "topk_weights": ((c, k), f32), "x32": ((c, h), f32), "num_touched": ((1,), i32), "touched": ((w,), i32),
+            "seg_start": ((w,), i32), "seg_count": ((w,), i32), "row_token": ((s,), i32), "row_weight": ((s,), f32),
+            "slot_row": ((s,), i32), "l1_out": ((s, 2 * i), f32), "l2_q": ((s, i), torch.uint8), "l2_x": ((s, i), f32),
+            "l2_sf": ((s, i // L2_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
+            "counters": ((w + c * (h // 32) + 1,), i32), "split_terms": ((s_split, h // 128, 2 * i), f32),
+            "split_counts": ((min(el, s_split) * (i // 32),), i32),
+            "step_sync": ((cuda_step1.sync_words(h, i),), i32),
+        }
+
+    def check(self, who: str = "DecodeBuffers") -> None:
+        """Every tensor's shape, dtype, device (x_q's) and contiguity against the table (the kernels take raw
+        pointers and index dense arrays), capacity 1..MAX_TOKENS, H % 128 == 0, I % 32 == 0, the expert range.
+        Remembered per set of tensors (their ids), so a launch re-checks only after a field was replaced."""
+        key = tuple(map(id, _all_fields(self)))
+        if getattr(self, "_checked_key", None) == key:
+            return
+        for name in ("x_q", "topk_idx", "l2_q", "split_terms"):
+            expect_tensor(name, getattr(self, name), who=who)
+            if getattr(self, name).ndim < 1 + (name != "split_terms"):
+                raise ValueError(f"{who}: {name} must be 2-D, got shape {tuple(getattr(self, name).shape)}")
+        c, h = self.x_q.shape
+        as_int("capacity (x_q's rows)", c, lo=1, hi=MAX_TOKENS, who=who)
+        if h % 128 or self.l2_q.shape[1] % L2_GROUP or not self.l2_q.shape[1]:
+            raise ValueError(f"{who}: H (x_q's columns) must be a multiple of 128 and I (l2_q's columns) of "
+                             f"{L2_GROUP}, got H={h}, I={self.l2_q.shape[1]}")
+        as_int("num_local", self.num_local, lo=1, who=who)
+        as_int("expert_lo", self.expert_lo, lo=0, who=who)
+        as_int("num_experts", self.num_experts, lo=0, who=who)
+        if self.num_experts and self.expert_lo + self.num_local > self.num_experts:
+            raise ValueError(f"{who}: local experts [{self.expert_lo}, {self.expert_lo + self.num_local}) must lie in "
+                             f"the layer's [0, {self.num_experts})")
+        if self.split_terms.shape[0] % self.topk_idx.shape[1]:
+            raise ValueError(f"{who}: split_terms' rows must be split_tokens * K, got {self.split_terms.shape[0]} "
+                             f"with K={self.topk_idx.shape[1]}")
+        dev = self.x_q.device
+        for name, (shape, dtype) in self._expected().items():
+            expect_tensor(name, getattr(self, name), shape, dtype, dev, who, contiguous=True)
+        if self.stamps is not None:
+            expect_tensor("stamps", self.stamps, None, torch.int64, dev, who, contiguous=True)
+            if self.stamps.ndim != 3 or self.stamps.shape[0] != 2 or self.stamps.shape[2] != 16:
+                raise ValueError(f"{who}: stamps must be int64 [2, P, 16], got shape {tuple(self.stamps.shape)}")
+        self._checked_key = key
+
+    @property
+    def layer_experts(self) -> int:
+        """The E that staged expert ids are checked against: the layer's (``allocate``), or the local range's end."""
+        return self.num_experts or self.expert_lo + self.num_local
+
+    @property
+    def hidden(self) -> int:
+        return self.x_q.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.l2_q.shape[1]
 
     @property
     def capacity(self) -> int:
@@ -143,11 +245,48 @@ class DecodeBuffers:
                     t.view(torch.uint8).fill_(0x7F)
 
 
-def _check(dw: DecodeWeights, buf: DecodeBuffers, num_tokens: int) -> None:
-    if not 0 <= num_tokens <= buf.capacity:
-        raise ValueError(f"num_tokens must be in [0, {buf.capacity}] (the buffers' capacity), got {num_tokens}")
-    if dw.num_experts != buf.num_local:
-        raise ValueError(f"the weights hold {dw.num_experts} experts but the buffers route over {buf.num_local}")
+_all_fields = operator.attrgetter(*(f.name for f in fields(DecodeBuffers)))  # every field's value, in one C call
+
+
+def check_launch(dw, buf, num_tokens, clamp, cfg, who: str = "moe_decode") -> tuple[int, float]:
+    """Everything a launch takes, on the host and without a sync (so a captured launch stays capturable; a graph
+    replay runs none of it): the types; the buffers' and weights' structure (again only if a tensor of theirs was
+    replaced since: ``DecodeBuffers.check``); num_tokens in [0, capacity] and no more than the last ``stage_into``
+    staged into ``buf`` (rows past them hold an earlier step), with ids checked against the buffers' E; clamp
+    (``validate.as_clamp``); the weights against the buffers (H, I, experts, device); the config against the
+    weights. Returns (num_tokens, clamp)."""
+    from ..staging.stage import staged_rows
+
+    if not isinstance(dw, (DecodeWeights, TCWeights)):
+        raise TypeError(f"{who}: dw must be DecodeWeights or TCWeights (prepare_decode_weights / prepare_tc_weights), "
+                        f"got {type(dw).__name__}")
+    if not isinstance(buf, DecodeBuffers):
+        raise TypeError(f"{who}: buf must be DecodeBuffers (DecodeBuffers.allocate), got {type(buf).__name__}")
+    if not isinstance(cfg, LaunchConfig):
+        raise TypeError(f"{who}: cfg must be a LaunchConfig, got {type(cfg).__name__}")
+    buf.check(who)
+    m = as_int("num_tokens", num_tokens, lo=0, hi=buf.capacity, who=who)
+    clamp = as_clamp(clamp, who)
+    got = (dw.hidden, dw.intermediate, dw.num_experts)
+    want = (buf.hidden, buf.intermediate, buf.num_local)
+    if got != want:
+        raise ValueError(f"{who}: the weights are (H, I, experts) = {got} but the buffers were allocated for {want} "
+                         "(weights of one geometry on buffers of another)")
+    w_dev = dw.l1_words.device if isinstance(dw, DecodeWeights) else dw.l1_codes.device
+    if w_dev != buf.x_q.device:
+        raise ValueError(f"{who}: the weights are on {w_dev} but the buffers on {buf.x_q.device}")
+    staged = staged_rows(buf.topk_idx)
+    if staged is not None:
+        if m > staged.rows:
+            raise ValueError(f"{who}: num_tokens={m} but only {staged.rows} token(s) are staged in these buffers (the "
+                             f"last stage_into, or none since allocate; rows past them hold an earlier step or "
+                             f"nothing); stage {m} (padding included) first")
+        if staged.num_experts != buf.layer_experts:
+            raise ValueError(f"{who}: the staged expert ids were given against num_experts={staged.num_experts} but "
+                             f"the buffers route over a layer of {buf.layer_experts} experts")
+    if isinstance(dw, TCWeights) and m:
+        tc.launch_grids(dw, buf, m, cfg)  # tc_split and tc_route against the weights and buffers, before route runs
+    return m, clamp
 
 
 def one_cuda_launch(tw: TCWeights, buf: DecodeBuffers, num_tokens: int, cfg: LaunchConfig) -> bool:
@@ -167,8 +306,9 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
     CUDA launch with ``LaunchConfig.tc_cuda_step1`` at 1 token where ``cuda_step1`` can run, the same bits) on the
-    first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync."""
-    _check(dw, buf, num_tokens)
+    first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync: the checks
+    (``check_launch``) read only Python values."""
+    num_tokens, clamp = check_launch(dw, buf, num_tokens, clamp, cfg)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
     if tensor_cores and one_cuda_launch(dw, buf, num_tokens, cfg):
         return cuda_step1.step1(dw, buf, clamp)  # the whole 1-token step in one launch, the same bits
@@ -190,9 +330,16 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
 
 def moe_decode_torch(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                      cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
-    """``moe_decode`` through the four stages' torch twins (host syncs; for checking)."""
-    _check(dw, buf, num_tokens)
+    """``moe_decode`` through the four stages' torch twins (host syncs; for checking). Syncing anyway, it checks
+    what it reads on the host too: the staged routing of the first num_tokens rows (``validate.check_topk``,
+    whoever filled the buffers) and the scale bytes of the experts the step touches (``bad_scale``)."""
+    who = "moe_decode_torch"
+    num_tokens, clamp = check_launch(dw, buf, num_tokens, clamp, cfg, who)
+    check_topk(buf.topk_idx[:num_tokens], buf.topk_weights[:num_tokens], buf.layer_experts, f"{who}: staged")
     routing.route_torch(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf)
+    bad = dw.bad_scale(buf.touched[: int(buf.num_touched[0])].tolist()) if num_tokens else None
+    if bad is not None:
+        raise ValueError(f"{who}: {bad}")
     if isinstance(dw, TCWeights):
         tc.l1_tc_torch(dw, buf, num_tokens, clamp, cfg)
         tc.l2_tc_torch(dw, buf, num_tokens, cfg)

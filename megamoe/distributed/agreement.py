@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..geometry import Geometry
 from ..recipe import Recipe, get_recipe
-from ..validate import memo_per_version
+from ..validate import memo_per_content
 from .comm import _all_gather_single, comm_device
 
 
@@ -108,8 +108,9 @@ def agree_on_step(group, num_tokens: int, local_error: str | None = None) -> Ste
 
 # ------------------------------------------------------------------------------ same setup everywhere
 def _weights_digest(weights, chunk_bytes: int = 1 << 26) -> str:
-    """sha256 over every weight tensor's dtype, shape and bytes; each tensor hashed once per version of
-    its data (``validate.memo_per_version``), so a step does not re-hash gigabytes of unchanged weights."""
+    """sha256 over every weight tensor's dtype, shape and bytes; each tensor hashed once per content
+    (``validate.memo_per_content``: version and checksum, so a write made behind torch's version
+    counter is seen), and a step does not re-hash gigabytes of unchanged weights."""
     h = hashlib.sha256()
     for f in fields(weights):
         t = getattr(weights, f.name)
@@ -117,7 +118,7 @@ def _weights_digest(weights, chunk_bytes: int = 1 << 26) -> str:
             h.update(f"{f.name}:None;".encode())
             continue
         h.update(f"{f.name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(memo_per_version(t, "sha256", lambda t=t: _tensor_digest(t, chunk_bytes)))
+        h.update(memo_per_content(t, "sha256", lambda t=t: _tensor_digest(t, chunk_bytes)))
     return h.hexdigest()
 
 

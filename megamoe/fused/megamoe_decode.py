@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..decode.moe import MAX_TOKENS
 from ..recipe import MEGAMOE_DECODE, MEGAMOE_DECODE_TC
 from ..inputs import MoEInputs
+from ..validate import NonFiniteOutputError
 from .base import FusedBackend, Plan
 
 
@@ -42,7 +44,7 @@ class MegaMoEDecode(FusedBackend):
     allows_zero_tokens = True
     split_tokens = 0  # tokens of the tensor-core L1's split-K scratch (MegaMoEDecodeTC)
     graph_capturable = True
-    max_tokens_per_rank = 64
+    max_tokens_per_rank = MAX_TOKENS  # the decode path's one bound (megamoe.decode.moe); the bench harness reads it
 
     def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
         super().__init__(geometry, capacity=capacity, force_block_m=force_block_m, group=group)
@@ -52,16 +54,26 @@ class MegaMoEDecode(FusedBackend):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
+        """(ok, every reason it cannot run here, joined by '; '): the device and the package are both asked, so
+        a machine with no GPU and no triton hears of both."""
+        return (not (why := cls.unavailable_reasons())), "; ".join(why)
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        why = []
         if not torch.cuda.is_available():
-            return False, "no GPU: torch.cuda.is_available() is False"
-        major, minor = torch.cuda.get_device_capability()
-        if major < 8:
-            return False, f"needs compute capability >= 8.0, got {major}.{minor}"
+            why.append("no GPU: torch.cuda.is_available() is False")
+        else:
+            why += cls._device_reasons(*torch.cuda.get_device_capability())
         try:
             import triton  # noqa: F401
         except Exception as exc:  # noqa: BLE001
-            return False, f"package missing: triton not importable ({type(exc).__name__}: {exc})"
-        return True, ""
+            why.append(f"package missing: triton not importable ({type(exc).__name__}: {exc})")
+        return why
+
+    @classmethod
+    def _device_reasons(cls, major: int, minor: int) -> list[str]:
+        return [f"needs compute capability >= 8.0, got {major}.{minor}"] if major < 8 else []
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return (1, 2, 4)  # tokens per program pass (the kernel has no BLOCK_M tile of its own)
@@ -115,12 +127,26 @@ class MegaMoEDecode(FusedBackend):
                    num_experts=self.g.num_experts, check=False)  # check_inputs ran in stage()
 
     def launch(self, num_tokens: int) -> torch.Tensor:
+        """The launches on what ``stage`` wrote (num_tokens checked by the base class's wrapper, then by
+        ``moe_decode.check_launch``: no more than were staged; no host sync)."""
         from ..decode import moe_decode
 
         m = int(num_tokens)
-        if m > self.capacity:
-            raise ValueError(f"{self.name}: launch({m}) exceeds the capacity {self.capacity}")
         return moe_decode(self.dw, self.buf, m, self.g.clamp, self.launch_config(m))
+
+    def run(self, inputs: MoEInputs, num_tokens: int | None = None) -> torch.Tensor:
+        """``FusedBackend.run``; a non-finite y whose cause is a scale byte of the prepared weights (written in place
+        after prepare: prepare refuses every such byte) names that byte (tensor, expert, row, group) instead of
+        blaming the activations. The search runs on this error path only."""
+        try:
+            return super().run(inputs, num_tokens)
+        except NonFiniteOutputError as exc:
+            experts = sorted(set(inputs.topk_idx[inputs.topk_idx >= 0].tolist()))
+            cause = self.dw.bad_scale(experts)
+            if cause is None:
+                raise
+            head = str(exc).split(" although every input was finite")[0]
+            raise NonFiniteOutputError(f"{head} although every input was finite; caused by the weights: {cause}") from exc
 
     # ------------------------------------------------------------------ intermediates
     def poison_intermediates(self) -> None:
@@ -146,11 +172,8 @@ class MegaMoEDecodeTC(MegaMoEDecode):
     split_tokens = 1  # tc_launch_config splits L1's K at 1 token: the buffers hold its scratch (3 MB at dsv4)
 
     @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        ok, why = super().availability()
-        if ok and torch.cuda.get_device_capability()[0] != 9:
-            return False, "needs SM90 (wgmma FP8), got compute capability %d.%d" % torch.cuda.get_device_capability()
-        return ok, why
+    def _device_reasons(cls, major: int, minor: int) -> list[str]:
+        return [] if major == 9 else [f"needs SM90 (wgmma FP8), got compute capability {major}.{minor}"]
 
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return (16,)  # tokens per MMA pass (the N of the tensor-core tile)

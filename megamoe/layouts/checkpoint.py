@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,11 @@ from ..validate import as_int, check_scale_bytes
 from ..weights import MXFP4Weights
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class UnlistedShardWarning(UserWarning):
+    """A checkpoint folder holds ``*.safetensors`` shards its index does not name (they are not read)."""
+
 E8M0 = torch.float8_e8m0fnu
 _PARTS = ("w1", "w3", "w2")
 
@@ -128,6 +134,11 @@ class CheckpointIndex:
                 got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a dict with non-string entries"
                 raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name, "
                                  f"got {got}")
+            unlisted = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in set(weight_map.values()))
+            if unlisted:  # the index decides; a shard it does not name (an old one left in the folder) is reported
+                warnings.warn(f"{index}: shard(s) {unlisted} in {str(directory)!r} are not named in the index's "
+                              "weight_map and are not read (the index decides where each tensor is)",
+                              UnlistedShardWarning, stacklevel=3)
             return cls(directory, dict(weight_map))
         files = sorted(directory.glob("*.safetensors"))
         for path in files:
@@ -139,9 +150,15 @@ class CheckpointIndex:
         for path in files:
             try:
                 with safe_open(str(path), framework="pt") as f:  # reads the header only
-                    weight_map.update({name: path.name for name in f.keys()})
+                    names = list(f.keys())
             except SafetensorError as exc:
                 raise ValueError(f"{path}: unreadable safetensors file (truncated or corrupt?): {exc}") from None
+            for name in names:
+                if name in weight_map:  # without an index nothing says which copy is meant: refuse, never pick one
+                    raise ValueError(f"tensor {name!r} is in two shards, {directory / weight_map[name]} and {path}, and "
+                                     f"there is no {INDEX_FILE} to say which to read; remove the stale shard or write "
+                                     "an index")
+                weight_map[name] = path.name
         return cls(directory, weight_map)
 
     def file_of(self, name: str) -> Path:

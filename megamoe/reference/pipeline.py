@@ -26,7 +26,8 @@ from ..inputs import MoEInputs
 from ..layouts.staging import per_token_cast_to_fp8, per_token_cast_to_fp8_div448, per_token_cast_to_fp8_ue8m0_packed
 from ..recipe import Recipe, get_recipe
 from ..weights import FP8BlockWeights, MXFP4Weights
-from ..validate import as_int, check_output, check_step, check_weights
+from ..validate import (as_int, check_expert_scales, check_fp8_block_values, check_global_scales, check_output,
+                        check_step)
 from .dispatch import DispatchLayout, build_layout, dispatch, dispatch_slot_values, undispatch
 from .gemm import exact_gemm, group_scaled_gemm, promoted_gemm
 from .swiglu import requant_fp8, swiglu
@@ -83,7 +84,9 @@ def _decode_table(weight_decode: str, device: torch.device) -> torch.Tensor:
 def decode_experts(weights, experts: list[int], recipe: Recipe):
     """``decode_expert`` for B experts at once: (w1 [B, 2I, H], w1_sf [B, 2I/128, H/128] or None,
     w2 [B, H, I], w2_sf or None, gs1 [B] or None, gs2 [B] or None). Every element is decoded on its
-    own, so decoding experts together gives the bits of decoding them one by one."""
+    own, so decoding experts together gives the bits of decoding them one by one. The experts' scale bytes (or
+    FP8 values) are checked here, each call, as they are read (``check_experts_read``)."""
+    check_experts_read(weights, experts)
     if isinstance(weights, FP8BlockWeights):
         if recipe.weight_format != "fp8_block" and recipe.name != "exact":
             raise ValueError(f"recipe {recipe.name!r} reads MXFP4 weights, got FP8 block weights")
@@ -117,6 +120,21 @@ def decode_experts(weights, experts: list[int], recipe: Recipe):
     gs1 = None if weights.l1_global_scale is None else weights.l1_global_scale[idx]
     gs2 = None if weights.l2_global_scale is None else weights.l2_global_scale[idx]
     return w1, None, w2, None, gs1, gs2
+
+
+def check_experts_read(weights, experts: list[int], who: str = "reference") -> None:
+    """What a call reads of the weights, checked each call (no memo, so an in-place write made behind torch's
+    version counter is seen): MXFP4 scale bytes 0xFF (NaN), FP8 block values NaN and block scales not finite
+    or <= 0, of ``experts`` only. The error names the tensor, the expert and the byte, before anything is
+    computed with it (the activations are never blamed for it)."""
+    if isinstance(weights, FP8BlockWeights):
+        check_fp8_block_values(weights, who, experts)
+        return
+    if not isinstance(weights, MXFP4Weights):
+        return  # decode_experts says what it takes
+    idx = torch.tensor(experts, dtype=torch.int64, device=weights.device)
+    for name in ("l1_scale", "l2_scale"):
+        check_expert_scales(f"weights.{name}", getattr(weights, name)[idx], experts, who)
 
 
 def _group_operands(weights: MXFP4Weights, experts: list[int]):
@@ -261,7 +279,10 @@ def _validate(g: Geometry, weights, inputs: list[MoEInputs], num_ranks: int, blo
     if not isinstance(weights, (MXFP4Weights, FP8BlockWeights)):
         raise TypeError(f"weights must be MXFP4Weights or FP8BlockWeights, got {type(weights).__name__}")
     weights.check_geometry(g)
-    check_weights(weights, "reference")  # in place changes since construction too: 0xFF, NaN, scales <= 0
+    # The values are checked where they are read (``check_experts_read``: the experts of this step, each call),
+    # not scanned whole on every call; the global scales are E floats each.
+    if isinstance(weights, MXFP4Weights):
+        check_global_scales(weights, "reference")
     g.experts_per_rank(num_ranks)
     as_int("block_m", block_m, lo=1)
     if len(inputs) != num_ranks:

@@ -22,6 +22,9 @@ importable, else torch).
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from ..layouts.staging import AMAX_FLOOR, _INV_448_FP32, per_token_cast_to_fp8
@@ -81,9 +84,13 @@ def validate_stage_args(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx
     _expect("out_x_sf", out_x_sf, (c, h // GROUP), (torch.float32,), dev)
     _expect("out_topk_idx", out_topk_idx, (c, k), IDX_DTYPES, dev)
     _expect("out_topk_weights", out_topk_weights, (c, k), (torch.float32,), dev)
+    # The Triton kernel reads x and writes out_x at row * stride(0) + channel: unit stride along H whatever the
+    # row count (one row included; an empty tensor has nothing to read), any row stride. The other tensors go in
+    # with both their strides.
     for name, ten in (("x", x), ("out_x", out_x)):
-        if ten.shape[0] > 1 and ten.shape[1] > 1 and ten.stride(1) != 1:
-            raise ValueError(f"{WHO}: {name} must be contiguous along H (stride(1) == 1), got strides {ten.stride()}")
+        if ten.numel() and ten.stride(1) != 1:
+            raise ValueError(f"{WHO}: {name} must be contiguous along H (stride(1) == 1; any row stride), got "
+                             f"strides {ten.stride()} for shape {tuple(ten.shape)}")
     as_int("num_experts", num_experts, lo=1, who=WHO)
     if num_tokens_agreed is not None and (isinstance(num_tokens_agreed, (bool, float)) or
                                           not isinstance(num_tokens_agreed, int)):
@@ -96,6 +103,48 @@ def validate_stage_args(x, topk_idx, topk_weights, out_x, out_x_sf, out_topk_idx
             f"capacity C={c} (the buffer's rows)"
         )
     return a
+
+
+# ------------------------------------------------------------------------------------ what was staged where
+@dataclass(frozen=True)
+class StagedRows:
+    """What the last ``stage_into`` wrote into a buffer, recorded on its ``out_topk_idx`` tensor: rows [0, rows)
+    hold this step (real tokens, then padding), the ids were given against [-1, num_experts) and checked on the
+    way in (``checked``; False: by the caller, ``check=False``). A launch reads it on the host, without a sync,
+    to refuse more tokens than were staged (rows past them hold an earlier step)."""
+
+    rows: int
+    num_experts: int
+    checked: bool
+    version: int | None  # out_topk_idx._version right after staging (None: an inference-mode tensor)
+
+
+_STAGED: dict[int, tuple[weakref.ref, StagedRows]] = {}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors track no version
+        return None
+
+
+def record_staged(out_topk_idx: torch.Tensor, rows: int, num_experts: int, checked: bool) -> None:
+    """Remember that ``rows`` rows were staged into ``out_topk_idx`` (``stage_into`` and ``DecodeBuffers.allocate``
+    call it)."""
+    key = id(out_topk_idx)
+    _STAGED[key] = (weakref.ref(out_topk_idx, lambda _, key=key: _STAGED.pop(key, None)),
+                    StagedRows(rows, num_experts, checked, _version(out_topk_idx)))
+
+
+def staged_rows(out_topk_idx: torch.Tensor) -> StagedRows | None:
+    """The record of the last ``stage_into`` into this very tensor, or None when there is none or the tensor was
+    written since by something else (its version moved: a hand-filled buffer, whose staged count is unknown)."""
+    entry = _STAGED.get(id(out_topk_idx))
+    if entry is None or entry[0]() is not out_topk_idx:
+        return None
+    rec = entry[1]
+    return rec if rec.version == _version(out_topk_idx) else None
 
 
 def _raise_nonfinite(x: torch.Tensor) -> None:
@@ -252,6 +301,7 @@ def stage_into(
                       cast=cast, check=check, error_flag=error_flag if check else None, blocks=blocks)
         if check and error_flag is not None and topk_idx.numel():
             error_flag.bitwise_or_(routing_error_bits(topk_idx, topk_weights, num_experts))  # no sync
+    record_staged(out_topk_idx, a, num_experts, check)
     return a
 
 
