@@ -208,12 +208,16 @@ class Sweep:
         inp = self.inputs(t)
         y = b.run(inp.clone()).float()
         self.sync()
+        # Above 256 tokens, 256 of them (a token's reference rows do not depend on the others): minutes saved.
+        sel = torch.randperm(t, generator=torch.Generator().manual_seed(t))[:256].sort().values.to(inp.x.device)
         key = (b.reference_key(t), t)
         if key not in self._refs:
-            ref = b.reference(inp.clone(), self.weights)
+            sub = inp if t <= 256 else type(inp)(inp.x[sel], inp.topk_idx[sel], inp.topk_weights[sel])
+            ref = b.reference(sub.clone(), self.weights)
             self._refs[key] = None if ref is None else ref.float()
         if self._refs[key] is None:
             return {"checked": False, "note": "backend names no reference"}
+        y = y if t <= 256 else y[sel]
         d, nan = calc_diff(y, self._refs[key]), bool(torch.isnan(y).any())
         return {"checked": True, "calc_diff": d, "nan": nan, "correct": (not nan) and d <= self.cfg.max_diff}
 
