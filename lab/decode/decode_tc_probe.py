@@ -66,7 +66,7 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
-    # at 1 token: the whole step in one persistent CUDA launch (megamoe/decode/cuda_step1.py), or the Triton launches
+    # at 1 token: the whole step in one persistent CUDA launch (megamoe/decode/cuda_step.py), or the Triton launches
     "cuda1": dict(tc_cuda_step1=True),
     "nocuda1": dict(tc_cuda_step1=False),
 }
@@ -94,10 +94,10 @@ def sweep_clock(fn) -> dict:
 
 
 def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str | None = None) -> dict:
-    """The launch's timeline (megamoe.decode.timeline) over a few flushed graph replays with stamps on; the
+    """The launch's timeline (lab.decode.timeline) over a few flushed graph replays with stamps on; the
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
     from megamoe.decode.tc import launch_grids
-    from megamoe.decode.timeline import stamp_buffer, summarize, table
+    from lab.decode.timeline import stamp_buffer, summarize, table
 
     buf.stamps = stamp_buffer(buf, max(math.prod(grid) for grid in launch_grids(tw, buf, t, cfg)))
     try:
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--sweep-clock", action="store_true", help="also time the backend's launch as `megamoe bench` "
                     "does (megamoe.bench.timing.time_graph: batches queued back to back, the L2 flushed between calls)")
     ap.add_argument("--timeline", action="store_true", help="also record the backend's launch's timeline "
-                    "(megamoe.decode.timeline: when each L1 / L2 program started, waited, knew its item, finished "
+                    "(lab/decode/timeline.py: when each L1 / L2 program started, waited, knew its item, finished "
                     "its K loop, exited)")
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()

@@ -60,7 +60,7 @@ class LaunchConfig:
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
-    # The tensor-core path at 1 token: the whole step in one persistent CUDA launch (``cuda_step1.py``) where the
+    # The tensor-core path at 1 token: the whole step in one persistent CUDA launch (``cuda_step.py``) where the
     # machine can build and run it (SM90, nvcc), else the Triton launches. Same bits; level with them on the H200,
     # slower on the H100 (docs/decode-kernel-tc.md, "The 1-token CUDA step"), so off by default.
     tc_cuda_step1: bool = False

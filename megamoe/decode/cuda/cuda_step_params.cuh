@@ -1,7 +1,7 @@
-// The 1-token CUDA step's parameters (step1.cu), its routing of the step's slots and route's outputs.
+// The 1-token CUDA step's parameters (cuda_step.cu), its routing of the step's slots and route's outputs.
 #pragma once
 
-#include "step1_ops.cuh"
+#include "cuda_step_ops.cuh"
 
 namespace {
 
@@ -36,26 +36,9 @@ struct Params {
   int lag;             // L1 rounds an L2 tile waits after its item's last L1 round (Schedule)
 };
 
-// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
-// only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
-// block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
-// warpgroups alone; y is wrong); touch: the idle warp reads one word at the start of each of the CTA's tiles first
-// (touch_tiles; y right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain:
-// the step launched without the cooperative attribute (what the attribute costs; y right while nothing else holds
-// an SM); ahead: as a tile's copies start, the first line of the CTA's next tile is asked of the L2 cache
-// (prefetch_tile_l2; y right); no wait: the input warp reads each item's L2 input row without waiting for the
-// item's L1 tiles in every CTA (the step without its one dependency between CTAs, what that dependency costs; y is
-// wrong); relaxed: the release warp raises the per-item counts without the release (red.relaxed.gpu, so no
-// gpu-scope fence after each L1 tile; what those fences cost; y is right only if the counts happen to be seen after
-// the outputs they count, which nothing then guarantees); regs: no ring and no copies, each computing warpgroup
-// loads its own stages straight into registers, one stage ahead (y right; with bare, its stream alone; with no
-// wait, its own instance too: the stream without the dependency); regs L1: the same for the L1 tiles only, while
-// the load warp streams the L2 tiles' stages through the ring from the start (y right); LL: each L1 epilogue also
-// stores its outputs as LL words, which three input warps read until every word carries the launch's flag, instead
-// of a count per item, a release and a read after it (y right); LL combine: each L2 tile's outputs as LL words too,
-// and the CTA with the last item's tile of a 64-column slice reads the others' and writes y there, instead of a
-// count per slice and a read after it (y right). What each adds is in step1_probes.cuh; step1.cu's kInstances
-// lists the combinations compiled.
+// Probe flags (Params::mode): 0 is the step itself, which is all the library launches. The lab's probe instances
+// (lab/cuda_step/probes.cuh says what each flag asks) set the others; the step's code reads the runtime ones (bare,
+// no scales, prefetch, no load; plain is the launch's) and compiles the rest only into the lab's instances.
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
               kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024,
               kModeRegsL1 = 2048, kModeLL = 4096, kModeLLCombine = 8192;
@@ -82,19 +65,6 @@ struct Schedule {
   template <class L1, class L2>
   __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last L1 tile?), l2(tile)
     walk(blockIdx.x, gridDim.x, l1, l2);
-  }
-
-  // The k-th tile of CTA `cta` of `G`'s list, -1 past its end; l2: whether it is an L2 tile (probe mode regs).
-#pragma nv_exec_check_disable
-  __host__ __device__ int nth(int cta, int G, int k, bool& l2) const {
-    int i = 0, found = -1;
-    bool in_l2 = false;
-    walk(cta, G, [&](int tile, bool) { found = i++ == k ? tile : found; },
-         [&](int tile) {
-           if (i++ == k) found = tile, in_l2 = true;
-         });
-    l2 = in_l2;
-    return found;
   }
 
   // CTA `cta` of `G`'s tiles; on the host too, for tests/cuda/schedule_check.cu.
