@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from lab.decode.decode_probe import L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
 from lab.cuda_step.stamps import points  # noqa: E402
-from megamoe.bench.meta import tree_commit  # noqa: E402
+from megamoe.provenance import tree_commit  # noqa: E402
 from lab.cuda_step import step as probe_step  # noqa: E402
 from megamoe.decode import cuda_step, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402

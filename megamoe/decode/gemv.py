@@ -45,10 +45,9 @@ class LaunchConfig:
     tc_l2_maxnreg: int | None = 72
     # Programmatic dependent launch (Hopper, ``triton_pdl.py``): each launch after route waits
     # (griddepcontrol.wait) before it reads what the previous one wrote, so it may be started early. Route and
-    # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done
-    # (``pdl_early_release``: at once too). No bit changes.
+    # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done (at once
+    # made the 1-token step 10% slower on the H200: lab/decode/JOURNAL.md, run 15). No bit changes.
     pdl: bool = False
-    pdl_early_release: bool = False
     # The tensor-core L1 / L2: an expert with at most 4 rows takes one packed pass, a 128-K block's four groups
     # of up to 4 tokens in one MMA (triton_tc_ops._packed_mma). Same bits.
     tc_pack4: bool = False

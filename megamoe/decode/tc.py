@@ -131,8 +131,7 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
         buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
         buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split, **route,
-        STAMP=stamp,
+        PACK=cfg.tc_pack4, SPLIT=split, **route, STAMP=stamp,
     )
 
 
@@ -147,7 +146,7 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
         buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, STAMP=stamp,
+        PACK=cfg.tc_pack4, STAMP=stamp,
     )
 
 
