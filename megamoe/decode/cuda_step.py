@@ -6,12 +6,13 @@ megamoe-decode-tc).
 
 Why CUDA here: at one token the Triton launches stream each K loop close to a plain read of its bytes, but the
 step pays three ramps and tails around them (docs/decode-kernel-tc.md, "Where the time goes"). This kernel keeps
-one CTA per SM and streams the CTA's L1 and then L2 blocks through a ring of shared-memory stages
-(``cp.async.bulk`` with mbarriers, which Triton does not expose), so L2's weights load while L1 finishes; each L2
-tile waits only for its own expert's L1 tiles, and two signal warps keep those cross-CTA waits off the computing
-warpgroups. It is level with the Triton launches on the H200 and slower on the H100, and no variant tried was 3%
-faster (docs/decode-kernel-tc.md, "The 1-token CUDA step": a recorded negative result), so the Triton launches stay
-the backend's 1-token path and this step is opt-in: ``LaunchConfig.tc_cuda_step1`` turns it on.
+one CTA per SM and streams the CTA's gate/up and then down blocks through a ring of shared-memory stages
+(``cp.async.bulk`` with mbarriers, which Triton does not expose), so the down GEMM's weights load while the gate/up
+GEMM finishes; each down tile waits only for its own expert's gate/up tiles, and two signal warps keep those
+cross-CTA waits off the computing warpgroups. It is level with the Triton launches on the H200 and slower on the
+H100, and no variant tried was 3% faster (docs/decode-kernel-tc.md, "The 1-token CUDA step": a recorded negative
+result), so the Triton launches stay the backend's 1-token path and this step is opt-in:
+``LaunchConfig.tc_cuda_step1`` turns it on. Its probe modes are the lab's (lab/cuda_step/).
 
 The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
 ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-LAG = 2  # L1 rounds an L2 tile waits after its item's last L1 round (cuda/cuda_step_params.cuh's Schedule)
+LAG = 2  # gate/up rounds a down tile waits after its item's last gate/up round (cuda_step_params.cuh's Schedule)
 MAX_TOPK = 8  # cuda/cuda_step_ops.cuh's kMaxTopK
 # The launch's tensors, in the order of the kernel's Params (cuda/cuda_step_kernel.cuh's kTensors): the weights'
 # (TCWeights), then the buffers' (DecodeBuffers).
@@ -42,7 +43,7 @@ BUFFER_TENSORS = ("x_q", "x_sf", "topk_idx", "topk_weights", "num_touched", "tou
 
 def sync_words(hidden: int) -> int:
     """int32 words of ``DecodeBuffers.step_sync``, the counts the step keeps between its CTAs: a combine count per
-    64 columns, L1 tiles done per item, CTAs done. Each is back at zero after every launch."""
+    64 columns, gate/up tiles done per item, CTAs done. Each is back at zero after every launch."""
     return hidden // 64 + MAX_TOPK + 1
 
 
@@ -100,7 +101,7 @@ MAX_TERMS = 48  # terms of a tile's last three quarters the kernel keeps in shar
 
 def geometry_limits(hidden: int, intermediate: int, num_topk: int) -> str | None:
     """Why the kernel cannot take this geometry (None if it can): a quarter of a tile's K is whole stages of two
-    128-K blocks; the last three quarters' terms fit in ``MAX_TERMS`` (L1: 3 hidden / 512 blocks; L2: 3
+    128-K blocks; the last three quarters' terms fit in ``MAX_TERMS`` (gate/up: 3 hidden / 512 blocks; down: 3
     intermediate / 128 groups); the top-k fits in the kernel's per-thread slot list."""
     if hidden % 1024 or intermediate % 1024:
         return f"hidden and intermediate must be multiples of 1024, got {hidden}, {intermediate}"

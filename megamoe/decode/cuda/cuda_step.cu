@@ -33,8 +33,8 @@ int megamoe_cuda_step_prepare(int device, int smem_bytes) {
 }
 
 // Launch the step on `stream`: `tensors` Params' kTensors pointers in its order (weights, staged token, route's
-// outputs, l2_q, l2_sf, slot_out, y, the counts); `lag` L1 rounds between an item's last L1 tiles and its L2 tiles
-// (Schedule). 0 or the CUDA error code.
+// outputs, l2_q, l2_sf, slot_out, y, the counts); `lag` gate/up rounds between an item's last gate/up tiles and its
+// down tiles (Schedule). 0 or the CUDA error code.
 int megamoe_cuda_step_launch(const void* const* tensors, float clamp, int H, int I, int K, int expert_lo,
                              int num_local, int stages, int lag, int grid, int smem_bytes, int device, void* stream) {
   const Params p = step_params(tensors, clamp, H, I, K, expert_lo, num_local, stages, lag);

@@ -3,21 +3,22 @@
 // side: megamoe/decode/cuda_step.py (build, checks, launch). The lab compiles its probe instances over this header
 // (lab/cuda_step/probes.cuh, the ProbeHooks policy; its JOURNAL.md has where the time goes, run by run).
 // Building blocks: cuda_step_ops.cuh (PTX, numerics, the ring, a stage's sums); cuda_step_params.cuh (parameters,
-// routing, the order of a CTA's tiles, the L1 epilogue, the combine).
+// routing, the order of a CTA's tiles, the gate/up epilogue, the combine). Names: l1_* / tpe1 / nb1 are the gate/up
+// GEMM's (its weights, tiles per expert, K blocks), l2_* / tpe2 / nb2 the down GEMM's; L1 and L2 alone are caches.
 //
 // One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp, a release warp, an input
-// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
-// a list of tiles (Schedule): its L1 tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its L2 tiles
-// the same way, each L2 tile placed `lag` L1 rounds after its item's last L1 round. A tile is a list of stages (two
-// 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in layout_tc.py).
-// The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way), waiting on
-// nothing but free stages, so it runs on into L2's weights while L1 still computes.
+// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is a
+// list of tiles (Schedule): its gate/up tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its down tiles
+// the same way, each down tile placed `lag` gate/up rounds after its item's last gate/up round. A tile is a list of
+// stages (two 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in
+// layout_tc.py). The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way),
+// waiting on nothing but free stages, so it runs on into the down GEMM's weights while the gate/up GEMM still computes.
 //
-// No grid barrier: an L2 tile needs only its own item's L1 outputs. Warpgroup 0 stores each L1 tile's outputs and
-// tells the release warp (a shared-memory count), which raises the item's count for every CTA (release); the input
-// warp waits for each of its items' counts and reads the item's L2 input row into shared memory (an mbarrier per
-// item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the stores
-// it publishes, and an input read is a round trip through a memory system busy with the weights.
+// No grid barrier: a down tile needs only its own item's gate/up outputs. Warpgroup 0 stores each gate/up tile's
+// outputs and tells the release warp (a shared-memory count), which raises the item's count for every CTA (release);
+// the input warp waits for each of its items' counts and reads the item's down-GEMM input row into shared memory (an
+// mbarrier per item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the
+// stores it publishes, and an input read is a round trip through a memory system busy with the weights.
 //
 // A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
 // quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
@@ -25,8 +26,8 @@
 //
 // Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
 // weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
-// (exact); L1: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; L2:
-// acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The L1 epilogue (SwiGLU, routing weight, FP8 requant per 32
+// (exact); gate/up: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; down:
+// acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The gate/up epilogue (SwiGLU, routing weight, FP8 requant per 32
 // channels) and the combine (slot-ordered FP32 sum, one bf16 rounding) are triton_tc._l1_epilogue's and
 // triton_combine.combine_tile's, operation for operation.
 //
@@ -59,11 +60,11 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   }
   extern __shared__ __align__(1024) uint8_t smem[];
   const int H = p.H, I = p.I;
-  const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
+  const int nb1 = H / 128, nb2 = I / 128;  // K blocks of a gate/up / down tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
-  const int hrow = I + kPad;               // an L2 input row in shared memory
-  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag | bars
-  // (ring: full, empty; input_ready) | the routing | the L1 epilogue count
+  const int hrow = I + kPad;               // a down-GEMM input row in shared memory
+  // shared memory: ring | x codes | down-GEMM input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag |
+  // bars (ring: full, empty; input_ready) | the routing | the gate/up epilogue count
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
@@ -74,10 +75,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
-  uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
+  uint64_t* input_ready = bars + 2 * p.stages;  // per item: its down-GEMM input row is in shared memory (one phase)
   Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
-  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // L1 epilogues warpgroup 0 has stored
-  uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
+  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // gate/up epilogues warpgroup 0 has stored
+  uint32_t* l1_done = p.sync + tpe2;            // per item: its gate/up tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
   constexpr bool kLL = kProbe & kModeLL, kLLCombine = kProbe & kModeLLCombine, kAnyLL = kLL || kLLCombine;
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
     // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
     // while the weights stream.
-    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
+    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's down input row, once it is complete ----
       const int lane = tid % 32;
       for_each_l2_item(sched, [&](int item) {
         if constexpr (!(kProbe & kModeNoWait))
@@ -131,13 +132,13 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         __syncwarp();
         if (lane == 0) {
           mbar_arrive(&input_ready[item]);
-          stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+          stamp(p, 4);  // the last down-GEMM input in (the last one's stamp stays)
         }
       });
       named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
       return;
     }
-    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
+    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each gate/up tile's outputs to every CTA ----
       if (tid % 32 == 0) {
         uint32_t l1_tiles = 0;
         sched.for_each(
@@ -195,9 +196,9 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             issue(codes + blk * 4096, scales + blk * 256);
           }
       };
-      // Probe mode prefetch: once its last L1 block is asked for, the CTA's L2 weights not yet asked for are asked of
-      // the L2 cache, so that DRAM streams them while the ring waits for L2 inputs. It delays L1's last tiles more
-      // than it saves (run 36), so the step leaves it off.
+      // Probe mode prefetch: once its last gate/up block is asked for, the CTA's down weights not yet asked for are
+      // asked of the L2 cache, so that DRAM streams them while the ring waits for down-GEMM inputs. It delays the last
+      // gate/up tiles more than it saves (run 36), so the step leaves it off.
       int next_l2 = blockIdx.x;
       sched.for_each(
           [&](int tile, bool last) {
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
               Hooks::prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
             if constexpr (!(kProbe & kModeRegsL1)) issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
-            stamp(p, 1);  // the last L1 block asked for
+            stamp(p, 1);  // the last gate/up block asked for
             if (!(p.mode & kModePrefetch)) return;
             for (int k = next_l2; k < sched.n2; k += gridDim.x) {
               const size_t base = weight_tile(it.expert, k, tpe2);
@@ -248,9 +249,9 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     stage_sums_of(s, desc, dg, bare, [] {});
   };
   int tiles_done = 0;
-  uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
-  int mine = 0;           // this CTA's L2 tiles
-  uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
+  uint32_t l1_tiles = 0;  // this CTA's gate/up epilogues done (warpgroup 0)
+  int mine = 0;           // this CTA's down tiles
+  uint32_t inputs = 0;    // items whose down-GEMM input row this warpgroup has seen arrive
 
   auto l1_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
       if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
-    if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+    if (last && t == 0) stamp(p, 3);  // this CTA's gate/up done
   };
 
   auto l2_tile = [&](int tile) {

@@ -18,7 +18,7 @@ constexpr int kComputeThreads = 128 * kParts;
 constexpr int kThreads = kComputeThreads + 128;   // and a warpgroup of a load warp, two signal warps, one idle
 constexpr int kComputeRegs = 112, kOtherRegs = 32;  // registers per thread after setmaxnreg: the 640 x 96
                                                     // the CTA has, 4 x 128 x 112 + 128 x 32 of them
-constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
+constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: gate/up 3 H/512 blocks, down 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
 constexpr int kTraceSlots = 160;                // probes: stages traced per row (Params::trace)
@@ -270,7 +270,7 @@ __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int ti
 }
 
 // A count another CTA raises (release) reaches `target`: one thread polls it relaxed, then one acquire fence (an
-// acquire load in the loop would invalidate the SM's L1 at every poll, spilled registers included); the caller's
+// acquire load in the loop would invalidate the SM's L1 cache at every poll, spilled registers included); the caller's
 // barrier passes the order on to the rest of its threads.
 __device__ __forceinline__ void wait_count(const uint32_t* count, uint32_t target) {
   uint32_t now;

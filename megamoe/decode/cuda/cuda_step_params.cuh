@@ -14,7 +14,7 @@ struct Params {
   const float* x_sf;         // fp32 [H/128]
   const int64_t* topk_idx;   // [K]
   const float* topk_w;       // [K]
-  int32_t* num_touched;      // route's outputs (routing.route_torch), for L2-combine readers and checks
+  int32_t* num_touched;      // route's outputs (routing.route_torch), for down-GEMM and combine readers and checks
   int32_t* touched;
   int32_t* seg_start;
   int32_t* seg_count;
@@ -25,7 +25,7 @@ struct Params {
   float* l2_sf;        // [S, I/32]
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
-  uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, L1 tiles done per item, CTAs done
+  uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, gate/up tiles done per item, CTAs done
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
                        // 0) and when warpgroup w found each of its stages landed (row 1 + w)
@@ -33,7 +33,7 @@ struct Params {
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
   int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
-  int lag;             // L1 rounds an L2 tile waits after its item's last L1 round (Schedule)
+  int lag;             // gate/up rounds a down tile waits after its item's last gate/up round (Schedule)
 };
 
 // Probe flags (Params::mode): 0 is the step itself, which is all the library launches. The lab's probe instances
@@ -52,18 +52,18 @@ struct Items {  // the step's valid slots in slot order (T = 1: one row each); i
   int slot_row[kMaxTopK];  // per slot: its pool row or -1
 };
 
-// The CTA's tiles in the order it takes them (L1 and L2 tiles numbered item-major, as in the Triton launches): in
-// L1 round r its L1 tile blockIdx.x + r G, then those of its L2 tiles blockIdx.x + m G whose item's L1 tiles all
-// lie in rounds <= r - lag; the rest after the last round. An L2 tile waits only for its own item's L1 tiles (a
-// count per item in Params::sync), so early items' L2 overlaps the later L1 rounds and no CTA waits on the whole
-// grid but for the last items. No deadlock: the L1 tiles of round r come before any wait a CTA makes in round r,
-// and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the host over many
-// grids and shapes). The load warp, the signal warps and the computing warpgroups walk the same list.
+// The CTA's tiles in the order it takes them (gate/up and down tiles numbered item-major, as in the Triton launches):
+// in gate/up round r its gate/up tile blockIdx.x + r G, then those of its down tiles blockIdx.x + m G whose item's
+// gate/up tiles all lie in rounds <= r - lag; the rest after the last round. An down tile waits only for its own item's
+// gate/up tiles (a count per item in Params::sync), so early items' down overlaps the later gate/up rounds and no CTA
+// waits on the whole grid but for the last items. No deadlock: the gate/up tiles of round r come before any wait a CTA
+// makes in round r, and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the
+// host over many grids and shapes). The load warp, the signal warps and the computing warpgroups walk the same list.
 struct Schedule {
-  int n1, n2, tpe1, tpe2, lag;  // L1 / L2 tiles of the step, per item
+  int n1, n2, tpe1, tpe2, lag;  // gate/up / down tiles of the step, per item
 
   template <class L1, class L2>
-  __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last L1 tile?), l2(tile)
+  __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last gate/up tile?), l2(tile)
     walk(blockIdx.x, gridDim.x, l1, l2);
   }
 
@@ -77,7 +77,7 @@ struct Schedule {
       const int j = cta + r * G;
       if (j < n1) l1(j, j + G >= n1);
       for (; k < n2; k += G) {
-        const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's L1 tiles
+        const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's gate/up tiles
         const int ready = last_round + lag < rounds - 1 ? last_round + lag : rounds - 1;
         if (ready > r) break;
         l2(k);
@@ -92,7 +92,7 @@ __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int t
   return size_t(expert[tile / tpe]) * tpe + tile % tpe;
 }
 
-// Each item the CTA's L2 tiles need, once, in the order its L2 tiles come: fn(item).
+// Each item the CTA's down tiles need, once, in the order its down tiles come: fn(item).
 template <class Fn>
 __device__ __forceinline__ void for_each_l2_item(const Schedule& sched, Fn fn) {
   uint32_t have = 0;
@@ -157,7 +157,7 @@ __device__ __forceinline__ uint32_t l1_epilogue(const Params& p, const float* ep
   return code;
 }
 
-// The combine of each of this CTA's `mine` 64-column L2 tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
+// The combine of each of this CTA's `mine` 64-column down tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
 // last of the step's rows for it: one count per tile, all counted at once, then the last writer's slot-ordered
 // sums (triton_combine.combine_tile's). Warpgroup 0 (lane t of 128) after its slot_out stores; flag: shared scratch.
 __device__ __forceinline__ void combine_tiles(const Params& p, const Items& it, int mine, int* flag, int t) {
