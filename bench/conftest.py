@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_benchmark_update_machine_info(config, machine_info):
     """The run's commit (MEGAMOE_COMMIT where set), versions of what was imported, and the card's identity, as
     ``megamoe bench`` records them, into the benchmark JSON's machine_info."""
-    from megamoe.bench.meta import run_metadata
+    from megamoe.provenance import run_metadata
 
     machine_info["megamoe"] = run_metadata("cuda" if ON_GPU else "cpu")
 

@@ -19,7 +19,7 @@ QUANTITY_COLOURS = {
 }
 
 
-# The roles inside one CTA (megamoe.anatomy) and the two GEMM phases of a task, for the kernel pictures.
+# The roles inside one CTA (megamoe.teaching.anatomy) and the two GEMM phases of a task, for the kernel pictures.
 ROLE_COLOURS = {
     "dispatch": "tab:cyan",
     "TMA A": "tab:olive",

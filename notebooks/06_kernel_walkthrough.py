@@ -21,7 +21,7 @@
 # cites (`bench/results/CITED.json` names it). Then it opens one CTA: which warps do what, how shared
 # memory holds the TMA -> WGMMA pipeline, how a routed row travels between ranks, and how the persistent
 # kernel hands tasks to the SMs, all drawn from the plans the kernels printed on the H200
-# (`megamoe.anatomy`, `megamoe.plans_viz`). Last, the three SM90 kernels side by side: how each
+# (`megamoe.teaching.anatomy`, `megamoe.teaching.plans_viz`). Last, the three SM90 kernels side by side: how each
 # decodes, requantizes and plans, and whether it repeats itself.
 #
 # Ladder: (6.1) the plan for a token count, (6.2) tiles per expert per wave, (6.3) bytes and FLOPs
@@ -222,10 +222,10 @@ figs.save(fig, "roofline")
 # (tests/test_deepgemm_fp4_recorded_configs.py).
 
 # %%
-from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, flashinfer_anatomy, recorded_plans  # noqa: E402
+from megamoe.teaching.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, flashinfer_anatomy, recorded_plans  # noqa: E402
 from megamoe.fused.fp4_records import JIT_SOURCE_FLAGS, recorded_fp4_configs  # noqa: E402
 from megamoe.layouts.deepgemm_configs import buffer_tokens_per_rank, deepgemm_sm90_fp4_config  # noqa: E402
-from megamoe.plans_viz import (  # noqa: E402
+from megamoe.teaching.plans_viz import (  # noqa: E402
     draw_dispatch_combine, draw_pipeline, draw_schedule, draw_smem, draw_warps, interleaved_schedule,
     static_schedule,
 )

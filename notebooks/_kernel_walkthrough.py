@@ -2,7 +2,7 @@
 side-by-side table, so that the notebook keeps the numbers it teaches and the pictures' code lives here.
 
 The pictures of one CTA (warps, shared memory, pipeline, dispatch / combine, schedule) come from
-``megamoe.plans_viz``; these are the rest, in the same style: each takes the axes, the notebook makes
+``megamoe.teaching.plans_viz``; these are the rest, in the same style: each takes the axes, the notebook makes
 the figure and saves it (``_nb.Figures``).
 
     draw_plan_vs_tokens(ax0, ax1, plan)           plan(t, num_ranks=, num_sms=) -> FlashInfer plan

@@ -15,7 +15,7 @@ import torch
 from megamoe.bench import backends as bk
 from megamoe.bench import sweep as sw
 from megamoe.bench.ceilings import Ceilings
-from megamoe.bench.meta import card_identity, new_results_dir
+from megamoe.provenance import card_identity, new_results_dir
 from megamoe.bench.report import to_markdown
 from megamoe.bench.sweep import SweepConfig, run_sweep, select_timing
 from megamoe.bench.tables import best_block_m, repeatability, speedups

@@ -254,3 +254,23 @@ def test_split_k_on_the_gpu(case, split):
     the reference (which knows nothing of the split), stages equal to their twins, a relaunch identical."""
     row = run_tc_case(case, "cuda", True, split)
     assert passed_tc(row) and row["split"] == split, json.dumps(row, indent=1, default=str)
+
+
+def test_launchers_refuse_a_stamps_buffer_too_small_or_off_the_gpu():
+    from megamoe.decode.tc import _stamps
+
+    class Buf:
+        num_touched = torch.zeros(1)
+        interpret = False
+        stamps = None
+
+    assert _stamps(Buf, 0, (7, 64, 2)) == (Buf.num_touched, False)
+    Buf.stamps = torch.full((2, 895, 16), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"stamps must be int64 \[2, >= 896, 16\] on a GPU \(launch 0's grid "
+                                         r"\(7, 64, 2\)\), got \(2, 895, 16\)"):
+        _stamps(Buf, 0, (7, 64, 2))
+    ptr, on = _stamps(Buf, 1, (6, 64))
+    assert on and ptr.shape == (895, 16)
+    Buf.interpret = True
+    with pytest.raises(ValueError, match="under the interpreter"):
+        _stamps(Buf, 1, (6, 64))

@@ -133,6 +133,31 @@ def test_the_package_never_imports_lab_or_tests():
     assert not found, f"megamoe modules importing the repository's lab/ or tests/: {found}"
 
 
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (lazy imports included)."""
+    seen, todo = set(), [start]
+    while todo:
+        for n in graph[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+def test_the_reach_walk_follows_imports_through_other_modules():
+    g = {"megamoe.a": {"megamoe.b"}, "megamoe.b": {"megamoe.c"}, "megamoe.c": set(), "megamoe.d": {"megamoe.a"}}
+    assert reaches(g, "megamoe.a") == {"megamoe.b", "megamoe.c"} and reaches(g, "megamoe.c") == set()
+
+
+def test_check_never_imports_bench():
+    """``megamoe check`` checks; ``megamoe bench`` times. The check's run metadata is megamoe.provenance's, its
+    launch column times with torch's CUDA events: no module of megamoe.check reaches megamoe.bench, even lazily."""
+    graph = import_graph()
+    found = {m: sorted(n for n in reaches(graph, m) if n == "megamoe.bench" or n.startswith("megamoe.bench."))
+             for m in graph if m == "megamoe.check" or m.startswith("megamoe.check.")}
+    found = {m: b for m, b in found.items() if b}
+    assert not found, f"megamoe.check modules reaching megamoe.bench: {found}"
+
+
 OPTIONAL = {"triton", "matplotlib", "flashinfer", "deep_gemm"}  # extras a CPU install may lack
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megamoe import get_geometry
-from megamoe.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, fits, flashinfer_anatomy
-from megamoe.anatomy import recorded_plans
+from megamoe.teaching.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, fits, flashinfer_anatomy
+from megamoe.teaching.anatomy import recorded_plans
 from megamoe.layouts.deepgemm_configs import SM90_SMEM_CAPACITY, deepgemm_sm90_fp4_config, deepgemm_sm90_fp8_config
-from megamoe.plans_viz import L1, L2, interleaved_schedule, pipeline_events, static_schedule
+from megamoe.teaching.plans_viz import L1, L2, interleaved_schedule, pipeline_events, static_schedule
 from megamoe.inputs import make_routing
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -149,7 +149,7 @@ def test_the_pictures_draw():
     mpl.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megamoe.plans_viz import draw_dispatch_combine, draw_pipeline, draw_schedule, draw_smem, draw_warps
+    from megamoe.teaching.plans_viz import draw_dispatch_combine, draw_pipeline, draw_schedule, draw_smem, draw_warps
 
     g = get_geometry("dsv4-flash")
     a = flashinfer_anatomy(PLANS["flashinfer-mxfp4", 512]["detail"], g)

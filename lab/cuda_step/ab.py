@@ -43,6 +43,16 @@ from lab.cuda_step.stage_trace import summarize as trace_summary  # noqa: E402
 # their probes in bench/device; each path is exported where the revision has it).
 EXPORTED = ("megamoe", "lab", "bench/device")
 PROBE_SCRIPTS = ("lab/cuda_step/probe.py", "bench/device/probe.py")  # the probe, where a version keeps it
+# Its selfcheck: a script in the lab, or (versions before it moved there) a module of the package.
+SELFCHECKS = (("lab/cuda_step/selfcheck.py",), ("-m", "megamoe.decode.selfcheck_step1"))
+
+
+def selfcheck_command(checkout: Path) -> list[str]:
+    """The command that runs a checkout's selfcheck of the step (``SELFCHECKS``: the first the checkout has)."""
+    for cmd in SELFCHECKS:
+        if cmd[0] == "-m" or (checkout / cmd[0]).exists():
+            return [sys.executable, *cmd]
+    return [sys.executable, *SELFCHECKS[-1]]
 
 
 def commit_of(checkout: Path) -> str:
@@ -98,8 +108,7 @@ def run_version(checkout: Path, out: Path, modes: list[str], timeout_s: int = 30
     """The selfcheck and the probe of one checkout, with its own package on the path, into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "check.jsonl", "w") as rows, open(out / "check.log", "w") as log:
-        _run([sys.executable, "-m", "megamoe.decode.selfcheck_step1", "--repeats", "4"], checkout, log, timeout_s,
-             stdout=rows)
+        _run([*selfcheck_command(checkout), "--repeats", "4"], checkout, log, timeout_s, stdout=rows)
     _probe(checkout, out, ["--modes", *modes, "--timelines", "cuda", "--traces", "cuda"], timeout_s)
 
 

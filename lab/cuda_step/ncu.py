@@ -1,4 +1,4 @@
-"""The 1-token CUDA step (megamoe/decode/cuda_step1.py) under Nsight Compute: where its warps stall, per SASS
+"""The 1-token CUDA step (megamoe/decode/cuda_step.py, its probe modes: step.py) under Nsight Compute: where its warps stall, per SASS
 instruction, for the step itself and its probe modes (issue 25: the step is ~40 us of kernel time where its
 stream alone, in lab/cuda_step/pattern_bench.cu, is a plain read's). DeepSeek-V4-Flash, EP = 1, one token.
 
@@ -21,14 +21,15 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from lab.decode.decode_probe import staged_buffers  # noqa: E402
-from megamoe.decode import cuda_step1, moe_decode  # noqa: E402
+from lab.cuda_step import step as probe_step  # noqa: E402
+from lab.cuda_step.selfcheck import Y_RIGHT_MODES  # noqa: E402
+from megamoe.decode import cuda_step, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import case_weights  # noqa: E402
-from megamoe.decode.selfcheck_step1 import Y_RIGHT_MODES  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 
-MODES = ("step", "no-load", "bare")  # the step, or a cuda_step1.MODES name
+MODES = ("step", "no-load", "bare")  # the step, or a step.MODES name
 
 
 def main() -> int:
@@ -39,13 +40,13 @@ def main() -> int:
     dev = torch.device("cuda")
     tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
     inp, buf, touched, slots = staged_buffers(g, 1, dev, split_tokens=1, capacity=64)
-    why = cuda_step1.unsupported(tw, buf, 1)
+    why = cuda_step.unsupported(tw, buf, 1)
     if why:
         raise SystemExit(f"the CUDA step cannot run here: {why}")
     y_triton = moe_decode(tw, buf, 1, g.clamp, tc_launch_config(1, g.num_topk)).clone()
-    cuda_step1.step1(tw, buf, g.clamp)  # builds with nvcc on first use; the launch to skip
+    probe_step.step(tw, buf, g.clamp)  # builds with nvcc on first use; the launch to skip
     for name in args.modes:
-        y = cuda_step1.step1(tw, buf, g.clamp, mode=cuda_step1.MODES.get(name, 0)).clone()
+        y = probe_step.step(tw, buf, g.clamp, mode=probe_step.MODES.get(name, 0)).clone()
         torch.cuda.synchronize()
         same = torch.equal(y.view(torch.int16), y_triton.view(torch.int16))
         print(f"[step1_ncu] {name}: y {'equals' if same else 'differs from'} the Triton launches' "

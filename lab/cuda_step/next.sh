@@ -52,7 +52,7 @@ rm -f "$OUT/pattern"
 
 main_dir=$(cd "$AB/main" && pwd)
 echo "[step1_next] the probe modes meant to keep y's bits, bit for bit"
-(cd "$main_dir" && PYTHONPATH=$main_dir timeout "$CHECK_S" "$PY" -m megamoe.decode.selfcheck_step1 --repeats 2 \
+(cd "$main_dir" && PYTHONPATH=$main_dir timeout "$CHECK_S" "$PY" lab/cuda_step/selfcheck.py --repeats 2 \
   --mode regs --mode regs-l1 --mode ll --mode ll-combine --mode ll+ll-combine --mode regs-l1+ll+ll-combine) \
   > "$OUT/check-modes.jsonl" 2> "$OUT/check-modes.log"
 echo "[step1_next] check exit $? ($OUT/check-modes.jsonl)"

@@ -1,7 +1,8 @@
-"""The 1-token CUDA step (megamoe/decode/cuda_step1.py) on one H200, DeepSeek-V4-Flash, EP = 1: timed beside the
-Triton launches it replaces and a plain read of the same bytes, with ring-depth variants, a bare streaming run of
-the same ring (no decode, no MMA: what the loads alone take), each CTA's timeline (stamps-*.pt) and a per-stage
-trace of one flushed launch (trace-*.pt: when each stage was issued, when its warpgroup found it landed).
+"""The 1-token CUDA step (megamoe/decode/cuda_step.py; its probe modes: step.py) on one H200, DeepSeek-V4-Flash,
+EP = 1: timed beside the Triton launches it replaces and a plain read of the same bytes, with ring-depth variants, a
+bare streaming run of the same ring (no decode, no MMA: what the loads alone take), each CTA's timeline
+(stamps-*.pt) and a per-stage trace of one flushed launch (trace-*.pt: when each stage was issued, when its
+warpgroup found it landed).
 
     PYTHONPATH=$PWD python3 lab/cuda_step/probe.py --out $OUT
 
@@ -22,8 +23,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from lab.decode.decode_probe import L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
 from lab.cuda_step.stamps import points  # noqa: E402
-from megamoe.bench.meta import tree_commit  # noqa: E402
-from megamoe.decode import cuda_step1, moe_decode  # noqa: E402
+from megamoe.provenance import tree_commit  # noqa: E402
+from lab.cuda_step import step as probe_step  # noqa: E402
+from megamoe.decode import cuda_step, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.selfcheck import case_weights  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
@@ -33,8 +35,8 @@ KERNELS = ("step1_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "re
 
 
 def timeline(fn, stamps: torch.Tensor, flush, replays: int = 5) -> dict:
-    """Per stamp point (cuda_step1.STAMP_POINTS): min / median / max over CTAs, us from the first CTA's set-up, of
-    the replay with the median last point (step1_stamps.points, as a saved timeline is read on any machine)."""
+    """Per stamp point (step.STAMP_POINTS): min / median / max over CTAs, us from the first CTA's set-up, of the
+    replay with the median last point (stamps.points, as a saved timeline is read on any machine)."""
     reps = []
     for _ in range(replays):
         stamps.fill_(-1)
@@ -67,10 +69,12 @@ def main() -> int:
     tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
     inp, buf, touched, slots = staged_buffers(g, 1, dev, split_tokens=1, capacity=64)
     cfg = tc_launch_config(1, g.num_topk)
-    why = cuda_step1.unsupported(tw, buf, 1)
+    why = cuda_step.unsupported(tw, buf, 1)
     res["unsupported"] = why
     flush = L2Flusher(dev)
-    ctas, most, smem = cuda_step1.launch_shape(cuda_step1.device_index(dev), tw.hidden, tw.intermediate)
+    ctas, most, smem = probe_step.launch_shape(cuda_step.device_index(dev), tw.hidden, tw.intermediate)
+    sync = probe_step.sync_buffer(tw, dev)  # every mode's, the LL modes' words too
+    probe = lambda **kw: probe_step.step(tw, buf, g.clamp, sync=sync, **kw)  # noqa: E731
     res.update(ctas=ctas, stages=most, smem=smem)
 
     def run(name, fn):
@@ -86,19 +90,19 @@ def main() -> int:
             json.dump(res, f, indent=1, default=str)
 
     y_triton = moe_decode(tw, buf, 1, g.clamp, cfg).clone()  # the backend's launch: the Triton kernels
-    y_cuda = cuda_step1.step1(tw, buf, g.clamp).clone()
+    y_cuda = cuda_step.step(tw, buf, g.clamp).clone()  # the library's step
     res["same_y"] = bool(torch.equal(y_triton.view(torch.int16), y_cuda.view(torch.int16)))
     run("triton", lambda: moe_decode(tw, buf, 1, g.clamp, cfg))
-    run("cuda", lambda: cuda_step1.step1(tw, buf, g.clamp))
+    run("cuda", lambda: cuda_step.step(tw, buf, g.clamp))
     for st in args.stages:
         if st < most:
-            run(f"cuda_stages{st}", lambda: cuda_step1.step1(tw, buf, g.clamp, stages=st))
+            run(f"cuda_stages{st}", lambda: probe(stages=st))
     for lim in args.inflight:
-        run(f"cuda_inflight{lim}", lambda: cuda_step1.step1(tw, buf, g.clamp, inflight=lim))
+        run(f"cuda_inflight{lim}", lambda: probe(inflight=lim))
     for lag in args.lags:
-        if lag != cuda_step1.LAG:
-            run(f"cuda_lag{lag}", lambda: cuda_step1.step1(tw, buf, g.clamp, lag=lag))
-    M = cuda_step1.MODES  # the variants --modes times and --timelines / --traces record
+        if lag != probe_step.LAG:
+            run(f"cuda_lag{lag}", lambda: probe(lag=lag))
+    M = probe_step.MODES  # the variants --modes times and --timelines / --traces record
     variants = {"cuda": {}, "bare": {"mode": M["bare"]}, "bare_noscales": {"mode": M["bare"] | M["no-scales"]},
                 "prefetch": {"mode": M["prefetch"]}, "noload": {"mode": M["no-load"]}, "touch": {"mode": M["touch"]},
                 "touch_bare": {"mode": M["touch"] | M["bare"]}, "empty": {"mode": M["empty"]},
@@ -118,19 +122,18 @@ def main() -> int:
     src = torch.empty(nbytes // 4 + 1024, dtype=torch.int32, device=dev)
     run("read", plain_read(src, nbytes, torch.empty(1 << 16, dtype=torch.int32, device=dev)))
     for name in args.modes:
-        run(name, lambda: cuda_step1.step1(tw, buf, g.clamp, **variants[name]))
+        run(name, lambda: probe(**variants[name]))
     print(f"[step1] same y as the Triton launches: {res['same_y']}", flush=True)
     stamps = torch.full((ctas, 8), -1, dtype=torch.int64, device=dev)
     for name, kw in ((n, variants[n]) for n in args.timelines):
-        res[f"timeline_{name}"] = timeline(lambda: cuda_step1.step1(tw, buf, g.clamp, stamps=stamps, **kw), stamps,
-                                           flush)
+        res[f"timeline_{name}"] = timeline(lambda: probe(stamps=stamps, **kw), stamps, flush)
         print(f"[step1] timeline {name}:", json.dumps(res[f"timeline_{name}"]), flush=True)
         torch.save(stamps.cpu(), os.path.join(args.out, f"stamps-{name}.pt"))
-    tr = torch.full((ctas, 1 + cuda_step1.PARTS, cuda_step1.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
+    tr = torch.full((ctas, 1 + cuda_step.PARTS, probe_step.TRACE_SLOTS), -1, dtype=torch.int64, device=dev)
     for name, kw in ((n, variants[n]) for n in args.traces):  # every block's landing, one flushed launch
         tr.fill_(-1)
         flush()
-        cuda_step1.step1(tw, buf, g.clamp, trace=tr, **kw)
+        probe(trace=tr, **kw)
         torch.cuda.synchronize()
         torch.save(tr.cpu(), os.path.join(args.out, f"trace-{name}.pt"))
     res.update(touched=touched, weight_mb=nbytes / 1e6)

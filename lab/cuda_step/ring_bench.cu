@@ -1,6 +1,6 @@
 // How fast one CTA per SM streams global memory into a shared-memory ring with cp.async.bulk (one thread
 // issuing), against the copy size, the ring's depth and CTAs per SM; beside a plain load-and-xor read. The
-// question behind it: the 1-token CUDA step (megamoe/decode/cuda/step1.cu) streamed its 80 MB at ~1.5 TB/s.
+// question behind it: the 1-token CUDA step (megamoe/decode/cuda/cuda_step.cu) streamed its 80 MB at ~1.5 TB/s.
 //
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o ring lab/cuda_step/ring_bench.cu && ./ring
 #include <cuda_runtime.h>

@@ -4,10 +4,10 @@ when its L2 input row reached the CTAs that need it, and when those CTAs finishe
     python3 lab/cuda_step/stamps.py STAMPS.pt [STAMPS.pt ...] [--items 6 --l1-tiles 64 --l2-tiles 64]
 
 A timeline is what ``probe.py --timelines`` saves (stamps-*.pt): int64 [CTAs, 8], the %globaltimer (ns) at
-which each CTA reached each of ``cuda_step1.STAMP_POINTS`` (set up, last L1 block asked for, last block asked
+which each CTA reached each of ``step.STAMP_POINTS`` (set up, last L1 block asked for, last block asked
 for, L1 done, last L2 input in, done, entered), -1 where it did not.
 
-Which CTA holds which tile follows the step's schedule (``Schedule`` in megamoe/decode/cuda/step1_params.cuh):
+Which CTA holds which tile follows the step's schedule (``Schedule`` in megamoe/decode/cuda/cuda_step_params.cuh):
 L1 tile j (of item j // l1_tiles) on CTA j % G, L2 tile k (of item k // l2_tiles) on CTA k % G, each CTA taking
 its tiles in increasing order. So a CTA's "L1 done" is the end of its last L1 tile's epilogue, and its "last L2
 input in" the arrival of its last L2 tile's item. For the last item both are exact when the grid has at least as
@@ -31,7 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from megamoe.decode.cuda_step1 import STAMP_POINTS  # noqa: E402  (the columns; importing it needs no GPU)
+from lab.cuda_step.step import STAMP_POINTS  # noqa: E402  (the columns; importing it needs no GPU)
 
 SET_UP, L1_DONE, INPUT_IN, DONE = (STAMP_POINTS.index(n) for n in ("set up", "L1 done", "last L2 input in", "done"))
 

@@ -84,7 +84,7 @@ def test_an_export_runs_without_git_and_names_its_commit(tmp_path):
     (d,) = mod.export(["HEAD"], tmp_path, repo=_ROOT)
     head = _git("rev-parse", "--short=10", "HEAD")
     assert (d / "COMMIT").read_text().strip() == head and mod.commit_of(d) == head
-    for f in ("megamoe/decode/cuda/step1.cu", "megamoe/decode/selfcheck_step1.py", "lab/cuda_step/probe.py"):
+    for f in ("megamoe/decode/cuda/cuda_step.cu", "lab/cuda_step/selfcheck.py", "lab/cuda_step/probe.py"):
         assert (d / f).read_bytes() == (_ROOT / f).read_bytes() or _git("status", "--porcelain", f), f
     assert not (d / "tests").exists() and not (d / "bench" / "results").exists()
     assert mod.commit_of(_ROOT) == head

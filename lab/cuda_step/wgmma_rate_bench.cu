@@ -1,5 +1,5 @@
 // How fast an SM runs the 1-token step's MMA (wgmma m64n8k32 e4m3, A in registers, B from shared memory, zero
-// accumulator), by warpgroups per CTA and MMAs per commit: the floor under megamoe/decode/cuda/step1.cu's stages.
+// accumulator), by warpgroups per CTA and MMAs per commit: the floor under megamoe/decode/cuda/cuda_step.cu's stages.
 // One CTA per SM, every warpgroup looping over batches of MMAs; clock64 around the loop.
 //
 //     nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o wgmma_rate lab/cuda_step/wgmma_rate_bench.cu && ./wgmma_rate
@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cuda_runtime.h>
 
-__device__ __forceinline__ uint64_t b_desc(const void* p) {  // as step1_ops.cuh: K-major, no swizzle, LBO 16
+__device__ __forceinline__ uint64_t b_desc(const void* p) {  // as cuda_step_ops.cuh: K-major, no swizzle, LBO 16
   uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(8) << 32);
 }

@@ -35,7 +35,7 @@ from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weigh
 from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
-from megamoe.bench.meta import tree_commit  # noqa: E402
+from megamoe.provenance import tree_commit  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
 
@@ -51,9 +51,8 @@ VARIANTS = {
     "l2cap64": dict(tc_l2_maxnreg=64),
     "l1cap72-l2cap72": dict(tc_l1_maxnreg=72, tc_l2_maxnreg=72),
     # programmatic dependent launch (megamoe/decode/triton_pdl.py): L1 / L2 let the next launch start after their
-    # K loops, or at once (early)
-    "pdl": dict(pdl=True, pdl_early_release=False),
-    "pdl-early": dict(pdl=True, pdl_early_release=True),
+    # K loops (the early release at once was LaunchConfig.pdl_early_release, rejected and removed: the journal)
+    "pdl": dict(pdl=True),
     "nopdl": dict(pdl=False),
     # experts with at most 4 rows: a 128-K block's four groups in one MMA (triton_tc_ops._packed_mma)
     "pack4": dict(tc_pack4=True),
@@ -66,7 +65,7 @@ VARIANTS = {
     "route": dict(tc_route=True),
     "noroute": dict(tc_route=False),
     "l2cap96": dict(tc_l2_maxnreg=96),
-    # at 1 token: the whole step in one persistent CUDA launch (megamoe/decode/cuda_step1.py), or the Triton launches
+    # at 1 token: the whole step in one persistent CUDA launch (megamoe/decode/cuda_step.py), or the Triton launches
     "cuda1": dict(tc_cuda_step1=True),
     "nocuda1": dict(tc_cuda_step1=False),
 }
@@ -94,10 +93,10 @@ def sweep_clock(fn) -> dict:
 
 
 def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str | None = None) -> dict:
-    """The launch's timeline (megamoe.decode.timeline) over a few flushed graph replays with stamps on; the
+    """The launch's timeline (lab.decode.timeline) over a few flushed graph replays with stamps on; the
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
     from megamoe.decode.tc import launch_grids
-    from megamoe.decode.timeline import stamp_buffer, summarize, table
+    from lab.decode.timeline import stamp_buffer, summarize, table
 
     buf.stamps = stamp_buffer(buf, max(math.prod(grid) for grid in launch_grids(tw, buf, t, cfg)))
     try:
@@ -135,7 +134,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[])
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="nocap: no register caps (the compiler's choice); cap64 / cap72, l2capNN, l1cap72-l2cap72: "
-                         "other caps; pdl, pdl-early, nopdl: launch overlap; pack4: four groups per MMA; split1 / 2 / "
+                         "other caps; pdl, nopdl: launch overlap; pack4: four groups per MMA; split1 / 2 / "
                          "4: L1's K in parts; route / noroute: L1 routing for itself or not (VARIANTS)")
     ap.add_argument("--repeat", type=int, default=20, help="poisoned launches of each variant checked against the default")
     ap.add_argument("--no-cuda-core", action="store_true", help="time the tensor-core path only")
@@ -145,7 +144,7 @@ def main() -> int:
     ap.add_argument("--sweep-clock", action="store_true", help="also time the backend's launch as `megamoe bench` "
                     "does (megamoe.bench.timing.time_graph: batches queued back to back, the L2 flushed between calls)")
     ap.add_argument("--timeline", action="store_true", help="also record the backend's launch's timeline "
-                    "(megamoe.decode.timeline: when each L1 / L2 program started, waited, knew its item, finished "
+                    "(lab/decode/timeline.py: when each L1 / L2 program started, waited, knew its item, finished "
                     "its K loop, exited)")
     ap.add_argument("--deadline", type=float, default=400.0)
     args = ap.parse_args()

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from lab.decode.decode_probe import L2Flusher, kineto_us, staged_buffers, time_replays  # noqa: E402
 from lab.decode.decode_tc_probe import sweep_clock  # noqa: E402
-from megamoe.bench.meta import tree_commit  # noqa: E402
+from megamoe.provenance import tree_commit  # noqa: E402
 from megamoe.bench.read_kernel import BLOCK, _read_kernel  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 

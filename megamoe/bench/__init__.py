@@ -6,7 +6,7 @@
     backends.py    the one adapter between the harness and megamoe.fused backends (or any callable)
     sweep.py       the sweep: checks, timed passes, the second clock; studies.py: overhead, BLOCK_M, ragged, staging
     tables.py      derived tables and the merge of two processes; report.py / plots.py: Markdown, PNG, screen
-    meta.py        what a results file says about the run; cli.py: ``megamoe bench``; suite.py: pytest-benchmark
+    cli.py         ``megamoe bench`` (a results file's run metadata: megamoe.provenance); suite.py: pytest-benchmark
 """
 
 from .backends import BenchBackend, CallableBackend, FusedBench, make_backends, reference_backend

@@ -18,13 +18,13 @@ Datasheet rates are leads only: these are what the floors divide by. On a CPU ev
 
 from __future__ import annotations
 
-import platform
 import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .timing import resolve_device, time_fn
+from ..provenance import device_name, resolve_device
+from .timing import time_fn
 
 
 @dataclass
@@ -43,13 +43,6 @@ class Ceilings:
     @classmethod
     def from_dict(cls, d: dict) -> "Ceilings":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
-def device_name(device=None) -> str:
-    dev = resolve_device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def measure_copy_gbps(device=None, nbytes: int | None = None, repeats: int = 10) -> tuple[float, int]:

@@ -77,7 +77,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     unavailable(p, [n for n in (a.backends or []) if n not in ("all", "reference")], reg)
     if a.append:
         from .sweep import check_appendable, load_results
-        from .meta import run_metadata
+        from ..provenance import run_metadata
 
         try:
             check_appendable(load_results(a.append), config_from_args(a), run_metadata(a.device))
@@ -115,7 +115,7 @@ def run(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
 def run_ranks(a: argparse.Namespace) -> int:
     """The distributed eager reference over ``--ranks`` gloo ranks, every rank at T tokens, for each T."""
     from ..distributed.check import bench_ranks
-    from .meta import new_results_dir, run_metadata
+    from ..provenance import new_results_dir, run_metadata
 
     reports = []
     for t in a.tokens:

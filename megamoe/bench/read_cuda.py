@@ -32,7 +32,7 @@ THREADS = 128  # read_kernel.cu's kThreads (the library is asked; a mismatch rai
 
 def nvcc() -> str | None:
     """The nvcc the 1-token CUDA step builds with (``$CUDA_HOME/bin/nvcc``, else PATH): one lookup for both."""
-    from ..decode.cuda_step1 import nvcc as find_nvcc
+    from ..decode.cuda_step import nvcc as find_nvcc
 
     return find_nvcc()
 

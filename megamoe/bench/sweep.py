@@ -43,7 +43,7 @@ from ..provenance import imported_kernel_modules
 from ..testing import calc_diff
 from .backends import BenchBackend, make_backends, select_timing
 from .ceilings import Ceilings, ReadCeiling, device_name, measure_ceilings
-from .meta import gpu_state, new_results_dir, run_metadata, versions
+from ..provenance import gpu_state, new_results_dir, run_metadata, versions
 from .roofline import achieved, step_floor
 from .tables import check_appendable, derive, load_results, merge_results
 from .timing import Timing, host_quiet, resolve_device, time_fn, time_graph

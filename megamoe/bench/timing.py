@@ -27,6 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..provenance import resolve_device
+
 L2_FLUSH_BYTES = 256 * 2**20  # > 5x the H200's 50 MB L2
 SPIN_PER_CALL_US = 200.0  # the lead queued ahead of a batch whose calls may be shorter than their launch
 
@@ -99,12 +101,6 @@ def _quantile(sorted_vals: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(sorted_vals) - 1)
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-
-
-def resolve_device(device=None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _caller(fn: Callable, args: Sequence[Any] | None) -> Callable[[int], Any]:

@@ -72,7 +72,7 @@ def run(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -
     from rich.console import Console
 
     from .. import check
-    from ..bench.meta import new_results_dir, run_metadata
+    from ..provenance import new_results_dir, run_metadata
     from . import render
 
     validate(p, a, explicit)

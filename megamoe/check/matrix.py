@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import time
 import traceback
 from dataclasses import dataclass
@@ -211,10 +212,19 @@ def _sync(dev: torch.device) -> None:
 
 
 def _time_launch(be, m: int, iters: int) -> float:
-    """The launch alone, median of ``iters`` calls (megamoe.bench.timing, no L2 flush): for the table only."""
-    from ..bench.timing import time_fn
-
-    return time_fn(lambda: be.launch(m), warmup=2, repeats=iters, flush_l2=False, device="cuda").median_us
+    """The launch alone in us: the median over ``iters`` calls of the CUDA events around each, after two warm-up
+    calls, the L2 cache not flushed. For the table only: ``megamoe bench`` is the timing harness."""
+    for _ in range(2):
+        be.launch(m)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        be.launch(m)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) -> dict:

@@ -5,7 +5,8 @@ layout prepared once, in two variants that round differently:
     TCWeights (layout_tc.py, triton_tc.py)      an FP8 MMA per 32-K scale group          recipe megamoe-decode-tc
 
 ``moe_decode`` runs whichever weights it is given. Each Triton stage sits beside its torch twin (same name +
-``_torch``, same signature). Design, napkin math and the H200 runs: docs/decode-kernel.md (CUDA cores) and
+``_torch``, same signature). Names: ``l1`` / ``L1`` is the gate/up GEMM (with SwiGLU, the routing weight and the
+FP8 requant), ``l2`` / ``L2`` the down GEMM; the L1 and L2 caches are always called caches. Design, napkin math and the H200 runs: docs/decode-kernel.md (CUDA cores) and
 docs/decode-kernel-tc.md (tensor cores)."""
 
 from .gemv import LaunchConfig

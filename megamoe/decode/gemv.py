@@ -46,10 +46,9 @@ class LaunchConfig:
     tc_l2_maxnreg: int | None = 72
     # Programmatic dependent launch (Hopper, ``triton_pdl.py``): each launch after route waits
     # (griddepcontrol.wait) before it reads what the previous one wrote, so it may be started early. Route and
-    # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done
-    # (``pdl_early_release``: at once too). No bit changes.
+    # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done (at once
+    # made the 1-token step 10% slower on the H200: lab/decode/JOURNAL.md, run 15). No bit changes.
     pdl: bool = False
-    pdl_early_release: bool = False
     # The tensor-core L1 / L2: an expert with at most 4 rows takes one packed pass, a 128-K block's four groups
     # of up to 4 tokens in one MMA (triton_tc_ops._packed_mma). Same bits.
     tc_pack4: bool = False
@@ -61,7 +60,7 @@ class LaunchConfig:
     # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
     # to 64 slots (tokens x top-k).
     tc_route: bool = False
-    # The tensor-core path at 1 token: the whole step in one persistent CUDA launch (``cuda_step1.py``) where the
+    # The tensor-core path at 1 token: the whole step in one persistent CUDA launch (``cuda_step.py``) where the
     # machine can build and run it (SM90, nvcc), else the Triton launches. Same bits; level with them on the H200,
     # slower on the H100 (docs/decode-kernel-tc.md, "The 1-token CUDA step"), so off by default.
     tc_cuda_step1: bool = False
@@ -85,7 +84,7 @@ class LaunchConfig:
         for name in ("tc_l1_maxnreg", "tc_l2_maxnreg"):
             if getattr(self, name) is not None:
                 as_int(name, getattr(self, name), lo=24, hi=255, who=who)  # ptxas' register cap range
-        for name in ("store_l1", "fused", "l1_prefetch", "l2_prefetch", "pdl", "pdl_early_release", "tc_pack4",
+        for name in ("store_l1", "fused", "l1_prefetch", "l2_prefetch", "pdl", "tc_pack4",
                      "tc_route", "tc_cuda_step1"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{who}: {name} must be a bool, got {type(getattr(self, name)).__name__} "

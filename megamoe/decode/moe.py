@@ -36,7 +36,7 @@ import torch
 from ..geometry import Geometry
 from ..recipe import MEGAMOE_DECODE
 from ..validate import as_clamp, as_int, check_topk, expect_tensor
-from . import cuda_step1, gemv, routing, tc
+from . import cuda_step, gemv, routing, tc
 from .gemv import LaunchConfig
 from .layout import DecodeWeights
 from .layout_tc import TCWeights
@@ -60,14 +60,13 @@ class DecodeBuffers:
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
         counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
-        step_sync int32 [cuda_step1.sync_words(H, I)]   the 1-token CUDA step's combine counts, L1 tiles done per
-                                           item (up to 8) and CTAs done, then probe modes ll / ll-combine's
-                                           LL words
+        step_sync int32 [cuda_step.sync_words(H)]   the 1-token CUDA step's combine counts, L1 tiles done per
+                                           item (up to 8) and CTAs done
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
         stamps int64 [2, P, 16] or None    set by a caller that wants the tensor-core L1's (0) and L2's (1)
-                                           timeline, P >= each launch's programs (``timeline.stamp_buffer``)
+                                           timeline, P >= each launch's programs (``stamps.stamp_buffer``)
     """
 
     x_q: torch.Tensor
@@ -141,7 +140,7 @@ class DecodeBuffers:
             counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
-            step_sync=torch.zeros(cuda_step1.sync_words(h, i), dtype=i32, device=device),
+            step_sync=torch.zeros(cuda_step.sync_words(h), dtype=i32, device=device),
             num_local=el, expert_lo=expert_lo, num_experts=g.num_experts,
         )
         from ..staging.stage import record_staged
@@ -166,7 +165,7 @@ class DecodeBuffers:
             "l2_sf": ((s, i // L2_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
             "counters": ((w + c * (h // 32) + 1,), i32), "split_terms": ((s_split, h // 128, 2 * i), f32),
             "split_counts": ((min(el, s_split) * (i // 32),), i32),
-            "step_sync": ((cuda_step1.sync_words(h, i),), i32),
+            "step_sync": ((cuda_step.sync_words(h),), i32),
         }
 
     def check(self, who: str = "DecodeBuffers") -> None:
@@ -295,7 +294,7 @@ def one_cuda_launch(tw: TCWeights, buf: DecodeBuffers, num_tokens: int, cfg: Lau
     and call site, Python's default filter) and the Triton launches run instead: the same bits, another speed."""
     if not cfg.tc_cuda_step1 or num_tokens != 1:
         return False
-    why = cuda_step1.unsupported(tw, buf, num_tokens)
+    why = cuda_step.unsupported(tw, buf, num_tokens)
     if why is not None:
         warnings.warn(f"LaunchConfig.tc_cuda_step1: the 1-token CUDA step cannot run here ({why}); the Triton "
                       "launches run instead, with the same bits", RuntimeWarning, stacklevel=3)
@@ -305,13 +304,13 @@ def one_cuda_launch(tw: TCWeights, buf: DecodeBuffers, num_tokens: int, cfg: Lau
 def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
     """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
-    CUDA launch with ``LaunchConfig.tc_cuda_step1`` at 1 token where ``cuda_step1`` can run, the same bits) on the
+    CUDA launch with ``LaunchConfig.tc_cuda_step1`` at 1 token where ``cuda_step`` can run, the same bits) on the
     first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync: the checks
     (``check_launch``) read only Python values."""
     num_tokens, clamp = check_launch(dw, buf, num_tokens, clamp, cfg)
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
     if tensor_cores and one_cuda_launch(dw, buf, num_tokens, cfg):
-        return cuda_step1.step1(dw, buf, clamp)  # the whole 1-token step in one launch, the same bits
+        return cuda_step.step(dw, buf, clamp)  # the whole 1-token step in one launch, the same bits
     if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
                       cfg.pdl, full=not tensor_cores)

@@ -107,7 +107,7 @@ _STAGE_FIELDS = {
 }
 
 
-def _written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
+def written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
     """The part of a buffer a launch of t tokens writes (rows past it must keep their poison)."""
     if name == "y_unrouted":  # the rows route zeroes: tokens with no local slot
         return buf.y[:t][~(buf.slot_row[: t * buf.num_topk].view(t, -1) >= 0).any(dim=1)]
@@ -118,7 +118,8 @@ def _written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
     return getattr(buf, name)[:rows]
 
 
-def _copy_staged(src: DecodeBuffers, dst: DecodeBuffers) -> None:
+def copy_staged(src: DecodeBuffers, dst: DecodeBuffers) -> None:
+    """The staged inputs of src (x_q, x_sf, topk_idx, topk_weights) into dst: two buffers, one step."""
     for name in ("x_q", "x_sf", "topk_idx", "topk_weights"):
         getattr(dst, name).copy_(getattr(src, name))
 
@@ -158,7 +159,7 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
         row["seconds"] = round(time.time() - t0, 2)
         return row
     twin = DecodeBuffers.allocate(g, case.tokens, device)
-    _copy_staged(buf, twin)
+    copy_staged(buf, twin)
     buf.poison_()
     twin.poison_()
     stages = (
@@ -172,7 +173,7 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
         call(buf, kernel)
         call(twin, torch_twin)
         msgs = [f"{f}: {m}" for f in _STAGE_FIELDS[name]
-                if (m := first_mismatch(_written(buf, f, t), _written(twin, f, t)))]
+                if (m := first_mismatch(written(buf, f, t), written(twin, f, t)))]
         row[name] = "; ".join(msgs)
     n = int((buf.slot_row[: t * g.num_topk] >= 0).sum())
     row["poison_kept"] = bool(torch.isnan(buf.l2_x[n:]).all() and torch.isnan(buf.y[t:].float()).all())

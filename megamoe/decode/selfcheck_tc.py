@@ -29,7 +29,7 @@ from ..testing import calc_diff, first_mismatch
 from . import routing, tc
 from .layout_tc import prepare_tc_weights
 from .moe import DecodeBuffers, moe_decode
-from .selfcheck import _STAGE_FIELDS, DecodeCase, _copy_staged, _written, case_weights, geometry_of
+from .selfcheck import _STAGE_FIELDS, DecodeCase, copy_staged, written, case_weights, geometry_of
 
 ROUTE_FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f not in ("x32", "y_unrouted"))  # what L1-L2 read
 
@@ -102,7 +102,7 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         row["calc_diff"] = calc_diff(moe_decode(tw, buf, t, g.clamp, cfg), ref)
         return row
     twin = DecodeBuffers.allocate(g, t, device, split_tokens=t)
-    _copy_staged(buf, twin)
+    copy_staged(buf, twin)
     buf.poison_()
     twin.poison_()
     # route as moe_decode runs it for this path (no x32, nothing zeroed; or inside L1's launch) against its twin,
@@ -112,13 +112,13 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
     else:
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf, full=False)
     routing.route_torch(twin.topk_idx, twin.topk_weights, twin.x_q, t, twin.expert_lo, twin.num_local, twin)
-    row["route"] = "; ".join(f"{f}: {m}" for f in ROUTE_FIELDS if (m := first_mismatch(_written(buf, f, t),
-                                                                                       _written(twin, f, t))))
+    row["route"] = "; ".join(f"{f}: {m}" for f in ROUTE_FIELDS if (m := first_mismatch(written(buf, f, t),
+                                                                                       written(twin, f, t))))
     if not cfg.tc_route:
         tc.l1_tc(tw, buf, t, g.clamp, cfg)
     tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=recipe.mma)
     row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
-                          if (m := first_mismatch(_written(buf, f, t), _written(twin, f, t))))
+                          if (m := first_mismatch(written(buf, f, t), written(twin, f, t))))
     n = int((buf.slot_row[: t * g.num_topk] >= 0).sum())
     if interp:  # small-integer L2 codes (every group sum exact), the same in both
         gen = torch.Generator().manual_seed(case.seed)
@@ -128,7 +128,7 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
         twin.l2_q[:n] = codes
     tc.l2_tc(tw, buf, t, cfg)
     tc.l2_tc_torch(tw, twin, t, cfg, mma=recipe.mma)
-    row["l2"] = first_mismatch(_written(buf, "slot_out", t), _written(twin, "slot_out", t)) or ""
+    row["l2"] = first_mismatch(written(buf, "slot_out", t), written(twin, "slot_out", t)) or ""
     buf.poison_()
     y = moe_decode(tw, buf, t, g.clamp, cfg).clone()
     row["poison_kept"] = bool(torch.isnan(buf.y[t:].float()).all() and (buf.l2_q[n:] == 0x7F).all())

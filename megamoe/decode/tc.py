@@ -23,7 +23,7 @@ from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
-from .timeline import WORDS
+from .stamps import WORDS
 
 
 MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
@@ -48,7 +48,7 @@ def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
     - L1 routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.0 / 4.7 / 3.6 us less
       at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
       slower (run 27);
-    - not the whole 1-token step in one persistent CUDA launch (``cuda_step1.py``, ``LaunchConfig.tc_cuda_step1``):
+    - not the whole 1-token step in one persistent CUDA launch (``cuda_step.py``, ``LaunchConfig.tc_cuda_step1``):
       the same bits, level with these three launches on the H200 and slower on the H100 (docs/decode-kernel-tc.md,
       "The 1-token CUDA step"), and it builds with nvcc on first use."""
     return LaunchConfig(pdl=True, tc_pack4=True, tc_split=2 if num_tokens == 1 else 1,
@@ -92,7 +92,7 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
 
 
 def _stamps(buf, launch: int, grid: tuple) -> tuple:
-    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``timeline.py``), checked
+    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``stamps.py``), checked
     against the grid; otherwise a stand-in tensor the kernel never touches and STAMP off."""
     if buf.stamps is None:
         return buf.num_touched, False
@@ -106,7 +106,7 @@ def _stamps(buf, launch: int, grid: tuple) -> tuple:
 def launch_grids(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> tuple[tuple, tuple]:
     """The grids ``l1_tc`` and ``l2_tc`` launch for this step, after their checks: L1 (W work items, one more
     when it routes for itself; I / 32 channel tiles; its K parts), L2 (W, H / 64). A timeline's stamp buffer
-    holds the larger (``timeline.stamp_buffer``)."""
+    holds the larger (``stamps.stamp_buffer``)."""
     w = buf.max_work(num_tokens)
     route = bool(_route_slots(buf, num_tokens, cfg))
     return (w + route, tw.intermediate // 32, _split(tw, buf, num_tokens, cfg)), (w, tw.hidden // 64)
@@ -131,8 +131,7 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
         buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
         buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, SPLIT=split, **route,
-        STAMP=stamp,
+        PACK=cfg.tc_pack4, SPLIT=split, **route, STAMP=stamp,
     )
 
 
@@ -147,7 +146,7 @@ def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
         buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        **({} if buf.interpret else {"EARLY": cfg.pdl_early_release}), PACK=cfg.tc_pack4, STAMP=stamp,
+        PACK=cfg.tc_pack4, STAMP=stamp,
     )
 
 

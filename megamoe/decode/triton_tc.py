@@ -66,15 +66,13 @@ def l1_tc_kernel(
     idx_ptr, tw_ptr, slot_row_ptr, T, expert_lo, num_local,  # ROUTE: the staged routing; route's other output
     clamp, stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr = False, EARLY: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    PDL: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
     ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
     STAMP: tl.constexpr = False,
 ):
     _stamp(stamps_ptr, 1, STAMP)
     pdl_wait(PDL)
     _stamp(stamps_ptr, 2, STAMP)
-    if EARLY:
-        pdl_release(PDL)
     j = tl.program_id(0)
     t = tl.program_id(1)
     part = tl.program_id(2)
@@ -203,16 +201,14 @@ def l2_tc_kernel(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
-    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    PACK: tl.constexpr = False, STAMP: tl.constexpr = False,
+    H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PACK: tl.constexpr = False,
+    STAMP: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
     _stamp(stamps_ptr, 1, STAMP)
     pdl_wait(PDL)
     _stamp(stamps_ptr, 2, STAMP)
-    if EARLY:
-        pdl_release(PDL)
     n_items = tl.load(num_touched_ptr)
     e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as L1's)
     if j < n_items:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .timeline import WORDS
+from .stamps import WORDS
 
 NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
 STAMP_WORDS = tl.constexpr(WORDS)  # int64 per program in a launch's timeline (``_stamp``): SM id, timer / clock

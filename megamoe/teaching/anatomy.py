@@ -9,15 +9,15 @@ roles, its registers, and its shared memory (fixed regions and the TMA -> WGMMA 
 
 Every count comes from the plan and the kernels' sources (FlashInfer 0.7.4
 ``include/flashinfer/megamoe/sm90_mxfp4_mega_moe_fused*.cuh``; DeepGEMM PR #323
-``sm90_fp8_fp4_mega_moe.cuh`` and its FP8 sibling). ``megamoe.plans_viz`` draws them.
+``sm90_fp8_fp4_mega_moe.cuh`` and its FP8 sibling). ``megamoe.teaching.plans_viz`` draws them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .geometry import get_geometry
-from .layouts.deepgemm_configs import SM90_SMEM_CAPACITY
+from ..geometry import get_geometry
+from ..layouts.deepgemm_configs import SM90_SMEM_CAPACITY
 
 
 def _align(x: int, a: int) -> int:

@@ -1,4 +1,4 @@
-// Building blocks of the 1-token CUDA step (step1.cu): PTX wrappers (mbarriers, bulk copies, wgmma), the
+// Building blocks of the 1-token CUDA step (cuda_step.cu): PTX wrappers (mbarriers, bulk copies, wgmma), the
 // numerics it shares with the Triton kernels, the ring of stages and a stage's tensor-core sums.
 #pragma once
 
@@ -18,10 +18,10 @@ constexpr int kComputeThreads = 128 * kParts;
 constexpr int kThreads = kComputeThreads + 128;   // and a warpgroup of a load warp, two signal warps, one idle
 constexpr int kComputeRegs = 112, kOtherRegs = 32;  // registers per thread after setmaxnreg: the 640 x 96
                                                     // the CTA has, 4 x 128 x 112 + 128 x 32 of them
-constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: L1 3 H/512 blocks, L2 3 I/128 groups
+constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: gate/up 3 H/512 blocks, down 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
-constexpr int kTraceSlots = 160;                // probes: stages traced per row (step1.cu's Params::trace)
+constexpr int kTraceSlots = 160;                // probes: stages traced per row (Params::trace)
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
 
@@ -188,8 +188,8 @@ struct StageRegs {
 };
 
 // ... from a stage's codes (kBlocks x 4,096 bytes) and scale words (kBlocks x 256 bytes): in a ring slot (kGlobal
-// false: codes = the slot, scales = the slot + kCodeBytes), or straight from the weights (probe mode regs, no ring:
-// streaming loads that leave no line in L1)
+// false: codes = the slot, scales = the slot + kCodeBytes), or straight from the weights (the lab's probe mode regs,
+// no ring: streaming loads that leave no line in L1)
 template <bool kGlobal>
 __device__ __forceinline__ void stage_read(const uint8_t* codes, const uint8_t* scales, int tid, StageRegs& s) {
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
@@ -270,7 +270,7 @@ __device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int ti
 }
 
 // A count another CTA raises (release) reaches `target`: one thread polls it relaxed, then one acquire fence (an
-// acquire load in the loop would invalidate the SM's L1 at every poll, spilled registers included); the caller's
+// acquire load in the loop would invalidate the SM's L1 cache at every poll, spilled registers included); the caller's
 // barrier passes the order on to the rest of its threads.
 __device__ __forceinline__ void wait_count(const uint32_t* count, uint32_t target) {
   uint32_t now;
@@ -289,10 +289,6 @@ __device__ __forceinline__ void wait_count_cta(const uint32_t* count, uint32_t t
 
 __device__ __forceinline__ void store_release_cta(uint32_t* count, uint32_t v) {  // shared memory
   asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(count)), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void add_relaxed(uint32_t* count, uint32_t v) {  // probe mode relaxed only
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(count), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void add_release(uint32_t* count, uint32_t v) {

@@ -1,27 +1,25 @@
-"""The tensor-core decode launches' timeline: when each program of L1 and L2 reached each point, on the GPU.
+"""Read the tensor-core decode launches' timeline: when each program of the gate/up and the down launch reached
+each point, on the GPU (the library's hook: megamoe/decode/stamps.py says what a stamp buffer holds).
 
     buf.stamps = stamp_buffer(buf, programs)   # before capturing or launching; None turns it off again
     moe_decode(tw, buf, T, clamp, cfg)        # each program stores its SM id and five points (``_stamp``)
-    summary = summarize(buf.stamps)            # microseconds from L1's first program start, per point
+    summary = summarize(buf.stamps)            # microseconds from the gate/up launch's first start, per point
 
-The points, in both kernels: 1 start, 2 past ``griddepcontrol.wait``, 3 work item known (L1: after its own
-route when it routes for itself), 4 K loop done, 5 exit. A program past the step's work items records 1, 2
-and 5 only. Each point is the GPU's %globaltimer (ns, one clock for every SM) and the SM's %clock64 (cycles,
-for spans inside one program). Recording costs a few stores per program: time the launch without it too.
+    python3 lab/decode/timeline.py STAMPS.pt  # a saved replay's table, clocks and loop spread
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
-POINTS = {1: "start", 2: "waited", 3: "item", 4: "loop done", 5: "exit"}
-LAUNCHES = ("l1", "l2")
-WORDS = 16  # int64 per program: SM id, 7 timer words, 8 clock words (``triton_tc_ops._stamp`` writes them)
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from megamoe.decode.stamps import LAUNCHES, POINTS, WORDS, stamp_buffer  # noqa: E402
 
-def stamp_buffer(buf, programs: int) -> torch.Tensor:
-    """int64 [2, programs, 16] filled with -1 (a point no program reached stays -1), on the buffers' device."""
-    return torch.full((len(LAUNCHES), programs, WORDS), -1, dtype=torch.int64, device=buf.x_q.device)
+__all__ = ["LAUNCHES", "POINTS", "WORDS", "stamp_buffer", "summarize", "loop_spread", "table", "main"]
 
 
 def _quantiles(v: torch.Tensor) -> dict:

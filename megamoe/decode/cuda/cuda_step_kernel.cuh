@@ -1,24 +1,24 @@
 // The 1-token decode step's kernel: one persistent launch (recipe megamoe-decode-tc, the same bits as the three
-// Triton launches of megamoe/decode/triton_tc.py). step1.cu compiles it, one instance per probe mode, and launches it;
-// Python side: megamoe/decode/cuda_step1.py (build, checks, launch).
-// Building blocks: step1_ops.cuh (PTX, numerics, the ring, a stage's sums); step1_params.cuh (parameters, routing,
-// the order of a CTA's tiles, the L1 epilogue, the combine); step1_probes.cuh (what the probe modes add). Where the
-// time goes, run by run:
-// bench/results/2026-12-04_nvidia-h200_decode-tc/run35-cuda-step1/ and run36-cuda-step1/.
+// Triton launches of megamoe/decode/triton_tc.py). cuda_step.cu compiles the step (kProbe 0) and launches it; Python
+// side: megamoe/decode/cuda_step.py (build, checks, launch). The lab compiles its probe instances over this header
+// (lab/cuda_step/probes.cuh, the ProbeHooks policy; its JOURNAL.md has where the time goes, run by run).
+// Building blocks: cuda_step_ops.cuh (PTX, numerics, the ring, a stage's sums); cuda_step_params.cuh (parameters,
+// routing, the order of a CTA's tiles, the gate/up epilogue, the combine). Names: l1_* / tpe1 / nb1 are the gate/up
+// GEMM's (its weights, tiles per expert, K blocks), l2_* / tpe2 / nb2 the down GEMM's; L1 and L2 alone are caches.
 //
 // One CTA per SM, 640 threads: four computing warpgroups, then a warpgroup of a load warp, a release warp, an input
-// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is
-// a list of tiles (Schedule): its L1 tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its L2 tiles
-// the same way, each L2 tile placed `lag` L1 rounds after its item's last L1 round. A tile is a list of stages (two
-// 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in layout_tc.py).
-// The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way), waiting on
-// nothing but free stages, so it runs on into L2's weights while L1 still computes.
+// warp and an idle one (setmaxnreg gives the computing warpgroups 112 registers, the others 32). The CTA's work is a
+// list of tiles (Schedule): its gate/up tiles (item i, channel tile t) blockIdx.x, + gridDim.x, ..., and its down tiles
+// the same way, each down tile placed `lag` gate/up rounds after its item's last gate/up round. A tile is a list of
+// stages (two 128-K blocks of one 64-row tile: 2 x 4,096 code bytes and 2 x 256 scale bytes, contiguous in
+// layout_tc.py). The load warp streams the stages through a ring (cp.async.bulk, one mbarrier per stage each way),
+// waiting on nothing but free stages, so it runs on into the down GEMM's weights while the gate/up GEMM still computes.
 //
-// No grid barrier: an L2 tile needs only its own item's L1 outputs. Warpgroup 0 stores each L1 tile's outputs and
-// tells the release warp (a shared-memory count), which raises the item's count for every CTA (release); the input
-// warp waits for each of its items' counts and reads the item's L2 input row into shared memory (an mbarrier per
-// item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the stores
-// it publishes, and an input read is a round trip through a memory system busy with the weights.
+// No grid barrier: a down tile needs only its own item's gate/up outputs. Warpgroup 0 stores each gate/up tile's
+// outputs and tells the release warp (a shared-memory count), which raises the item's count for every CTA (release);
+// the input warp waits for each of its items' counts and reads the item's down-GEMM input row into shared memory (an
+// mbarrier per item tells the warpgroups). Neither wait is on the computing warpgroups' path: the release waits for the
+// stores it publishes, and an input read is a round trip through a memory system busy with the weights.
 //
 // A tile's K is split in quarters, one per warpgroup: warpgroup 0 keeps the running promotion sum of the first
 // quarter, the others store each term of theirs in shared memory, and warpgroup 0 replays them in ascending K, the
@@ -26,8 +26,8 @@
 //
 // Numerics per 32-K group g (recipe megamoe-decode-tc): d_g = wgmma m64n8k32 e4m3 from a zero accumulator (the
 // weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
-// (exact); L1: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; L2:
-// acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The L1 epilogue (SwiGLU, routing weight, FP8 requant per 32
+// (exact); gate/up: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; down:
+// acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The gate/up epilogue (SwiGLU, routing weight, FP8 requant per 32
 // channels) and the combine (slot-ordered FP32 sum, one bf16 rounding) are triton_tc._l1_epilogue's and
 // triton_combine.combine_tile's, operation for operation.
 //
@@ -37,25 +37,34 @@
 
 #pragma once
 
-#include "step1_probes.cuh"
+#include "cuda_step_params.cuh"
 
 namespace {
 
-// kProbe: 0, or a probe mode's bits (step1.cu's kInstances, step1_params.cuh), each compiled only into its own instance
-// so that the step's own code is the same with or without them.
+// The probe modes' hooks, a policy per instance: the lab's probe instances (kProbe != 0) get theirs from
+// lab/cuda_step/probes.cuh, which specializes this template; the step (kProbe 0) calls none of them, since every call
+// sits in a branch that only a probe flag compiles, and this empty policy is all it sees.
+template <int kProbe, bool kIsProbe = (kProbe != 0)>
+struct ProbeHooks {
+  struct RegStream {};  // (probe modes regs and regs L1: the computing warpgroups' own loads)
+};
+
+// kProbe: 0 (the step), or a probe mode's bits (Params::mode), each compiled only into its own instance so that the
+// step's own code is the same with or without them.
 template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
+  using Hooks = ProbeHooks<kProbe>;
   if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
     if (threadIdx.x == 0) stamp(p, 6);
     return;
   }
   extern __shared__ __align__(1024) uint8_t smem[];
   const int H = p.H, I = p.I;
-  const int nb1 = H / 128, nb2 = I / 128;  // K blocks of an L1 / L2 tile
+  const int nb1 = H / 128, nb2 = I / 128;  // K blocks of a gate/up / down tile
   const int tpe1 = I / 32, tpe2 = H / 64;  // tiles per expert
-  const int hrow = I + kPad;               // an L2 input row in shared memory
-  // shared memory: ring | x codes | L2 input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag | bars
-  // (ring: full, empty; input_ready) | the routing | the L1 epilogue count
+  const int hrow = I + kPad;               // a down-GEMM input row in shared memory
+  // shared memory: ring | x codes | down-GEMM input codes per routed row | terms x2 | epilogue | x_sf | sf2 | flag |
+  // bars (ring: full, empty; input_ready) | the routing | the gate/up epilogue count
   uint8_t* ring_data = smem;
   uint8_t* xs = ring_data + size_t(p.stages) * kStageBytes;
   uint8_t* hs = xs + H + kPad;
@@ -66,10 +75,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   int* flag = reinterpret_cast<int*>(sf2 + kMaxTopK * I / 32);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(flag + 4) + 7) & ~uintptr_t(7));
   Ring ring{ring_data, bars, bars + p.stages, p.stages};
-  uint64_t* input_ready = bars + 2 * p.stages;  // per item: its L2 input row is in shared memory (one phase)
+  uint64_t* input_ready = bars + 2 * p.stages;  // per item: its down-GEMM input row is in shared memory (one phase)
   Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
-  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // L1 epilogues warpgroup 0 has stored
-  uint32_t* l1_done = p.sync + tpe2;            // per item: its L1 tiles whose outputs are stored (all CTAs)
+  uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // gate/up epilogues warpgroup 0 has stored
+  uint32_t* l1_done = p.sync + tpe2;            // per item: its gate/up tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
   constexpr bool kLL = kProbe & kModeLL, kLLCombine = kProbe & kModeLLCombine, kAnyLL = kLL || kLLCombine;
@@ -77,9 +86,9 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   if (tid == 0) {
     stamp(p, 6);  // entered
     uint64_t launches = 0;
-    if constexpr (kAnyLL) launches = ll_load(LLRows(p).count);  // before this CTA adds its share, at its end
+    if constexpr (kAnyLL) launches = Hooks::launch_count(p);  // before this CTA adds its share, at its end
     route_items(p, it);  // its loads go out first
-    if constexpr (kAnyLL) flag[1] = int(launch_flag(launches));
+    if constexpr (kAnyLL) flag[1] = int(Hooks::launch_flag(launches));
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
@@ -96,20 +105,20 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
     if constexpr (kLL) {
       if (tid >= kComputeThreads + 32) {  // ---- three input warps: each item's row from its LL words ----
-        ll_input_warp(p, sched, (tid - kComputeThreads) / 32 - 1, tid % 32, uint32_t(flag[1]), hs, hrow, sf2,
+        Hooks::ll_input_warp(p, sched, (tid - kComputeThreads) / 32 - 1, tid % 32, uint32_t(flag[1]), hs, hrow, sf2,
                       input_ready);
         named_sync(3, kComputeThreads + kSignalThreads);
         return;
       }
     }
     if (tid >= kComputeThreads + 96) {  // the idle warp; in probe mode touch it asks for the CTA's pages first
-      if constexpr (kProbe == kModeTouch) touch_tiles(p, sched, it.expert, tid % 32);
+      if constexpr (kProbe == kModeTouch) Hooks::touch_tiles(p, sched, it.expert, tid % 32);
       return;
     }
     // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
     // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
     // while the weights stream.
-    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's L2 input row, as soon as it is complete ----
+    if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's down input row, once it is complete ----
       const int lane = tid % 32;
       for_each_l2_item(sched, [&](int item) {
         if constexpr (!(kProbe & kModeNoWait))
@@ -123,20 +132,20 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         __syncwarp();
         if (lane == 0) {
           mbar_arrive(&input_ready[item]);
-          stamp(p, 4);  // the last L2 input in (the last one's stamp stays)
+          stamp(p, 4);  // the last down-GEMM input in (the last one's stamp stays)
         }
       });
       named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
       return;
     }
-    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each L1 tile's outputs published to every CTA ----
+    if (tid >= kComputeThreads + 32) {  // ---- the release warp: each gate/up tile's outputs to every CTA ----
       if (tid % 32 == 0) {
         uint32_t l1_tiles = 0;
         sched.for_each(
             [&](int tile, bool) {
               wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
               if constexpr (kProbe == kModeRelaxed)
-                add_relaxed(l1_done + tile / tpe1, 1);
+                Hooks::add_relaxed(l1_done + tile / tpe1, 1);
               else
                 add_release(l1_done + tile / tpe1, 1);
             },
@@ -187,17 +196,17 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             issue(codes + blk * 4096, scales + blk * 256);
           }
       };
-      // Probe mode prefetch: once its last L1 block is asked for, the CTA's L2 weights not yet asked for are asked of
-      // the L2 cache, so that DRAM streams them while the ring waits for L2 inputs. It delays L1's last tiles more
-      // than it saves (run 36), so the step leaves it off.
+      // Probe mode prefetch: once its last gate/up block is asked for, the CTA's down weights not yet asked for are
+      // asked of the L2 cache, so that DRAM streams them while the ring waits for down-GEMM inputs. It delays the last
+      // gate/up tiles more than it saves (run 36), so the step leaves it off.
       int next_l2 = blockIdx.x;
       sched.for_each(
           [&](int tile, bool last) {
             if constexpr (kProbe == kModeAhead)
-              prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
+              Hooks::prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
             if constexpr (!(kProbe & kModeRegsL1)) issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
-            stamp(p, 1);  // the last L1 block asked for
+            stamp(p, 1);  // the last gate/up block asked for
             if (!(p.mode & kModePrefetch)) return;
             for (int k = next_l2; k < sched.n2; k += gridDim.x) {
               const size_t base = weight_tile(it.expert, k, tpe2);
@@ -206,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             }
           },
           [&](int tile) {
-            if constexpr (kProbe == kModeAhead) prefetch_tile_l2(p, sched, it.expert, tile + gridDim.x, false);
+            if constexpr (kProbe == kModeAhead) Hooks::prefetch_tile_l2(p, sched, it.expert, tile + gridDim.x, false);
             issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
             next_l2 = tile + gridDim.x;
           });
@@ -232,17 +241,17 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const bool bare = p.mode & kModeBare;
   Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
   int traced = 0;
-  RegStream regs{};  // probe modes regs, regs L1: this warpgroup's stages straight into registers, one ahead
+  typename Hooks::RegStream regs{};  // probe modes regs, regs L1: this warpgroup's stages into registers, one ahead
   if constexpr (kProbe & (kModeRegs | kModeRegsL1)) regs.start(p, sched, it.expert, wg, t, kProbe & kModeRegsL1);
-  auto regs_sums = [&](uint64_t desc, float(&dg)[kBlocks][4][2]) {  // the sums of the stage read ahead
-    const StageRegs s = regs.ahead;
-    regs.next(p, sched, it.expert, wg, t);
+  auto regs_sums = [&](auto& stream, uint64_t desc, float(&dg)[kBlocks][4][2]) {  // the sums of the stage read ahead
+    const StageRegs s = stream.ahead;
+    stream.next(p, sched, it.expert, wg, t);
     stage_sums_of(s, desc, dg, bare, [] {});
   };
   int tiles_done = 0;
-  uint32_t l1_tiles = 0;  // this CTA's L1 epilogues done (warpgroup 0)
-  int mine = 0;           // this CTA's L2 tiles
-  uint32_t inputs = 0;    // items whose L2 input row this warpgroup has seen arrive
+  uint32_t l1_tiles = 0;  // this CTA's gate/up epilogues done (warpgroup 0)
+  int mine = 0;           // this CTA's down tiles
+  uint32_t inputs = 0;    // items whose down-GEMM input row this warpgroup has seen arrive
 
   auto l1_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
@@ -252,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       const int kb = wg * (nb1 / kParts) + b;
       float dg[kBlocks][4][2];
       if constexpr (kProbe & (kModeRegs | kModeRegsL1)) {
-        regs_sums(b_desc(xs + kb * 128), dg);
+        regs_sums(regs, b_desc(xs + kb * 128), dg);
       } else {
         const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
         stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
@@ -284,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     named_sync(2, 128);
     if (t < 32) {
       if constexpr (kLL) {
-        l1_epilogue_ll(p, ep, it, item, ct, t, uint32_t(flag[1]));
+        Hooks::l1_epilogue_ll(p, ep, it, item, ct, t, uint32_t(flag[1]));
       } else {
         float sf;
         l1_epilogue(p, ep, it, item, ct, t, sf);
@@ -292,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
       if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
     }
-    if (last && t == 0) stamp(p, 3);  // this CTA's L1 done
+    if (last && t == 0) stamp(p, 3);  // this CTA's gate/up done
   };
 
   auto l2_tile = [&](int tile) {
@@ -309,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     for (int b = 0; b < nb2 / kParts; b += kBlocks) {
       float dg[kBlocks][4][2];
       if constexpr (kProbe & kModeRegs) {
-        regs_sums(b_desc(hw + b * 128), dg);
+        regs_sums(regs, b_desc(hw + b * 128), dg);
       } else {
         const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
         stage_sums(ring, cur, t, stage, b_desc(hw + b * 128), dg, bare);
@@ -340,7 +349,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       const int row = it.row[item];
       p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
       p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
-      if constexpr (kLLCombine) ll_combine(p, it, item, ot, r0, bf16_bits(acc0), bf16_bits(acc1), uint32_t(flag[1]));
+      if constexpr (kLLCombine)
+        Hooks::ll_combine(p, it, item, ot, r0, bf16_bits(acc0), bf16_bits(acc1), uint32_t(flag[1]));
     }
   };
 
@@ -358,8 +368,73 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       *finished = 0;
     }
     stamp(p, 5);  // this CTA done
-    if constexpr (kAnyLL) launch_done(LLRows(p).count);
+    if constexpr (kAnyLL) Hooks::launch_done(p);
   }
+}
+
+}  // namespace
+
+// ---- host side: what cuda_step.cu and the lab's probe builds share ----------------------------------------------
+
+namespace {
+
+using Kernel = void (*)(Params);
+constexpr int kTensors = 20;  // the pointers of Params, l1_codes .. sync, in its order
+
+// Shared memory the kernel needs besides its ring, for the geometry (bytes): the layout at the kernel's start.
+int fixed_smem_bytes(int H, int I) {
+  const int bytes =
+      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
+  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items)) + 4;  // + input_ready, the routing, a count
+}
+
+// An instance's dynamic shared memory limit and a check of its register count, once before its first launch (and
+// outside a CUDA graph capture). 0, a CUDA error code, or -(registers per thread) when setmaxnreg cannot work.
+int prepare_instance(Kernel kernel, int smem_bytes, bool setmaxnreg = true) {
+  const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (set != cudaSuccess) return int(set);
+  if (!setmaxnreg) return 0;
+  // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in what
+  // the last warpgroup gives back, or their setmaxnreg.inc would wait forever. -registers per thread if not.
+  cudaFuncAttributes attr;
+  const cudaError_t got = cudaFuncGetAttributes(&attr, kernel);
+  if (got != cudaSuccess) return int(got);
+  if (kComputeThreads * (kComputeRegs - attr.numRegs) > 128 * (attr.numRegs - kOtherRegs)) return -attr.numRegs;
+  return 0;
+}
+
+// The step's parameters: `tensors` the kTensors pointers of Params in its order; the probe fields off (mode 0, no
+// stamps or trace, no bound on the stages in flight), for the lab to set.
+Params step_params(const void* const* tensors, float clamp, int H, int I, int K, int expert_lo, int num_local,
+                   int stages, int lag) {
+  auto in = [&](int i) { return static_cast<const uint8_t*>(tensors[i]); };
+  auto out = [&](int i) { return const_cast<void*>(tensors[i]); };
+  return Params{in(0), in(1), in(2), in(3), in(4), reinterpret_cast<const float*>(in(5)),
+                reinterpret_cast<const int64_t*>(in(6)), reinterpret_cast<const float*>(in(7)),
+                static_cast<int32_t*>(out(8)), static_cast<int32_t*>(out(9)), static_cast<int32_t*>(out(10)),
+                static_cast<int32_t*>(out(11)), static_cast<int32_t*>(out(12)), static_cast<float*>(out(13)),
+                static_cast<int32_t*>(out(14)), static_cast<uint8_t*>(out(15)), static_cast<float*>(out(16)),
+                static_cast<uint16_t*>(out(17)), static_cast<uint16_t*>(out(18)), static_cast<uint32_t*>(out(19)),
+                nullptr, nullptr, clamp, H, I, K, expert_lo, num_local, stages,
+                /*mode=*/0, /*inflight=*/0, lag};
+}
+
+// Launch `kernel` on `stream`, cooperative (every CTA resident at once) unless told otherwise; 0 or the CUDA error.
+int launch_instance(Kernel kernel, const Params& p, int grid, int smem_bytes, int device, void* stream,
+                    bool cooperative = true) {
+  const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
+  if (err != cudaSuccess) return int(err);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cooperative ? 1 : 0;
+  return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 }  // namespace

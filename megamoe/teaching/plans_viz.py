@@ -1,4 +1,4 @@
-"""Pictures of a fused kernel's execution, drawn from its plan (``megamoe.anatomy``): the warps of one
+"""Pictures of a fused kernel's execution, drawn from its plan (``megamoe.teaching.anatomy``): the warps of one
 CTA and their roles, its shared memory and pipeline stages, the TMA -> WGMMA pipeline, the dispatch
 pull and combine write-back over symmetric memory, and the persistent schedule of tasks over the SMs.
 
@@ -18,9 +18,9 @@ by the callers; the functions here only take an ``ax``.
 from __future__ import annotations
 
 from .anatomy import KernelAnatomy
-from .geometry import get_geometry
-from .layouts.deepgemm_configs import SM90_SMEM_CAPACITY
-from .palette import PHASE_COLOURS, backend_colour, role_colour
+from ..geometry import get_geometry
+from ..layouts.deepgemm_configs import SM90_SMEM_CAPACITY
+from ..palette import PHASE_COLOURS, backend_colour, role_colour
 
 IDLE, L1, L2 = 0, 1, 2
 

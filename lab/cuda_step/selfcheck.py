@@ -1,5 +1,5 @@
-"""Checks of the 1-token CUDA step (``cuda_step1.py``) on an SM90 GPU, against the three Triton launches it
-replaces and against the eager reference (recipe megamoe-decode-tc):
+"""Checks of the 1-token CUDA step (megamoe/decode/cuda_step.py) on an SM90 GPU, against the three Triton launches
+it replaces and against the eager reference (recipe megamoe-decode-tc):
 
     stages   route's outputs, l2_q, l2_sf and slot_out equal to the Triton launches' bit for bit, from the same
              staged token (both buffers poisoned first)
@@ -8,11 +8,12 @@ replaces and against the eager reference (recipe megamoe-decode-tc):
              buffers, every stage right again; every count the step keeps between its CTAs
              (``DecodeBuffers.step_sync``) back at zero after its launches, as the next launch needs
 
-    python3 -m megamoe.decode.selfcheck_step1 [--repeats 8] [--mode regs [--mode ll ...]]   (one H200) -> JSON
-                                                                                rows; exit 1 on a failure
+    python3 lab/cuda_step/selfcheck.py [--repeats 8] [--mode regs [--mode ll ...]]   (one H200) -> JSON rows;
+                                                                                exit 1 on a failure
 
-``--mode`` checks a probe variant whose y is meant to be right (``Y_RIGHT_MODES``, names of ``cuda_step1.MODES``)
-instead of the step itself, launched directly rather than through ``moe_decode``.
+Without ``--mode`` it checks the library's step as users run it (``moe_decode`` with ``LaunchConfig.tc_cuda_step1``).
+``--mode`` checks a probe variant whose y is meant to be right (``Y_RIGHT_MODES``, names of ``step.MODES``) instead,
+launched through the lab's build (step.py).
 """
 
 from __future__ import annotations
@@ -20,18 +21,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 import time
 
 import torch
 
-from ..inputs import make_inputs
-from ..recipe import MEGAMOE_DECODE_TC
-from ..testing import calc_diff, first_mismatch
-from . import cuda_step1, tc
-from .layout_tc import prepare_tc_weights
-from .moe import DecodeBuffers, moe_decode
-from .selfcheck import DecodeCase, _copy_staged, _written, case_weights, geometry_of
-from .selfcheck_tc import ROUTE_FIELDS
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from lab.cuda_step import step as probe_step  # noqa: E402
+from megamoe.decode import cuda_step, tc  # noqa: E402
+from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
+from megamoe.decode.moe import DecodeBuffers, moe_decode  # noqa: E402
+from megamoe.decode.selfcheck import DecodeCase, case_weights, copy_staged, geometry_of, written  # noqa: E402
+from megamoe.decode.selfcheck_tc import ROUTE_FIELDS  # noqa: E402
+from megamoe.inputs import make_inputs  # noqa: E402
+from megamoe.recipe import MEGAMOE_DECODE_TC  # noqa: E402
+from megamoe.testing import calc_diff, first_mismatch  # noqa: E402
 
 FIELDS = ROUTE_FIELDS + ("l2_q", "l2_sf", "slot_out", "y")  # route's outputs L1-L2 read, then every later stage
 CASES = (
@@ -47,24 +53,24 @@ Y_RIGHT_MODES = ("touch", "plain", "ahead", "regs", "regs-l1", "ll", "ll-combine
 
 
 def _mode_bits(mode: str) -> int:
-    """A sum of Y_RIGHT_MODES ('regs-l1+ll') that some kernel instance compiles -> cuda_step1.step1's mode, or
+    """A sum of Y_RIGHT_MODES ('regs-l1+ll') that some kernel instance compiles -> step.step's mode, or
     ValueError naming why not."""
     if not set(mode.split("+")) <= set(Y_RIGHT_MODES):
         raise ValueError(f"mode must be of {Y_RIGHT_MODES}, joined by '+' (the variants meant to keep the step's "
                          f"bits), got {mode!r}")
-    bits = sum(cuda_step1.MODES[m] for m in set(mode.split("+")))
-    if (why := cuda_step1.mode_error(bits)) is not None:
+    bits = sum(probe_step.MODES[m] for m in set(mode.split("+")))
+    if (why := probe_step.mode_error(bits)) is not None:
         raise ValueError(f"mode {mode!r} is no kernel instance's: {why}")
     return bits
 
 
-def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
+def run_step_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: str | None = None) -> dict:
     """One staged token through the Triton launches and through the CUDA step (buffers for ``capacity`` tokens,
     so that a row past the step shows whether it kept its poison); ``mode``: a probe variant of the step instead,
     ``Y_RIGHT_MODES`` joined by '+' (``regs-l1+ll``)."""
     bits = None if mode is None else _mode_bits(mode)
-    from ..reference import moe_forward
-    from ..staging import stage_into
+    from megamoe.reference import moe_forward
+    from megamoe.staging import stage_into
 
     t0 = time.time()
     g = geometry_of(case.geometry)
@@ -74,17 +80,20 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
     bufs = [DecodeBuffers.allocate(g, capacity, "cuda", split_tokens=1) for _ in range(2)]
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, bufs[0].x_q, bufs[0].x_sf, bufs[0].topk_idx,
                bufs[0].topk_weights, 1, num_experts=g.num_experts, backend="torch")
-    _copy_staged(bufs[0], bufs[1])
+    copy_staged(bufs[0], bufs[1])
     triton_cfg = tc.tc_launch_config(1, g.num_topk)  # the backend's launch
     cuda_cfg = dataclasses.replace(triton_cfg, tc_cuda_step1=True)
     row = {"case": case.id, **dataclasses.asdict(case), "launch": cuda_cfg.tc_cuda_step1, "mode": mode,
-           "unsupported": cuda_step1.unsupported(tw, bufs[1], 1)}
+           "unsupported": cuda_step.unsupported(tw, bufs[1], 1)}
+    sync = None  # the LL words past the counts: the lab's own buffer (buf.step_sync holds the counts only)
+    if bits is not None and row["unsupported"] is None:
+        sync = probe_step.sync_buffer(tw, "cuda")
 
     def cuda_step():
         if mode is None:
             moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
         elif row["unsupported"] is None:  # (else the row fails on "unsupported")
-            cuda_step1.step1(tw, bufs[1], g.clamp, mode=bits)
+            probe_step.step(tw, bufs[1], g.clamp, mode=bits, sync=sync)
 
     for b in bufs:
         b.poison_()
@@ -92,7 +101,7 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
     cuda_step()
     torch.cuda.synchronize()
     row["stages"] = "; ".join(f"{f}: {m}" for f in FIELDS
-                              if (m := first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1))))
+                              if (m := first_mismatch(written(bufs[1], f, 1), written(bufs[0], f, 1))))
     n = int((bufs[1].slot_row[: g.num_topk] >= 0).sum())
     row["rows"] = n
     row["poison_kept"] = bool(torch.isnan(bufs[1].y[1:].float()).all() and (bufs[1].l2_q[n:] == 0x7F).all()
@@ -107,28 +116,28 @@ def run_step1_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: 
     for _ in range(repeats):
         bufs[1].poison_()
         cuda_step()
-        differ += any(first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1)) for f in FIELDS)
+        differ += any(first_mismatch(written(bufs[1], f, 1), written(bufs[0], f, 1)) for f in FIELDS)
     row["relaunches_differing"] = f"{differ} of {repeats}"
     # Then another token in the same buffers: a launch that took anything of the last one's (a count not reset, an
     # LL word of an earlier launch taken for this one's) gives the last token's values where this one's differ.
     other = make_inputs(g, 1, seed=4000 + case.seed, outlier_channels=4, **case.routing_kwargs()).to("cuda")
     stage_into(other.x, other.topk_idx, other.topk_weights, bufs[0].x_q, bufs[0].x_sf, bufs[0].topk_idx,
                bufs[0].topk_weights, 1, num_experts=g.num_experts, backend="torch")
-    _copy_staged(bufs[0], bufs[1])
+    copy_staged(bufs[0], bufs[1])
     for b in bufs:
         b.poison_()
     moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
     cuda_step()
     torch.cuda.synchronize()
     row["next_token"] = "; ".join(f"{f}: {m}" for f in FIELDS
-                                  if (m := first_mismatch(_written(bufs[1], f, 1), _written(bufs[0], f, 1))))
-    counts = bufs[1].step_sync[: cuda_step1.count_words(g.hidden)]  # (past them: probe mode ll's LL words)
+                                  if (m := first_mismatch(written(bufs[1], f, 1), written(bufs[0], f, 1))))
+    counts = (bufs[1].step_sync if sync is None else sync)[: cuda_step.sync_words(g.hidden)]
     row["counts_left"] = int((counts != 0).sum())  # a relaunch passes its waits early if any is left
     row["seconds"] = round(time.time() - t0, 2)
     return row
 
 
-def passed_step1(row: dict) -> bool:
+def passed_step(row: dict) -> bool:
     """The CUDA step ran (not the Triton fallback), every stage equal to the Triton launches', y bit-identical to
     the reference, poison kept, no relaunch differing, the next token's stages right too, no count left for the
     next launch."""
@@ -151,8 +160,8 @@ def main(argv=None) -> int:
     rows = []
     for mode in args.mode or [None]:
         for case in CASES:
-            rows.append(run_step1_case(case, args.repeats, mode=mode))
-            rows[-1]["passed"] = passed_step1(rows[-1])
+            rows.append(run_step_case(case, args.repeats, mode=mode))
+            rows[-1]["passed"] = passed_step(rows[-1])
             print(json.dumps(rows[-1]), flush=True)
     return 0 if all(r["passed"] for r in rows) else 1
 

@@ -1,7 +1,7 @@
-// The 1-token CUDA step's parameters (step1.cu), its routing of the step's slots and route's outputs.
+// The 1-token CUDA step's parameters (cuda_step.cu), its routing of the step's slots and route's outputs.
 #pragma once
 
-#include "step1_ops.cuh"
+#include "cuda_step_ops.cuh"
 
 namespace {
 
@@ -14,7 +14,7 @@ struct Params {
   const float* x_sf;         // fp32 [H/128]
   const int64_t* topk_idx;   // [K]
   const float* topk_w;       // [K]
-  int32_t* num_touched;      // route's outputs (routing.route_torch), for L2-combine readers and checks
+  int32_t* num_touched;      // route's outputs (routing.route_torch), for down-GEMM and combine readers and checks
   int32_t* touched;
   int32_t* seg_start;
   int32_t* seg_count;
@@ -25,7 +25,7 @@ struct Params {
   float* l2_sf;        // [S, I/32]
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
-  uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, L1 tiles done per item, CTAs done
+  uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, gate/up tiles done per item, CTAs done
   int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
   int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
                        // 0) and when warpgroup w found each of its stages landed (row 1 + w)
@@ -33,29 +33,12 @@ struct Params {
   int H, I, K, expert_lo, num_local, stages;
   int mode;            // kMode* flags (0: the step itself)
   int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
-  int lag;             // L1 rounds an L2 tile waits after its item's last L1 round (Schedule)
+  int lag;             // gate/up rounds a down tile waits after its item's last gate/up round (Schedule)
 };
 
-// Probe flags (Params::mode). Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare
-// only): leave out the scale words' copies; prefetch: ask the L2 cache for the CTA's L2 weights once its last L1
-// block is asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing
-// warpgroups alone; y is wrong); touch: the idle warp reads one word at the start of each of the CTA's tiles first
-// (touch_tiles; y right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain:
-// the step launched without the cooperative attribute (what the attribute costs; y right while nothing else holds
-// an SM); ahead: as a tile's copies start, the first line of the CTA's next tile is asked of the L2 cache
-// (prefetch_tile_l2; y right); no wait: the input warp reads each item's L2 input row without waiting for the
-// item's L1 tiles in every CTA (the step without its one dependency between CTAs, what that dependency costs; y is
-// wrong); relaxed: the release warp raises the per-item counts without the release (red.relaxed.gpu, so no
-// gpu-scope fence after each L1 tile; what those fences cost; y is right only if the counts happen to be seen after
-// the outputs they count, which nothing then guarantees); regs: no ring and no copies, each computing warpgroup
-// loads its own stages straight into registers, one stage ahead (y right; with bare, its stream alone; with no
-// wait, its own instance too: the stream without the dependency); regs L1: the same for the L1 tiles only, while
-// the load warp streams the L2 tiles' stages through the ring from the start (y right); LL: each L1 epilogue also
-// stores its outputs as LL words, which three input warps read until every word carries the launch's flag, instead
-// of a count per item, a release and a read after it (y right); LL combine: each L2 tile's outputs as LL words too,
-// and the CTA with the last item's tile of a 64-column slice reads the others' and writes y there, instead of a
-// count per slice and a read after it (y right). What each adds is in step1_probes.cuh; step1.cu's kInstances
-// lists the combinations compiled.
+// Probe flags (Params::mode): 0 is the step itself, which is all the library launches. The lab's probe instances
+// (lab/cuda_step/probes.cuh says what each flag asks) set the others; the step's code reads the runtime ones (bare,
+// no scales, prefetch, no load; plain is the launch's) and compiles the rest only into the lab's instances.
 constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
               kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024,
               kModeRegsL1 = 2048, kModeLL = 4096, kModeLLCombine = 8192;
@@ -69,32 +52,19 @@ struct Items {  // the step's valid slots in slot order (T = 1: one row each); i
   int slot_row[kMaxTopK];  // per slot: its pool row or -1
 };
 
-// The CTA's tiles in the order it takes them (L1 and L2 tiles numbered item-major, as in the Triton launches): in
-// L1 round r its L1 tile blockIdx.x + r G, then those of its L2 tiles blockIdx.x + m G whose item's L1 tiles all
-// lie in rounds <= r - lag; the rest after the last round. An L2 tile waits only for its own item's L1 tiles (a
-// count per item in Params::sync), so early items' L2 overlaps the later L1 rounds and no CTA waits on the whole
-// grid but for the last items. No deadlock: the L1 tiles of round r come before any wait a CTA makes in round r,
-// and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the host over many
-// grids and shapes). The load warp, the signal warps and the computing warpgroups walk the same list.
+// The CTA's tiles in the order it takes them (gate/up and down tiles numbered item-major, as in the Triton launches):
+// in gate/up round r its gate/up tile blockIdx.x + r G, then those of its down tiles blockIdx.x + m G whose item's
+// gate/up tiles all lie in rounds <= r - lag; the rest after the last round. An down tile waits only for its own item's
+// gate/up tiles (a count per item in Params::sync), so early items' down overlaps the later gate/up rounds and no CTA
+// waits on the whole grid but for the last items. No deadlock: the gate/up tiles of round r come before any wait a CTA
+// makes in round r, and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the
+// host over many grids and shapes). The load warp, the signal warps and the computing warpgroups walk the same list.
 struct Schedule {
-  int n1, n2, tpe1, tpe2, lag;  // L1 / L2 tiles of the step, per item
+  int n1, n2, tpe1, tpe2, lag;  // gate/up / down tiles of the step, per item
 
   template <class L1, class L2>
-  __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last L1 tile?), l2(tile)
+  __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last gate/up tile?), l2(tile)
     walk(blockIdx.x, gridDim.x, l1, l2);
-  }
-
-  // The k-th tile of CTA `cta` of `G`'s list, -1 past its end; l2: whether it is an L2 tile (probe mode regs).
-#pragma nv_exec_check_disable
-  __host__ __device__ int nth(int cta, int G, int k, bool& l2) const {
-    int i = 0, found = -1;
-    bool in_l2 = false;
-    walk(cta, G, [&](int tile, bool) { found = i++ == k ? tile : found; },
-         [&](int tile) {
-           if (i++ == k) found = tile, in_l2 = true;
-         });
-    l2 = in_l2;
-    return found;
   }
 
   // CTA `cta` of `G`'s tiles; on the host too, for tests/cuda/schedule_check.cu.
@@ -107,7 +77,7 @@ struct Schedule {
       const int j = cta + r * G;
       if (j < n1) l1(j, j + G >= n1);
       for (; k < n2; k += G) {
-        const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's L1 tiles
+        const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's gate/up tiles
         const int ready = last_round + lag < rounds - 1 ? last_round + lag : rounds - 1;
         if (ready > r) break;
         l2(k);
@@ -122,7 +92,7 @@ __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int t
   return size_t(expert[tile / tpe]) * tpe + tile % tpe;
 }
 
-// Each item the CTA's L2 tiles need, once, in the order its L2 tiles come: fn(item).
+// Each item the CTA's down tiles need, once, in the order its down tiles come: fn(item).
 template <class Fn>
 __device__ __forceinline__ void for_each_l2_item(const Schedule& sched, Fn fn) {
   uint32_t have = 0;
@@ -187,7 +157,7 @@ __device__ __forceinline__ uint32_t l1_epilogue(const Params& p, const float* ep
   return code;
 }
 
-// The combine of each of this CTA's `mine` 64-column L2 tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
+// The combine of each of this CTA's `mine` 64-column down tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
 // last of the step's rows for it: one count per tile, all counted at once, then the last writer's slot-ordered
 // sums (triton_combine.combine_tile's). Warpgroup 0 (lane t of 128) after its slot_out stores; flag: shared scratch.
 __device__ __forceinline__ void combine_tiles(const Params& p, const Items& it, int mine, int* flag, int t) {

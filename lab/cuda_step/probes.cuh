@@ -1,12 +1,52 @@
-// Building blocks of the 1-token CUDA step's probe modes (step1_params.cuh's kMode* says what each asks): the
-// register stream of modes regs and regs L1, the LL words of modes LL and LL combine, the page requests of modes
-// touch and ahead. Each mode is compiled only into its own kernel instance (step1.cu), so the step's own code is
-// the same with or without them.
+// The 1-token CUDA step's probe modes: what each flag of Params::mode asks, their building blocks, and the
+// ProbeHooks policy that hands those to the probe instances of the library's kernel (probe_step.cu compiles them over
+// megamoe/decode/cuda/cuda_step_kernel.cuh; the library compiles the step alone, kProbe 0, with the empty policy).
+//
+// The flags. Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare only): leave out
+// the scale words' copies; prefetch: ask the L2 cache for the CTA's down-GEMM weights once its last gate/up block is
+// asked for (y right); no load: no copies at all, each stage counted as landed at once (the computing warpgroups
+// alone; y is wrong); touch: the idle warp reads one word at the start of each of the CTA's tiles first (touch_tiles;
+// y right); empty: every thread returns at once (the launch of this shape alone; y is wrong); plain: the step
+// launched without the cooperative attribute (what the attribute costs; y right while nothing else holds an SM);
+// ahead: as a tile's copies start, the first line of the CTA's next tile is asked of the L2 cache (prefetch_tile_l2;
+// y right); no wait: the input warp reads each item's down-GEMM input row without waiting for the item's gate/up
+// tiles in every CTA (the step without its one dependency between CTAs, what that dependency costs; y is wrong);
+// relaxed: the release warp raises the per-item counts without the release (red.relaxed.gpu, so no gpu-scope fence
+// after each gate/up tile; what those fences cost; y is right only if the counts happen to be seen after the outputs
+// they count, which nothing then guarantees); regs: no ring and no copies, each computing warpgroup loads its own
+// stages straight into registers, one stage ahead (y right; with bare, its stream alone; with no wait, its own
+// instance too: the stream without the dependency); regs L1: the same for the gate/up tiles only, while the load
+// warp streams the down tiles' stages through the ring from the start (y right); LL: each gate/up epilogue also
+// stores its outputs as LL words, which three input warps read until every word carries the launch's flag, instead
+// of a count per item, a release and a read after it (y right); LL combine: each down tile's outputs as LL words
+// too, and the CTA with the last item's tile of a 64-column slice reads the others' and writes y there, instead of a
+// count per slice and a read after it (y right). Bare, no scales, prefetch, no load and plain are read at run time
+// by any instance (the step's own code has them); the others are compiled into instances of their own
+// (probe_step.cu's kInstances lists the combinations).
 #pragma once
 
-#include "step1_params.cuh"
+#include "../../megamoe/decode/cuda/cuda_step_kernel.cuh"
 
 namespace {
+namespace probe {
+
+__device__ __forceinline__ void add_relaxed(uint32_t* count, uint32_t v) {  // mode relaxed: no release
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(count), "r"(v) : "memory");
+}
+
+// The k-th tile of CTA `cta` of `G`'s list (Schedule::walk), -1 past its end; l2: whether it is a down-GEMM tile.
+// The register stream's way through the list, a tile at a time; on the host too, for probes_check.cu.
+#pragma nv_exec_check_disable
+__host__ __device__ inline int nth(const Schedule& sched, int cta, int G, int k, bool& l2) {
+  int i = 0, found = -1;
+  bool in_l2 = false;
+  sched.walk(cta, G, [&](int tile, bool) { found = i++ == k ? tile : found; },
+             [&](int tile) {
+               if (i++ == k) found = tile, in_l2 = true;
+             });
+  l2 = in_l2;
+  return found;
+}
 
 // ---- LL words (probe mode LL): a signal and the data it guards in one 8-byte access ----
 // An LL word is 4 data bytes (low half) and a 32-bit flag (high half), stored and loaded as one 64-bit scalar, which
@@ -46,7 +86,7 @@ __device__ __forceinline__ void ll_wait(uint64_t (&v)[N], const uint64_t* word, 
 // The launch count: every LL launch adds 2**16 to it in all (CTA 0 2**16 - G + 1, each other CTA 1, as it ends), so a
 // CTA that reads it before it adds its own share reads 2**16 n + (less than 2**16) whatever the others have done.
 // Its flag: the launch number with the top bit set (never the 0 of a fresh buffer); it repeats after 2**31 launches.
-// (On the host too, for tests/cuda/ll_flag_check.cu.)
+// (On the host too, for probes_check.cu.)
 __host__ __device__ __forceinline__ uint32_t launch_flag(uint64_t count) {
   return 0x80000000u | (uint32_t(count >> 16) & 0x7FFFFFFFu);
 }
@@ -61,7 +101,7 @@ __device__ __forceinline__ void launch_done(uint64_t* count) {
 // Probe modes LL and LL combine: Params::sync past its counts (H/64 combine counts, kMaxTopK L1 counts, CTAs done),
 // 8-byte aligned: the launch count; per item its L2 input row as LL words (`in`, word w < I/4: codes 4w .. 4w + 3;
 // then one per 32 channels: the scale); per item its L2 outputs as LL words (`out`, 64-column tile ot's word
-// 8 (r / 16) + r % 16 for r % 16 < 8: the bf16 bits of rows r (low) and r + 8 (high)). cuda_step1.sync_words sizes
+// 8 (r / 16) + r % 16 for r % 16 < 8: the bf16 bits of rows r (low) and r + 8 (high)). step.py's sync_words sizes
 // the buffer for them.
 struct LLRows {
   uint64_t* count;
@@ -78,9 +118,9 @@ struct LLRows {
 
 // Probe modes regs and regs L1: a computing warpgroup loads its stages of the CTA's tiles (regs L1: of its L1 tiles
 // only), in the order it computes them, straight into registers, one stage ahead of the one it computes. `ahead`
-// holds the next stage, which lies in the CTA's k-th tile (tile, l2 as Schedule::nth gives them) from block b of
+// holds the next stage, which lies in the CTA's k-th tile (tile, l2 as nth gives them) from block b of
 // the warpgroup's quarter of its K.
-struct RegStream {
+struct RegisterStream {
   StageRegs ahead;
   int k, b, tile;
   bool l2, l1_only;
@@ -88,13 +128,13 @@ struct RegStream {
   __device__ void start(const Params& p, const Schedule& sched, const int* expert, int wg, int t, bool only_l1) {
     k = b = 0;
     l1_only = only_l1;
-    tile = sched.nth(blockIdx.x, gridDim.x, 0, l2);
+    tile = nth(sched, blockIdx.x, gridDim.x, 0, l2);
     skip(sched);
     next(p, sched, expert, wg, t);
   }
 
   __device__ void skip(const Schedule& sched) {  // regs L1: past the L2 tiles, which come through the ring
-    while (l1_only && tile >= 0 && l2) tile = sched.nth(blockIdx.x, gridDim.x, ++k, l2);
+    while (l1_only && tile >= 0 && l2) tile = nth(sched, blockIdx.x, gridDim.x, ++k, l2);
   }
 
   // The loads of the next stage into `ahead` (nothing past the CTA's last tile); their values are waited for where
@@ -108,7 +148,7 @@ struct RegStream {
     b += kBlocks;
     if (b == nb / kParts) {
       b = 0;
-      tile = sched.nth(blockIdx.x, gridDim.x, ++k, l2);
+      tile = nth(sched, blockIdx.x, gridDim.x, ++k, l2);
       skip(sched);
     }
   }
@@ -175,7 +215,7 @@ __device__ __forceinline__ void ll_input_row(const Params& p, int item, int iw, 
     while (!ll_ready(ll_load(row + I / 4 + I / 32 - 1), flag)) {
     }
   __syncwarp();
-  constexpr int kPerLane = 6;  // 96 lanes x 6 = 576 words: I <= 2,048 in one round (cuda_step1.geometry_limits)
+  constexpr int kPerLane = 6;  // 96 lanes x 6 = 576 words: I <= 2,048 in one round (cuda_step.geometry_limits)
   for (int w0 = 32 * iw + lane; w0 < ll.words; w0 += 96 * kPerLane) {
     uint64_t v[kPerLane];
     const int n = (ll.words - w0 + 95) / 96;
@@ -234,5 +274,38 @@ __device__ __forceinline__ void ll_combine(const Params& p, const Items& it, int
   p.y[64 * ot + r0] = bf16_bits(s0);
   p.y[64 * ot + r0 + 8] = bf16_bits(s1);
 }
+
+}  // namespace probe
+
+// The probe instances' hooks (cuda_step_kernel.cuh's ProbeHooks, specialized for every kProbe != 0): the building
+// blocks above, under the names the kernel calls them by.
+template <int kProbe>
+struct ProbeHooks<kProbe, true> {
+  using RegStream = probe::RegisterStream;
+
+  __device__ static uint64_t launch_count(const Params& p) { return probe::ll_load(probe::LLRows(p).count); }
+  __device__ static uint32_t launch_flag(uint64_t count) { return probe::launch_flag(count); }
+  __device__ static void launch_done(const Params& p) { probe::launch_done(probe::LLRows(p).count); }
+  __device__ static void add_relaxed(uint32_t* count, uint32_t v) { probe::add_relaxed(count, v); }
+  __device__ static void touch_tiles(const Params& p, const Schedule& sched, const int* expert, int lane) {
+    probe::touch_tiles(p, sched, expert, lane);
+  }
+  __device__ static void prefetch_tile_l2(const Params& p, const Schedule& sched, const int* expert, int tile,
+                                          bool l1) {
+    probe::prefetch_tile_l2(p, sched, expert, tile, l1);
+  }
+  __device__ static void l1_epilogue_ll(const Params& p, const float* ep, const Items& it, int item, int ct, int t,
+                                        uint32_t flag) {
+    probe::l1_epilogue_ll(p, ep, it, item, ct, t, flag);
+  }
+  __device__ static void ll_input_warp(const Params& p, const Schedule& sched, int iw, int lane, uint32_t flag,
+                                       uint8_t* hs, int hrow, float* sf2, uint64_t* input_ready) {
+    probe::ll_input_warp(p, sched, iw, lane, flag, hs, hrow, sf2, input_ready);
+  }
+  __device__ static void ll_combine(const Params& p, const Items& it, int item, int ot, int r0, uint32_t b0,
+                                    uint32_t b1, uint32_t flag) {
+    probe::ll_combine(p, it, item, ot, r0, b0, b1, flag);
+  }
+};
 
 }  // namespace
