@@ -194,3 +194,23 @@ def test_a_failed_rank_stays_until_the_others_have_settled():
     store = _store()  # a rank whose failure is another's abort settles and writes no abort of its own
     launch._publish_failure(store, "rank 2: aborted because rank 0 failed: z\n(then, on this rank) ...", world_size=3)
     assert store.add(launch.SETTLED_KEY, 0) == 1 and not store.check([launch.ABORT_KEY])
+
+
+def _rank_0_leaves(rank, world):
+    if rank == 0:
+        return "left"
+    t = torch.ones(4)
+    torch.distributed.all_reduce(t)
+    return t
+
+
+def test_a_rank_that_leaves_early_is_named_with_what_it_did():
+    """Rank 0 returns while rank 1 waits in an all_reduce: rank 1 fails with its peer's socket error, and the
+    launch names rank 0 as the one that left, first."""
+    with pytest.raises(RankError) as info:
+        spawn(_rank_0_leaves, 2, timeout_s=30, grace_s=2)
+    msg = str(info.value)
+    print(f"\n{msg}")
+    assert info.value.first_rank == 1
+    assert msg.splitlines()[0].startswith("distributed launch of 2 ranks failed: rank(s) [0] returned while")
+    assert info.value.failures[0].startswith("rank 0: left early: its function returned after")

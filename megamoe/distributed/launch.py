@@ -22,6 +22,7 @@ import datetime
 import io
 import os
 import queue as queue_mod
+import re
 import sys
 import threading
 import time
@@ -37,6 +38,11 @@ LOOPBACK = "127.0.0.1"
 ABORT_KEY = "megamoe/abort"
 SETTLED_KEY = "megamoe/settled"  # ranks that reported the abort or finished
 SETTLE_S = 10.0  # how long a failed rank waits for the others to settle before it exits
+
+
+# What a collective says when a peer's process is gone (gloo, NCCL, the store): the symptom of a rank that left.
+PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Connection refused|remote process|"
+                       r"peer process|socket", re.S)
 
 
 class RankError(RuntimeError):
@@ -59,6 +65,7 @@ class _Report:
     payload: bytes = b""
     message: str = ""
     extra: dict = field(default_factory=dict)
+    at_s: float | None = None  # when the launcher received it, seconds after the start
 
 
 def _dumps(obj: Any) -> bytes:
@@ -302,6 +309,7 @@ def spawn(
                 break
             try:
                 rep = reports.get(timeout=min(0.2, max(deadline - now, 0.01)))
+                rep.at_s = time.monotonic() - start
                 got[rep.rank] = rep
                 if rep.kind == "error" and first_fail is None:
                     first_fail = rep.rank
@@ -347,7 +355,21 @@ def spawn(
         lines = [f"distributed launch of {nprocs} ranks timed out after {timeout_s:.0f} s"]
         lines += [failures[r].splitlines()[0] for r in sorted(failures)]
         raise LaunchTimeout("\n".join(lines), failures, None)
+    # A rank that returned while others still ran: the others' errors are the symptom (a peer's closed socket), so
+    # the rank that left is named first, with what it did.
+    fail_at = got[first_fail].at_s if first_fail in got else None
+    peer_gone = bool(PEER_GONE.search(failures.get(first_fail, "")))
+    left = [r for r in range(nprocs) if peer_gone and r in got and got[r].kind == "ok" and fail_at is not None
+            and got[r].at_s is not None and got[r].at_s <= fail_at]
+    for r in left:
+        failures[r] = (f"rank {r}: left early: its function returned after {got[r].at_s:.1f} s while rank "
+                       f"{first_fail} was still running (it failed at {fail_at:.1f} s); a rank that returns before "
+                       "the others' collectives end makes them fail with the peer's socket error")
     # The first failure in full (with traceback), then one line for every other rank.
     lines = [f"distributed launch of {nprocs} ranks failed; first failure:", failures[first_fail], "every rank:"]
+    if left:
+        lines = [f"distributed launch of {nprocs} ranks failed: rank(s) {left} returned while the others still "
+                 "ran collectives;", failures[left[0]], f"then rank {first_fail} failed:", failures[first_fail],
+                 "every rank:"]
     lines += [f"  {failures[r].splitlines()[0]}" if r in failures else f"  rank {r}: finished" for r in range(nprocs)]
     raise RankError("\n".join(lines), failures, first_fail)
