@@ -36,7 +36,6 @@ class DecodeCase:
     routing: str = "uniform"  # uniform | masked | skewed | allmasked
     bn2: int = 64
     broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
-    fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
     l1_prefetch: bool = False  # L1 / L2 load the next K-iteration's tile first (LaunchConfig)
     l2_prefetch: bool = False
     groups: tuple[int, int] | None = None  # 32-K groups per K-iteration of L1, L2 (None: default_tiles)
@@ -46,7 +45,6 @@ class DecodeCase:
     def id(self) -> str:
         parts = [self.geometry, f"T{self.tokens}", f"bm{self.block_m}", f"bn2-{self.bn2}"]
         parts += [self.routing] if self.routing != "uniform" else []
-        parts += ["fused"] if self.fused else []
         parts += [f"prefetch-{'l1' * self.l1_prefetch}{'l2' * self.l2_prefetch}"] if self.l1_prefetch or self.l2_prefetch else []
         parts += [f"g{self.groups[0]}x{self.groups[1]}"] if self.groups else []
         parts += [f"BROKEN-{self.broken}"] if self.broken else []
@@ -70,7 +68,7 @@ CPU_CASES = (
     DecodeCase("tiny", 4, 2, "masked", bn2=128, seed=2),
     DecodeCase("tiny", 6, 4, "skewed", bn2=256, seed=3),
     DecodeCase("wide", 2, 2, "allmasked", bn2=512, seed=4),
-    DecodeCase("tiny", 5, 2, "masked", bn2=64, fused=True, seed=7),
+    DecodeCase("tiny", 5, 2, "masked", bn2=64, seed=7),
     DecodeCase("wide", 3, 2, "masked", bn2=128, groups=(4, 4), seed=8),
     DecodeCase("wide", 3, 4, "masked", bn2=128, groups=(4, 4), l1_prefetch=True, l2_prefetch=True, seed=9),
     DecodeCase("tiny", 3, 1, broken="gate-up-swapped", bn2=256, seed=5),
@@ -99,8 +97,7 @@ def case_decode_weights(name: str, device: str, bn2: int = 64, groups: tuple[int
     return prepare_decode_weights(case_weights(name, device), t1, t2)
 
 _STAGE_FIELDS = {
-    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32",
-              "y_unrouted"),
+    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32"),
     "l1": ("l1_out", "l2_q", "l2_x", "l2_sf"),
     "l2": ("slot_out",),
     "combine": ("y",),
@@ -109,8 +106,6 @@ _STAGE_FIELDS = {
 
 def written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
     """The part of a buffer a launch of t tokens writes (rows past it must keep their poison)."""
-    if name == "y_unrouted":  # the rows route zeroes: tokens with no local slot
-        return buf.y[:t][~(buf.slot_row[: t * buf.num_topk].view(t, -1) >= 0).any(dim=1)]
     n = int((buf.slot_row[: t * buf.num_topk] >= 0).sum()) if name not in ("x32", "y", "num_touched") else 0
     w = int(buf.num_touched[0])
     rows = {"num_touched": 1, "touched": w, "seg_start": w, "seg_count": w, "x32": t, "y": t,
@@ -144,8 +139,7 @@ def make_case(case: DecodeCase, device):
 
 def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     """Stage by stage (Triton vs twin, from the same inputs), then the whole path vs the reference; with
-    ``repeat`` (always for a fused case), the whole path once more from poisoned buffers (fused when the case
-    says so), which must give the same bits."""
+    ``repeat``, the whole path once more from poisoned buffers, which must give the same bits."""
     from ..reference import moe_forward
 
     t0 = time.time()
@@ -184,11 +178,10 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     row["nan"] = int(torch.isnan(y.float()).sum())
     if case.routing == "allmasked":
         row["masked_rows_zero"] = bool((y[0].float() == 0).all())
-    if repeat or case.fused:
+    if repeat:
         buf.poison_()
-        y2 = moe_decode(dw, buf, t, g.clamp, dataclasses.replace(cfg, fused=case.fused)).clone()
+        y2 = moe_decode(dw, buf, t, g.clamp, cfg).clone()
         row["repeat_identical"] = not first_mismatch(y2, y)
-        row["wait_gave_up"] = int(buf.counters[-1])
     row["seconds"] = round(time.time() - t0, 2)
     return row
 
@@ -200,7 +193,6 @@ def passed(row: dict) -> bool:
         return row["calc_diff"] > 1e-3
     stages_ok = not any(row[s] for s in _STAGE_FIELDS)
     return (stages_ok and row["bitwise_frac"] == 1.0 and row.get("repeat_identical", True) and row["poison_kept"]
-            and not row.get("wait_gave_up")
             and row["nan"] == 0 and row.get("masked_rows_zero", True))
 
 

@@ -31,7 +31,7 @@ from .layout_tc import prepare_tc_weights
 from .moe import DecodeBuffers, moe_decode
 from .selfcheck import _STAGE_FIELDS, DecodeCase, copy_staged, written, case_weights, geometry_of
 
-ROUTE_FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f not in ("x32", "y_unrouted"))  # what L1-L2 read
+ROUTE_FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f != "x32")  # what L1-L2 read
 
 CPU_CASES = (
     DecodeCase("tiny", 1, seed=11),
