@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 lab/decode/decode_probe.py --out $OUT
 
-(a) correctness per token count (megamoe.decode.selfcheck.run_case on the GPU): each Triton stage against
+(a) correctness per token count (tests/decode_selfcheck.py's run_case on the GPU): each Triton stage against
     its torch twin bit for bit, the whole path against the eager reference (recipe megamoe-decode):
     calc_diff and the bitwise agreement rate of y, rows past the step still poisoned, a second launch
     bit-identical. Every variant below must also give the default's y bit for bit.
@@ -36,16 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # megamoe and lab; the tests' decode checks (decode_selfcheck.py)
 
 from megamoe.bench.timing import GraphSet, L2Flusher  # noqa: E402
 from megamoe.decode import DecodeBuffers, moe_decode  # noqa: E402
-from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights, passed, run_case  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
 from megamoe.inputs import make_inputs  # noqa: E402
+from decode_selfcheck import DecodeCase, case_decode_weights, case_weights, passed, run_case  # noqa: E402
 
 TOKENS = (1, 8, 32, 2, 4, 16, 64)  # the counts issue 25 sets targets for first, in case the deadline hits
 FLASHINFER_US = {1: 73.5, 8: 225.0, 32: 537.0}  # issue 25's table (one H200, same geometry, megamoe bench)

@@ -1,9 +1,9 @@
-"""Checks of the decode path shared by the CPU tests (Triton's interpreter, in a subprocess) and the device
-script: every Triton stage against its torch twin bit for bit, the whole path against the eager reference
-(``megamoe-decode`` recipe), repeat determinism, untouched rows still poisoned, and broken variants that
-must be caught.
+"""Checks of the CUDA-core decode path (``megamoe.decode``, recipe ``megamoe-decode``), a support module of
+the tests (``test_decode.py``: under Triton's interpreter in a subprocess, ``interpreter_rows``, and on the GPU)
+and of the lab's decode probes: every Triton stage against its torch twin bit for bit, the whole path against the
+eager reference, repeat determinism, untouched rows still poisoned, and broken variants that must be caught.
 
-    python3 -m megamoe.decode.selfcheck --device cpu      (needs TRITON_INTERPRET=1 on a CPU) -> JSON rows
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 tests/decode_selfcheck.py --device cpu    -> JSON rows
 """
 
 from __future__ import annotations
@@ -12,20 +12,25 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ..geometry import Geometry, get_geometry
-from ..recipe import MEGAMOE_DECODE
-from ..testing import calc_diff, first_mismatch
-from ..inputs import make_inputs
-from ..weights import random_mxfp4_weights
-from . import gemv, routing
-from .gemv import LaunchConfig
-from .layout import TileShape, default_tiles, prepare_decode_weights
-from .moe import DecodeBuffers, moe_decode
+import megamoe
+from megamoe.decode import gemv, routing
+from megamoe.decode.gemv import LaunchConfig
+from megamoe.decode.layout import TileShape, default_tiles, prepare_decode_weights
+from megamoe.decode.moe import DecodeBuffers, moe_decode
+from megamoe.geometry import Geometry, get_geometry
+from megamoe.inputs import make_inputs
+from megamoe.recipe import MEGAMOE_DECODE
+from megamoe.testing import calc_diff, first_mismatch
+from megamoe.weights import random_mxfp4_weights
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def case_decode_weights(name: str, device: str, bn2: int = 64, groups: tuple[int
         t1, t2 = TileShape(t1.bn, groups[0]), TileShape(t2.bn, groups[1])
     return prepare_decode_weights(case_weights(name, device), t1, t2)
 
-_STAGE_FIELDS = {
+STAGE_FIELDS = {
     "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32"),
     "l1": ("l1_out", "l2_q", "l2_x", "l2_sf"),
     "l2": ("slot_out",),
@@ -121,7 +126,7 @@ def copy_staged(src: DecodeBuffers, dst: DecodeBuffers) -> None:
 
 def make_case(case: DecodeCase, device):
     """(geometry, checkpoint weights, decode weights, inputs, staged buffers) of one case."""
-    from ..staging import stage_into
+    from megamoe.staging import stage_into
 
     g = geometry_of(case.geometry)
     w = case_weights(case.geometry, str(device))
@@ -140,7 +145,7 @@ def make_case(case: DecodeCase, device):
 def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     """Stage by stage (Triton vs twin, from the same inputs), then the whole path vs the reference; with
     ``repeat``, the whole path once more from poisoned buffers, which must give the same bits."""
-    from ..reference import moe_forward
+    from megamoe.reference import moe_forward
 
     t0 = time.time()
     g, w, dw, inp, buf = make_case(case, device)
@@ -166,7 +171,7 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     for name, call, kernel, torch_twin in stages:
         call(buf, kernel)
         call(twin, torch_twin)
-        msgs = [f"{f}: {m}" for f in _STAGE_FIELDS[name]
+        msgs = [f"{f}: {m}" for f in STAGE_FIELDS[name]
                 if (m := first_mismatch(written(buf, f, t), written(twin, f, t)))]
         row[name] = "; ".join(msgs)
     n = int((buf.slot_row[: t * g.num_topk] >= 0).sum())
@@ -191,9 +196,24 @@ def passed(row: dict) -> bool:
     A broken case passes when the reference comparison catches it."""
     if row["broken"]:
         return row["calc_diff"] > 1e-3
-    stages_ok = not any(row[s] for s in _STAGE_FIELDS)
+    stages_ok = not any(row[s] for s in STAGE_FIELDS)
     return (stages_ok and row["bitwise_frac"] == 1.0 and row.get("repeat_identical", True) and row["poison_kept"]
             and row["nan"] == 0 and row.get("masked_rows_zero", True))
+
+
+def interpreter_rows(script: Path, timeout: float = 600) -> dict:
+    """Run ``script --device cpu`` (this module or another check script beside it) under Triton's interpreter, in a
+    subprocess (TRITON_INTERPRET must be set before triton is imported), on the megamoe this process imported
+    -> its JSON rows (the last line of its output) by ``case``."""
+    root = str(Path(megamoe.__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu"], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise AssertionError(f"{script} printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {r["case"]: r for r in json.loads(lines[-1])}
 
 
 def main(argv=None) -> int:
@@ -209,6 +229,3 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "case_weights", "case_decode_weights", "make_case", "run_case",
-           "passed"]
