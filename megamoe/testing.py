@@ -145,20 +145,3 @@ def weights_for_recipe(weights, recipe):
             return weights
         return repair_ranges(weights, recipe)
     return weights
-
-
-def interpreter_rows(module: str, timeout: float = 600) -> dict:
-    """Run ``python -m module --device cpu`` under Triton's interpreter (a subprocess: TRITON_INTERPRET must be
-    set before triton is imported) -> its JSON rows (last line of its output) by ``case``."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", module, "--device", "cpu"], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if not lines:
-        raise AssertionError(f"{module} printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {r["case"]: r for r in json.loads(lines[-1])}

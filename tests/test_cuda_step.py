@@ -20,8 +20,9 @@ from megamoe.decode import cuda_step  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.gemv import LaunchConfig  # noqa: E402
 from megamoe.decode.moe import DecodeBuffers, one_cuda_launch  # noqa: E402
-from megamoe.decode.selfcheck import case_weights, geometry_of  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
+
+from decode_selfcheck import case_weights, geometry_of  # noqa: E402
 
 
 def test_geometry_limits_name_what_is_wrong():

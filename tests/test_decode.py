@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before triton is imported) against its twin and the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 
 from megamoe.decode import DecodeBuffers, TileShape, checkpoint_from_decode, moe_decode_torch, prepare_decode_weights
 from megamoe.decode.layout import MAX_SCALE_SPREAD, decode_pair_torch, pack_words, unpack_words
-from megamoe.decode.selfcheck import CPU_CASES, DecodeCase, passed, run_case
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1
 from megamoe.recipe import MEGAMOE_DECODE, get_recipe
 from megamoe.decode.layout import MAX_SCALE_BYTE
@@ -24,6 +24,8 @@ from megamoe.staging import stage_into, triton_available
 from megamoe.testing import assert_bitwise_equal
 from megamoe.inputs import make_inputs
 from megamoe.weights import MXFP4Weights
+
+from decode_selfcheck import CPU_CASES, DecodeCase, interpreter_rows as run_interpreted, passed, run_case
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -117,9 +119,7 @@ def test_buffers_refuse_more_than_64_tokens(weights_for):
 
 @pytest.fixture(scope="module")
 def interpreter_rows():
-    from megamoe.testing import interpreter_rows as run
-
-    return run("megamoe.decode.selfcheck")
+    return run_interpreted(Path(__file__).with_name("decode_selfcheck.py"))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Triton stages under the interpreter (in a subprocess) against their twins and th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +14,14 @@ pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install t
 
 from megamoe.decode.layout_tc import (  # noqa: E402
     checkpoint_from_tc, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
-from megamoe.decode.selfcheck import DecodeCase  # noqa: E402
-from megamoe.decode.selfcheck_tc import (CPU_CASES, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_tc,  # noqa: E402
-                                         run_tc_case)
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
 from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
 from megamoe.staging import triton_available  # noqa: E402
 from megamoe.weights import MXFP4Weights  # noqa: E402
+
+from decode_selfcheck import DecodeCase, interpreter_rows as run_interpreted  # noqa: E402
+from decode_tc_selfcheck import CPU_CASES, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_tc, run_tc_case  # noqa: E402
 
 
 def test_every_code_decodes_to_e2m1_times_2_pow_minus_6():
@@ -187,9 +188,7 @@ def test_route_in_l1_is_refused_past_its_slots():
 
 @pytest.fixture(scope="module")
 def interpreter_rows():
-    from megamoe.testing import interpreter_rows as run
-
-    return run("megamoe.decode.selfcheck_tc")
+    return run_interpreted(Path(__file__).with_name("decode_tc_selfcheck.py"))
 
 
 @pytest.mark.slow

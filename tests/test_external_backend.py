@@ -143,6 +143,21 @@ def test_registration_refuses_what_it_cannot_run(registered):
         unregister_backend("toy-ok")
 
 
+def test_backends_all_leaves_out_only_the_backends_that_say_so(registered):
+    """``--backends all`` (``registry.all_backend_names``): every built-in backend but the exact CUDA-core decode
+    kernel (its tensor-core sibling, a subclass, stays in), in registry order; a registered backend counts unless
+    its class sets ``in_all = False``; ``in_all`` must be a bool."""
+    from megamoe.fused.registry import all_backend_names
+
+    assert all_backend_names() == [n for n in BACKENDS if n != "megamoe-decode"]
+    assert "megamoe-decode-tc" in all_backend_names() and "megamoe-decode" in BACKENDS
+    toy = registered(backend_from_callable("toy-in", reference_kernel, device="cpu"))
+    registered(type("ToyOut", (toy,), {"name": "toy-out", "in_all": False}))
+    assert all_backend_names()[-1] == "toy-in" and "toy-out" not in all_backend_names()
+    with pytest.raises(TypeError, match=r"register_backend: ToyOne.in_all must be a bool, got int 1"):
+        register_backend(type("ToyOne", (toy,), {"name": "toy-one", "in_all": 1}))
+
+
 def test_callable_with_the_wrong_output_is_named(registered):
     registered(backend_from_callable("toy-fp32", lambda inp, w: reference_kernel(inp, w).float(), device="cpu"))
     rows = run_matrix("toy-fp32", [Case("tiny", 3)], log=_quiet)

@@ -39,9 +39,10 @@ from lab.cuda_step.stamps import last_item  # noqa: E402
 from lab.cuda_step.stage_trace import summarize as trace_summary  # noqa: E402
 
 
-# What a version needs to run its selfcheck and probe: the package and the lab (versions before the lab existed kept
-# their probes in bench/device; each path is exported where the revision has it).
-EXPORTED = ("megamoe", "lab", "bench/device")
+# What a version needs to run its selfcheck and probe: the package, the lab and the tests' decode checks that the
+# lab's scripts import (versions before the lab existed kept their probes in bench/device, and their checks in the
+# package; each path is exported where the revision has it).
+EXPORTED = ("megamoe", "lab", "bench/device", "tests/decode_selfcheck.py", "tests/decode_tc_selfcheck.py")
 PROBE_SCRIPTS = ("lab/cuda_step/probe.py", "bench/device/probe.py")  # the probe, where a version keeps it
 # Its selfcheck: a script in the lab, or (versions before it moved there) a module of the package.
 SELFCHECKS = (("lab/cuda_step/selfcheck.py",), ("-m", "megamoe.decode.selfcheck_step1"))

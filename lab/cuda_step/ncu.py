@@ -25,9 +25,9 @@ from lab.cuda_step import step as probe_step  # noqa: E402
 from lab.cuda_step.selfcheck import Y_RIGHT_MODES  # noqa: E402
 from megamoe.decode import cuda_step, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
-from megamoe.decode.selfcheck import case_weights  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
+from megamoe.weights import random_mxfp4_weights  # noqa: E402
 
 MODES = ("step", "no-load", "bare")  # the step, or a step.MODES name
 
@@ -38,7 +38,7 @@ def main() -> int:
     args = ap.parse_args()
     g = get_geometry("dsv4-flash")
     dev = torch.device("cuda")
-    tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+    tw = prepare_tc_weights(random_mxfp4_weights(get_geometry("dsv4-flash"), seed=0, device="cuda"))
     inp, buf, touched, slots = staged_buffers(g, 1, dev, split_tokens=1, capacity=64)
     why = cuda_step.unsupported(tw, buf, 1)
     if why:

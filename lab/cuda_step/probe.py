@@ -27,9 +27,9 @@ from megamoe.provenance import tree_commit  # noqa: E402
 from lab.cuda_step import step as probe_step  # noqa: E402
 from megamoe.decode import cuda_step, moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
-from megamoe.decode.selfcheck import case_weights  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
+from megamoe.weights import random_mxfp4_weights  # noqa: E402
 
 KERNELS = ("step1_kernel", "l1_tc_kernel", "l2_tc_kernel", "combine_kernel", "read_kernel")
 
@@ -66,7 +66,7 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": tree_commit(), "geometry": g.name, "rows": {}}
     dev = torch.device("cuda")
-    tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+    tw = prepare_tc_weights(random_mxfp4_weights(get_geometry("dsv4-flash"), seed=0, device="cuda"))
     inp, buf, touched, slots = staged_buffers(g, 1, dev, split_tokens=1, capacity=64)
     cfg = tc_launch_config(1, g.num_topk)
     why = cuda_step.unsupported(tw, buf, 1)

@@ -27,17 +27,18 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # megamoe and lab; the tests' decode checks (decode_selfcheck.py)
 
 from lab.cuda_step import step as probe_step  # noqa: E402
 from megamoe.decode import cuda_step, tc  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
 from megamoe.decode.moe import DecodeBuffers, moe_decode  # noqa: E402
-from megamoe.decode.selfcheck import DecodeCase, case_weights, copy_staged, geometry_of, written  # noqa: E402
-from megamoe.decode.selfcheck_tc import ROUTE_FIELDS  # noqa: E402
 from megamoe.inputs import make_inputs  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC  # noqa: E402
 from megamoe.testing import calc_diff, first_mismatch  # noqa: E402
+from decode_selfcheck import DecodeCase, case_weights, copy_staged, geometry_of, written  # noqa: E402
+from decode_tc_selfcheck import ROUTE_FIELDS  # noqa: E402
 
 FIELDS = ROUTE_FIELDS + ("l2_q", "l2_sf", "slot_out", "y")  # route's outputs L1-L2 read, then every later stage
 CASES = (

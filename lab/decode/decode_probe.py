@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 lab/decode/decode_probe.py --out $OUT
 
-(a) correctness per token count (megamoe.decode.selfcheck.run_case on the GPU): each Triton stage against
+(a) correctness per token count (tests/decode_selfcheck.py's run_case on the GPU): each Triton stage against
     its torch twin bit for bit, the whole path against the eager reference (recipe megamoe-decode):
     calc_diff and the bitwise agreement rate of y, rows past the step still poisoned, a second launch
     bit-identical. Every variant below must also give the default's y bit for bit.
@@ -13,10 +13,10 @@
     (contiguous, int32 x 4 per thread), timed the same way.
 (d) variants (same numerics; each must give the default's y bit for bit), timed the same way for --var-s s
     (--variants NAME... picks some): no-prefetch / prefetch (each K-iteration of L1 and L2 loads the next
-    one's tile first: neither / both; the default prefetches in L1, and in L2 up to 8 tokens), fused (L1 + L2
-    + combine in one launch, triton_fused.py), warps8 (8 warps per program), l2-bn32 (32 L2 rows per program
-    instead of 64), bm-alt (the other tokens-per-pass choice); where one stops winning, bytes / GB/s / time
-    per launch say why.
+    one's tile first: neither / both; the default prefetches in L1, and in L2 up to 8 tokens), warps8 (8 warps
+    per program), l2-bn32 (32 L2 rows per program instead of 64), bm-alt (the other tokens-per-pass choice);
+    where one stops winning, bytes / GB/s / time per launch say why. (A fused variant, L1 + L2 + combine in one
+    launch, was timed here until it was rejected: lab/decode/JOURNAL.md, "The CUDA-core path's fused launch".)
 FlashInfer is not run here (its JIT build takes minutes): its times from issue 25 are printed beside.
 Results: $OUT/decode_probe.json; a short table is printed last. Budget < 3 minutes (--deadline).
 """
@@ -36,20 +36,21 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # megamoe and lab; the tests' decode checks (decode_selfcheck.py)
 
 from megamoe.bench.timing import GraphSet, L2Flusher  # noqa: E402
 from megamoe.decode import DecodeBuffers, moe_decode  # noqa: E402
-from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights, passed, run_case  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.staging import stage_into  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
 from megamoe.inputs import make_inputs  # noqa: E402
+from decode_selfcheck import DecodeCase, case_decode_weights, case_weights, passed, run_case  # noqa: E402
 
 TOKENS = (1, 8, 32, 2, 4, 16, 64)  # the counts issue 25 sets targets for first, in case the deadline hits
 FLASHINFER_US = {1: 73.5, 8: 225.0, 32: 537.0}  # issue 25's table (one H200, same geometry, megamoe bench)
-KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "combine_kernel", "fused_kernel")
+KERNELS = ("route_kernel", "l1_kernel", "l2_kernel", "combine_kernel")
 T0 = time.time()
 
 
@@ -132,7 +133,6 @@ def launch_bytes(g, t: int, touched: int, slots: int, dw) -> dict:
     out = {"route_kernel": t * k * 12 + t * h * 5 + slots * 8, "l1_kernel": touched * e + t * h * 4 + slots * i * 9,
            "l2_kernel": touched * e2 + slots * i * 4 + slots * h * 2, "combine_kernel": slots * h * 2 + t * h * 2,
            "weights": touched * (e + e2)}
-    out["fused_kernel"] = out["l1_kernel"] + out["l2_kernel"] + out["combine_kernel"]
     return out
 
 
@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=165.0, help="skip what is left past this many seconds")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--variants", nargs="*", default=None, metavar="NAME",
-                    help="variants to time (default all: no-prefetch prefetch fused warps8 l2-bn32 bm-alt)")
+                    help="variants to time (default all: no-prefetch prefetch warps8 l2-bn32 bm-alt)")
     ap.add_argument("--geometry", default="dsv4-flash", help="a preset; 'tiny' with --device cpu is a dry run")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -179,7 +179,7 @@ def main() -> int:
     try:
         dw32 = case_decode_weights(args.geometry, str(dev), 32)
         variants = {"no-prefetch": (dw, dict(l1_prefetch=False, l2_prefetch=False)),
-                    "prefetch": (dw, dict(l1_prefetch=True, l2_prefetch=True)), "fused": (dw, dict(fused=True)),
+                    "prefetch": (dw, dict(l1_prefetch=True, l2_prefetch=True)),
                     "warps8": (dw, dict(l1_warps=8, l2_warps=8)), "l2-bn32": (dw32, {}), "bm-alt": (dw, "alt")}
         variants = {k: v for k, v in variants.items() if args.variants is None or k in args.variants}
     except Exception:  # noqa: BLE001
@@ -233,12 +233,10 @@ def main() -> int:
                     vcfg = dataclasses.replace(cfg, **kw)
                 buf.y.fill_(float("nan"))
                 yv = moe_decode(dwv, buf, t, g.clamp, vcfg).clone()
-                gave_up = int(buf.counters[-1])
                 vt = time_replays(lambda: moe_decode(dwv, buf, t, g.clamp, vcfg), args.var_s, flush)
                 vk = kineto_us(vt.pop("graph"), flush)
                 res["variants"].append({"tokens": t, "variant": name, "config": vcfg.__dict__, "graph": vt,
-                                        "kineto_us": vk, "same_bits": not first_mismatch(yv, y0),
-                                        "wait_gave_up": gave_up or int(buf.counters[-1])})
+                                        "kineto_us": vk, "same_bits": not first_mismatch(yv, y0)})
             print(f"[decode] T={t} {tm['median_us']:.1f} us (read {rd['median_us']:.1f}) ({elapsed():.0f} s)", flush=True)
         except Exception:  # noqa: BLE001
             res["errors"].append(f"T={t} timing: {traceback.format_exc()}")
@@ -254,7 +252,7 @@ def print_table(res: dict) -> None:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     print(f"\n{res['device']}, torch {res['torch']}, triton {res['triton']}, {res['geometry']}, {res.get('total_s')} s")
-    print("| T | experts | weight MB | decode us | route/l1/l2/combine/fused us (kineto) | read us | of read | GB/s "
+    print("| T | experts | weight MB | decode us | route/l1/l2/combine us (kineto) | read us | of read | GB/s "
           "| FlashInfer us (issue) | speedup | calc_diff | bitwise | repeat | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(res["rows"], key=lambda r: r["tokens"]):
@@ -266,12 +264,12 @@ def print_table(res: dict) -> None:
               f"| {f(r.get('calc_diff'), '{:.1e}')} | {f(r.get('bitwise_frac'), '{:.4f}')} | {r.get('repeat_identical', '-')} "
               f"| {r.get('correct', '-')} |")
     if res["variants"]:
-        print("\n| T | variant | us | route/l1/l2/combine/fused us (kineto) | same bits | wait gave up |")
-        print("|---|---|---|---|---|---|")
+        print("\n| T | variant | us | route/l1/l2/combine us (kineto) | same bits |")
+        print("|---|---|---|---|---|")
         for v in sorted(res["variants"], key=lambda v: v["tokens"]):
             k = v["kineto_us"]
             print(f"| {v['tokens']} | {v['variant']} | {f(v['graph']['median_us'])} | "
-                  f"{'/'.join(f(k.get(n)) for n in KERNELS)} | {v['same_bits']} | {v.get('wait_gave_up', '-')} |")
+                  f"{'/'.join(f(k.get(n)) for n in KERNELS)} | {v['same_bits']} |")
     if res["errors"]:
         print(f"\n{len(res['errors'])} error(s); first:\n{res['errors'][0][-1500:]}")
 

@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from lab.decode.decode_probe import plain_read, staged_buffers  # noqa: E402
 from megamoe.decode import moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
-from megamoe.decode.selfcheck import case_weights  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
+from megamoe.weights import random_mxfp4_weights  # noqa: E402
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8])
     args = ap.parse_args()
     g = get_geometry("dsv4-flash")
-    tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+    tw = prepare_tc_weights(random_mxfp4_weights(get_geometry("dsv4-flash"), seed=0, device="cuda"))
     sink = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
     read_src = torch.empty(g.num_experts * tw.nbytes_per_expert() // 4, dtype=torch.int32, device="cuda")
     for t in args.tokens:

@@ -3,7 +3,7 @@ beside the CUDA-core default, DeepSeek-V4-Flash geometry, EP = 1.
 
     PYTHONPATH=$PWD python3 lab/decode/decode_tc_probe.py --out $OUT
 
-(a) correctness (megamoe.decode.selfcheck_tc.run_tc_case on the GPU): l1_tc / l2_tc against their twins bit for
+(a) correctness (tests/decode_tc_selfcheck.py's run_tc_case on the GPU): l1_tc / l2_tc against their twins bit for
     bit (the recipe's tensor-core model), the whole path against the eager reference: calc_diff and the bitwise
     agreement of y, poison kept, a second launch bit-identical.
 (b) speed, side by side in one run: the four launches of each path captured in one CUDA graph, replayed with
@@ -26,18 +26,19 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # megamoe and lab; the tests' decode checks (decode_selfcheck.py)
 
 from lab.decode.decode_probe import FLASHINFER_US, L2Flusher, kineto_us, plain_read, staged_buffers, time_replays  # noqa: E402
 from megamoe.decode import moe_decode  # noqa: E402
 from megamoe.decode.layout_tc import prepare_tc_weights  # noqa: E402
-from megamoe.decode.selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
-from megamoe.decode.selfcheck_tc import passed_tc, run_tc_case  # noqa: E402
 from megamoe.decode.tc import tc_launch_config  # noqa: E402
 from megamoe.fused.megamoe_decode import default_launch_config  # noqa: E402
 from megamoe.provenance import tree_commit  # noqa: E402
 from megamoe.geometry import get_geometry  # noqa: E402
 from megamoe.testing import first_mismatch  # noqa: E402
+from decode_selfcheck import DecodeCase, case_decode_weights, case_weights  # noqa: E402
+from decode_tc_selfcheck import passed_tc, run_tc_case  # noqa: E402
 
 VARIANTS = {
     "nocap": dict(tc_l1_maxnreg=None, tc_l2_maxnreg=None),

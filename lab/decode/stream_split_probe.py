@@ -97,10 +97,10 @@ def main() -> int:
     if not args.no_step:
         from megamoe.decode import moe_decode
         from megamoe.decode.layout_tc import prepare_tc_weights
-        from megamoe.decode.selfcheck import case_weights
+        from megamoe.weights import random_mxfp4_weights
         from megamoe.decode.tc import tc_launch_config
 
-        tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+        tw = prepare_tc_weights(random_mxfp4_weights(get_geometry("dsv4-flash"), seed=0, device="cuda"))
         _, buf, touched, _ = staged_buffers(g, 1, dev, split_tokens=1, capacity=64)
         cfg = tc_launch_config(1, k)
         step = lambda: moe_decode(tw, buf, 1, g.clamp, cfg)  # noqa: E731

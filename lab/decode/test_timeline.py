@@ -86,14 +86,14 @@ def test_timeline_on_the_gpu(tokens, skew):
     from megamoe.decode import moe_decode
     from megamoe.decode.layout_tc import prepare_tc_weights
     from megamoe.decode.moe import DecodeBuffers
-    from megamoe.decode.selfcheck import case_weights
     from megamoe.decode.tc import tc_launch_config
     from megamoe.geometry import get_geometry
     from megamoe.inputs import make_inputs
     from megamoe.staging import stage_into
+    from megamoe.weights import random_mxfp4_weights
 
     g = get_geometry("dsv4-flash")
-    tw = prepare_tc_weights(case_weights("dsv4-flash", "cuda"))
+    tw = prepare_tc_weights(random_mxfp4_weights(g, seed=0, device="cuda"))
     inp = make_inputs(g, tokens, seed=700 + tokens, outlier_channels=4, **({"skew": skew} if skew else {})).to("cuda")
     buf = DecodeBuffers.allocate(g, 64, "cuda", split_tokens=1)
     stage_into(inp.x, inp.topk_idx, inp.topk_weights, buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, tokens,

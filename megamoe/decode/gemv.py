@@ -34,7 +34,6 @@ class LaunchConfig:
     l2_warps: int = 4
     combine_block: int = 1024
     store_l1: bool = False
-    fused: bool = False  # L1, L2 and the combine in one launch (triton_fused.py)
     # L1 / L2 load the next K-iteration's tile before this one's arithmetic (more registers, same bits)
     l1_prefetch: bool = False
     l2_prefetch: bool = False
@@ -64,9 +63,6 @@ class LaunchConfig:
     # machine can build and run it (SM90, nvcc), else the Triton launches. Same bits; level with them on the H200,
     # slower on the H100 (docs/decode-kernel-tc.md, "The 1-token CUDA step"), so off by default.
     tc_cuda_step1: bool = False
-    # Polls before a fused L2 program gives up waiting and sets the error flag: ~1,000 are needed at 64
-    # tokens; 65,536 (~50 ms) keeps a broken ordering assumption from hanging the GPU for long.
-    max_spin: int = 1 << 16
 
     def __post_init__(self) -> None:
         """Every knob checked before any launch (``validate.as_int``: no float, no bool), the errors naming it."""
@@ -80,12 +76,10 @@ class LaunchConfig:
         if cb & (cb - 1):
             raise ValueError(f"{who}: combine_block must be a power of two (a Triton block), got {cb}")
         as_int("tc_stages", self.tc_stages, lo=1, hi=8, who=who)
-        as_int("max_spin", self.max_spin, lo=1, who=who)
         for name in ("tc_l1_maxnreg", "tc_l2_maxnreg"):
             if getattr(self, name) is not None:
                 as_int(name, getattr(self, name), lo=24, hi=255, who=who)  # ptxas' register cap range
-        for name in ("store_l1", "fused", "l1_prefetch", "l2_prefetch", "pdl", "tc_pack4",
-                     "tc_route", "tc_cuda_step1"):
+        for name in ("store_l1", "l1_prefetch", "l2_prefetch", "pdl", "tc_pack4", "tc_route", "tc_cuda_step1"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{who}: {name} must be a bool, got {type(getattr(self, name)).__name__} "
                                 f"{getattr(self, name)!r}")
@@ -137,28 +131,6 @@ def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
     combine_kernel[(num_tokens, -(-h // bh))](buf.slot_out, buf.slot_row, buf.y.view(torch.int16), num_tokens,
                                               H=h, K=num_topk, BH=bh, PDL=cfg.pdl and not buf.interpret,
                                               **_kw(4, buf.interpret, cfg.pdl))
-
-
-def fused(dw: DecodeWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
-    """l1, l2 and combine in one launch (same bits); buf.counters[-1] is 1 afterwards if a wait gave up."""
-    from .triton_fused import fused_kernel
-
-    if num_tokens == 0:
-        return
-    t1, t2 = dw.l1_tile, dw.l2_tile
-    w = buf.max_work(num_tokens)
-    if cfg.l1_warps != cfg.l2_warps:
-        raise ValueError(f"a fused launch has one warp count, got l1_warps={cfg.l1_warps}, l2_warps={cfg.l2_warps}")
-    grid = (w * (dw.intermediate // t1.bn) + w * (dw.hidden // t2.bn),)
-    done, cnt, err = buf.counters[:w], buf.counters[w:-1], buf.counters[-1:]
-    fused_kernel[grid](
-        dw.l1_words, dw.l1_scales, buf.x32, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start, buf.seg_count,
-        buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_x, buf.l2_sf, float(clamp),
-        dw.l2_words, dw.l2_scales, buf.slot_out, buf.slot_row, buf.y.view(torch.int16), done, cnt, err, w,
-        H=dw.hidden, I=dw.intermediate, BN1=t1.bn, G1=t1.groups, BN2=t2.bn, G2=t2.groups, K=buf.num_topk,
-        BLOCK_M=cfg.block_m, STORE_L1=cfg.store_l1, ASM=not buf.interpret, MAX_SPIN=cfg.max_spin,
-        **_kw(cfg.l1_warps, buf.interpret),
-    )
 
 
 # ------------------------------------------------------------------------------------------- twins

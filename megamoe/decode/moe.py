@@ -1,8 +1,7 @@
-"""The whole decode path on staged inputs: ``moe_decode`` (four Triton launches, or two with
-``LaunchConfig.fused``: routing, then L1 + L2 + combine in one, ``triton_fused.py``) beside
-``moe_decode_torch`` (the twins of the four stages). Given ``TCWeights`` (``layout_tc.py``) instead of
-``DecodeWeights``, L1 and L2 are the tensor-core GEMVs of ``tc.py`` (recipe megamoe-decode-tc). Both read a
-``DecodeBuffers`` that ``stage`` filled.
+"""The whole decode path on staged inputs: ``moe_decode`` (four Triton launches) beside ``moe_decode_torch``
+(the twins of the four stages). Given ``TCWeights`` (``layout_tc.py``) instead of ``DecodeWeights``, L1 and L2
+are the tensor-core GEMVs of ``tc.py`` (recipe megamoe-decode-tc). Both read a ``DecodeBuffers`` that ``stage``
+filled.
 
     route    topk_idx, topk_weights, x_q -> pool order, work items, x32      (routing.py)
     l1       gate/up GEMV, SwiGLU, routing weight, FP8 requant per 32      (gemv.py)
@@ -59,7 +58,6 @@ class DecodeBuffers:
         row_token int32 [S], row_weight fp32 [S], slot_row int32 [S]
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
-        counters int32 [W + C * H/32 + 1]  the fused launch's done[W], tile counts [C, H/BN2] and error flag
         step_sync int32 [cuda_step.sync_words(H)]   the 1-token CUDA step's combine counts, L1 tiles done per
                                            item (up to 8) and CTAs done
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
@@ -87,7 +85,6 @@ class DecodeBuffers:
     l2_sf: torch.Tensor
     slot_out: torch.Tensor
     y: torch.Tensor
-    counters: torch.Tensor
     split_terms: torch.Tensor
     split_counts: torch.Tensor
     step_sync: torch.Tensor
@@ -137,7 +134,6 @@ class DecodeBuffers:
             seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
             slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
             l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
-            counters=torch.zeros(w + capacity * (h // 32) + 1, dtype=i32, device=device),
             split_terms=e(s_split, h // 128, 2 * i),
             split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
             step_sync=torch.zeros(cuda_step.sync_words(h), dtype=i32, device=device),
@@ -163,7 +159,7 @@ class DecodeBuffers:
             "seg_start": ((w,), i32), "seg_count": ((w,), i32), "row_token": ((s,), i32), "row_weight": ((s,), f32),
             "slot_row": ((s,), i32), "l1_out": ((s, 2 * i), f32), "l2_q": ((s, i), torch.uint8), "l2_x": ((s, i), f32),
             "l2_sf": ((s, i // L2_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
-            "counters": ((w + c * (h // 32) + 1,), i32), "split_terms": ((s_split, h // 128, 2 * i), f32),
+            "split_terms": ((s_split, h // 128, 2 * i), f32),
             "split_counts": ((min(el, s_split) * (i // 32),), i32),
             "step_sync": ((cuda_step.sync_words(h),), i32),
         }
@@ -236,7 +232,7 @@ class DecodeBuffers:
         """Every output region to NaN / 0x7F bytes, so that an element no stage wrote shows."""
         for f in fields(self):
             t = getattr(self, f.name)
-            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights", "counters",
+            if isinstance(t, torch.Tensor) and f.name not in ("x_q", "x_sf", "topk_idx", "topk_weights",
                                                                  "split_counts", "step_sync"):
                 if t.dtype.is_floating_point:
                     t.fill_(float("nan"))
@@ -318,8 +314,6 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
         tc.l1_tc(dw, buf, num_tokens, clamp, cfg)
         tc.l2_tc(dw, buf, num_tokens, cfg)
         gemv.combine(buf, num_tokens, buf.num_topk, cfg)
-    elif cfg.fused:
-        gemv.fused(dw, buf, num_tokens, clamp, cfg)
     else:
         gemv.l1(dw, buf, num_tokens, clamp, cfg)
         gemv.l2(dw, buf, num_tokens, cfg)

@@ -12,12 +12,10 @@ for the first T tokens and the local experts [expert_lo, expert_lo + E_l):
     touched[j], seg_start[j], seg_count[j]   work item j < num_touched: the j-th touched expert (local
                                     index, ascending), its first pool row, its number of rows
     x32 [T, H] fp32                 the e4m3 values of x_q (exact)                               (full)
-    counters                        zeroed (the fused launch's done / tile counts and error flag)   (full)
-    y[t]                            zeroed for every token t with no local slot (nothing else writes it when
-                                    fused)                                                        (full)
 
-The tensor-core path reads x_q itself and its combine writes every row of y, so it routes without these
-(``full=False``): one program, whose sort covers the step's T K slots (not the buffers' capacity).
+The tensor-core path reads x_q itself, so it routes without x32 (``full=False``): one program, whose sort
+covers the step's T K slots (not the buffers' capacity). A token with no local slot needs nothing here: the
+combine writes its row of y (zeros).
 
 Entries past these counts are left as they were (the kernels never read them).
 """
@@ -45,8 +43,6 @@ def route_kernel(
     idx_ptr, tw_ptr, xq_ptr,  # int64 [C, K], fp32 [C, K], uint8 [C, H]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,  # int32 [1], [W], [W], [W]
     row_token_ptr, row_weight_ptr, slot_row_ptr, x32_ptr,  # int32 [S], fp32 [S], int32 [C * K], fp32 [C, H]
-    zero_ptr, n_zero,  # int32 counters of the fused launch (and its error flag), zeroed by program 0
-    y_ptr,  # int16 (bf16 bits) [C, H]: rows of tokens with no local slot are zeroed (the fused launch skips them)
     T, expert_lo, num_local,
     K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, H: tl.constexpr, X_BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -58,15 +54,9 @@ def route_kernel(
         m = offs < T * H
         code = tl.load(xq_ptr + offs, mask=m, other=0)
         tl.store(x32_ptr + offs, e4m3_to_f32(code), mask=m)
-        tok = offs // H
-        routed = tl.zeros([X_BLOCK], tl.int1)
-        for k in tl.static_range(K):
-            ek = tl.load(idx_ptr + tok * K + k, mask=m, other=-1).to(tl.int32) - expert_lo
-            routed = routed | ((ek >= 0) & (ek < num_local))
-        tl.store(y_ptr + offs, tl.zeros([X_BLOCK], tl.int16), mask=m & ~routed)
     else:
         route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-                   row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local, K, S_PAD, E_PAD, True)
+                   row_weight_ptr, slot_row_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
 
 
 @triton.jit
@@ -82,11 +72,10 @@ def _sorted_slots(idx_ptr, T, expert_lo, num_local, K: tl.constexpr, S_PAD: tl.c
 
 @triton.jit
 def route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-               row_weight_ptr, slot_row_ptr, zero_ptr, n_zero, T, expert_lo, num_local,
-               K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, ZERO: tl.constexpr):
-    """Every output of the module docstring but x32 and y, by one program (route's program 0, or the extra
-    program of a tensor-core L1 that routes for itself: ``triton_tc.l1_tc_kernel``'s ROUTE); the counters
-    (n_zero of them) only with ZERO."""
+               row_weight_ptr, slot_row_ptr, T, expert_lo, num_local,
+               K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """Every output of the module docstring but x32, by one program (route's program 0, or the extra program of
+    a tensor-core L1 that routes for itself: ``triton_tc.l1_tc_kernel``'s ROUTE)."""
     s = tl.arange(0, S_PAD)
     in_step = s < T * K
     skey, valid, e = _sorted_slots(idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
@@ -108,12 +97,6 @@ def route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg
     tl.store(seg_start_ptr + j, start, mask=touched)
     tl.store(seg_count_ptr + j, counts, mask=touched)
     tl.store(num_touched_ptr, tl.sum(touched.to(tl.int32), axis=0))
-    if ZERO:
-        z = 0
-        while z < n_zero:  # a while loop: the interpreter cannot range() over a runtime int
-            zi = z + tl.arange(0, 1024)
-            tl.store(zero_ptr + zi, tl.zeros([1024], tl.int32), mask=zi < n_zero)
-            z += 1024
 
 
 @triton.jit
@@ -164,8 +147,7 @@ def route_pads(num_tokens: int, top_k: int, num_local: int) -> dict:
 def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_local: int, out, pdl: bool = False,
           *, full: bool = True) -> None:
     """Launch ``route_kernel`` for the first ``num_tokens`` staged tokens into ``out`` (a DecodeBuffers); ``pdl``:
-    programmatic dependent launch (``triton_pdl.py``); ``full``: also x32, the counters and the unrouted tokens' y
-    (the module docstring; programs 1.. and program 0's zeroing)."""
+    programmatic dependent launch (``triton_pdl.py``); ``full``: also x32 (the module docstring; programs 1..)."""
     k = topk_idx.shape[1]
     h = x_q.shape[1]
     if num_tokens == 0:
@@ -173,8 +155,7 @@ def route(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, num_loca
     grid = (1 + (triton.cdiv(num_tokens * h, X_BLOCK) if full else 0),)
     route_kernel[grid](
         topk_idx, topk_weights, x_q.view(torch.uint8), out.num_touched, out.touched, out.seg_start, out.seg_count,
-        out.row_token, out.row_weight, out.slot_row, out.x32, out.counters, out.counters.numel() if full else 0,
-        out.y.view(torch.int16), num_tokens, expert_lo, num_local,
+        out.row_token, out.row_weight, out.slot_row, out.x32, num_tokens, expert_lo, num_local,
         **route_pads(num_tokens, k, num_local), H=h, X_BLOCK=X_BLOCK, PDL=pdl and not out.interpret,
         **launch_options(4, out.interpret, pdl),
     )
@@ -203,6 +184,3 @@ def route_torch(topk_idx, topk_weights, x_q, num_tokens: int, expert_lo: int, nu
     out.seg_start[:w] = starts[ex].to(torch.int32)
     out.seg_count[:w] = counts[ex].to(torch.int32)
     out.x32[:num_tokens] = x_q[:num_tokens].float()
-    out.counters.zero_()
-    routed = valid.view(num_tokens, k).any(dim=1)
-    out.y[:num_tokens][~routed] = 0

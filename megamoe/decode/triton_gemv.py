@@ -49,47 +49,47 @@ def _pair(w, P: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _word_sum(xp, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, XC: tl.constexpr):
+def _word_sum(xp, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3):
     """sum over the word's 8 K of x * w, exact in float64; xp points at x[K 0 of the word] ([1, G])."""
-    a = tl.load(xp, cache_modifier=XC) * lo0
-    a = a + tl.load(xp + 1, cache_modifier=XC) * hi0
-    a = a + tl.load(xp + 2, cache_modifier=XC) * lo1
-    a = a + tl.load(xp + 3, cache_modifier=XC) * hi1
-    b = tl.load(xp + 4, cache_modifier=XC) * lo2
-    b = b + tl.load(xp + 5, cache_modifier=XC) * hi2
-    b = b + tl.load(xp + 6, cache_modifier=XC) * lo3
-    b = b + tl.load(xp + 7, cache_modifier=XC) * hi3
+    a = tl.load(xp) * lo0
+    a = a + tl.load(xp + 1) * hi0
+    a = a + tl.load(xp + 2) * lo1
+    a = a + tl.load(xp + 3) * hi1
+    b = tl.load(xp + 4) * lo2
+    b = b + tl.load(xp + 5) * hi2
+    b = b + tl.load(xp + 6) * lo3
+    b = b + tl.load(xp + 7) * hi3
     return a.to(tl.float64) + b.to(tl.float64)
 
 
 @triton.jit
-def _word(w, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M: tl.constexpr, ASM: tl.constexpr, XC: tl.constexpr):
+def _word(w, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """Decode one word of the tile once, add its products into the group sums of up to 4 tokens."""
     lo0, hi0 = _pair(w, 0, ASM)
     lo1, hi1 = _pair(w, 1, ASM)
     lo2, hi2 = _pair(w, 2, ASM)
     lo3, hi3 = _pair(w, 3, ASM)
-    s0 += _word_sum(xp0, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, XC)
+    s0 += _word_sum(xp0, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3)
     if BLOCK_M > 1:
-        s1 += _word_sum(xp1, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, XC)
+        s1 += _word_sum(xp1, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3)
     if BLOCK_M > 2:
-        s2 += _word_sum(xp2, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, XC)
-        s3 += _word_sum(xp3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, XC)
+        s2 += _word_sum(xp2, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3)
+        s3 += _word_sum(xp3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3)
     return s0, s1, s2, s3
 
 
 @triton.jit
 def _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr,
-                ASM: tl.constexpr, XC: tl.constexpr):
+                ASM: tl.constexpr):
     """The four words of each (row, group) -> float64 [BN, G] group sums per token (unused ones zero)."""
     s0 = tl.zeros([BN, G], tl.float64)
     s1 = tl.zeros([BN, G], tl.float64)
     s2 = tl.zeros([BN, G], tl.float64)
     s3 = tl.zeros([BN, G], tl.float64)
-    s0, s1, s2, s3 = _word(w0, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M, ASM, XC)
-    s0, s1, s2, s3 = _word(w1, s0, s1, s2, s3, xp0 + 8, xp1 + 8, xp2 + 8, xp3 + 8, BLOCK_M, ASM, XC)
-    s0, s1, s2, s3 = _word(w2, s0, s1, s2, s3, xp0 + 16, xp1 + 16, xp2 + 16, xp3 + 16, BLOCK_M, ASM, XC)
-    s0, s1, s2, s3 = _word(w3, s0, s1, s2, s3, xp0 + 24, xp1 + 24, xp2 + 24, xp3 + 24, BLOCK_M, ASM, XC)
+    s0, s1, s2, s3 = _word(w0, s0, s1, s2, s3, xp0, xp1, xp2, xp3, BLOCK_M, ASM)
+    s0, s1, s2, s3 = _word(w1, s0, s1, s2, s3, xp0 + 8, xp1 + 8, xp2 + 8, xp3 + 8, BLOCK_M, ASM)
+    s0, s1, s2, s3 = _word(w2, s0, s1, s2, s3, xp0 + 16, xp1 + 16, xp2 + 16, xp3 + 16, BLOCK_M, ASM)
+    s0, s1, s2, s3 = _word(w3, s0, s1, s2, s3, xp0 + 24, xp1 + 24, xp2 + 24, xp3 + 24, BLOCK_M, ASM)
     return s0, s1, s2, s3
 
 
@@ -132,10 +132,10 @@ def _cols16(x, BN: tl.constexpr):
 
 
 @triton.jit
-def _promote_blocks(acc, blocks, sf_ptr, NB: tl.constexpr, BN: tl.constexpr, XC: tl.constexpr):
+def _promote_blocks(acc, blocks, sf_ptr, NB: tl.constexpr, BN: tl.constexpr):
     """Promote NB (1, 2, 4, 8 or 16) block sums [BN, NB] into acc in ascending K; sf_ptr -> their scales."""
     if NB == 1:
-        acc = _promote(acc, tl.reshape(blocks, (BN,)), tl.load(sf_ptr, cache_modifier=XC))
+        acc = _promote(acc, tl.reshape(blocks, (BN,)), tl.load(sf_ptr))
     else:
         x = blocks
         if NB == 2:
@@ -147,24 +147,23 @@ def _promote_blocks(acc, blocks, sf_ptr, NB: tl.constexpr, BN: tl.constexpr, XC:
         else:
             cols = _cols16(x, BN)
         for b in tl.static_range(NB):
-            acc = _promote(acc, cols[b], tl.load(sf_ptr + b, cache_modifier=XC))
+            acc = _promote(acc, cols[b], tl.load(sf_ptr + b))
     return acc
 
 
 @triton.jit
 def _half_step(w0, w1, w2, w3, sb, xp0, xp1, xp2, xp3, a0, a1, a2, a3, sfp0, sfp1, sfp2, sfp3,
-               G: tl.constexpr, BN: tl.constexpr, PG: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr,
-               XC: tl.constexpr):
+               G: tl.constexpr, BN: tl.constexpr, PG: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """One K-iteration of one weight half for up to 4 tokens: group sums, scales, blocks, promotion."""
     NB: tl.constexpr = G // PG
     f = _scale_factor(sb)
-    s0, s1, s2, s3 = _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G, BN, BLOCK_M, ASM, XC)
-    a0 = _promote_blocks(a0, tl.sum(tl.reshape(s0 * f, (BN, NB, PG)), axis=2), sfp0, NB, BN, XC)
+    s0, s1, s2, s3 = _group_sums(w0, w1, w2, w3, xp0, xp1, xp2, xp3, G, BN, BLOCK_M, ASM)
+    a0 = _promote_blocks(a0, tl.sum(tl.reshape(s0 * f, (BN, NB, PG)), axis=2), sfp0, NB, BN)
     if BLOCK_M > 1:
-        a1 = _promote_blocks(a1, tl.sum(tl.reshape(s1 * f, (BN, NB, PG)), axis=2), sfp1, NB, BN, XC)
+        a1 = _promote_blocks(a1, tl.sum(tl.reshape(s1 * f, (BN, NB, PG)), axis=2), sfp1, NB, BN)
     if BLOCK_M > 2:
-        a2 = _promote_blocks(a2, tl.sum(tl.reshape(s2 * f, (BN, NB, PG)), axis=2), sfp2, NB, BN, XC)
-        a3 = _promote_blocks(a3, tl.sum(tl.reshape(s3 * f, (BN, NB, PG)), axis=2), sfp3, NB, BN, XC)
+        a2 = _promote_blocks(a2, tl.sum(tl.reshape(s2 * f, (BN, NB, PG)), axis=2), sfp2, NB, BN)
+        a3 = _promote_blocks(a3, tl.sum(tl.reshape(s3 * f, (BN, NB, PG)), axis=2), sfp3, NB, BN)
     return a0, a1, a2, a3
 
 
@@ -305,9 +304,9 @@ def l1_program(
                 sfp2 = xsf_ptr + t2 * (H // 128) + sb
                 sfp3 = xsf_ptr + t3 * (H // 128) + sb
                 g0, g1, g2, g3 = _half_step(gw0, gw1, gw2, gw3, gs, xp0, xp1, xp2, xp3, g0, g1, g2, g3,
-                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM, "")
+                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM)
                 u0, u1, u2, u3 = _half_step(uw0, uw1, uw2, uw3, us, xp0, xp1, xp2, xp3, u0, u1, u2, u3,
-                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM, "")
+                                            sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM)
             _l1_epilogue(g0, u0, r0, tl.load(row_weight_ptr + r0), clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr,
                          I, BN, STORE_L1)
             if BLOCK_M > 1:
@@ -332,7 +331,7 @@ def l2_program(
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, L2_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, ASM: tl.constexpr, XC: tl.constexpr, PREFETCH: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """One L2 program: output rows [t BN, (t+1) BN) of work item j's expert, all its rows -> bf16.
     PREFETCH as in ``l1_program``."""
@@ -363,7 +362,7 @@ def l2_program(
                     w0, w1, w2, w3, sb, x2_ptr + r0 * I + k0, x2_ptr + r1 * I + k0, x2_ptr + r2 * I + k0,
                     x2_ptr + r3 * I + k0, a0, a1, a2, a3, sf2_ptr + r0 * (I // L2_GROUP) + sg,
                     sf2_ptr + r1 * (I // L2_GROUP) + sg, sf2_ptr + r2 * (I // L2_GROUP) + sg,
-                    sf2_ptr + r3 * (I // L2_GROUP) + sg, G, BN, PG, BLOCK_M, ASM, XC)
+                    sf2_ptr + r3 * (I // L2_GROUP) + sg, G, BN, PG, BLOCK_M, ASM)
             tl.store(out_ptr + r0 * H + n, _bf16_bits(a0))
             if BLOCK_M > 1:
                 if m0 + 1 < count:
@@ -393,4 +392,4 @@ def l2_kernel(w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr, seg_s
               BLOCK_M: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
     """grid (W, H / BN): ``l2_program`` (j, t) = (program_id 0, program_id 1)."""
     l2_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr,
-               seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, "", PREFETCH)
+               seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, PREFETCH)

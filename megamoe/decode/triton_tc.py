@@ -80,7 +80,7 @@ def l1_tc_kernel(
         n_items, e, start, count, skey = route_item(j, idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
         if (j == tl.num_programs(0) - 1) & (t == 0) & (part == 0):
             route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
-                       row_weight_ptr, slot_row_ptr, cnt_ptr, 0, T, expert_lo, num_local, K, S_PAD, E_PAD, False)
+                       row_weight_ptr, slot_row_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
     else:  # the item's loads go out with the count's, not after it (j < W: always inside route's outputs)
         n_items = tl.load(num_touched_ptr)
         e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)

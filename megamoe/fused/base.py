@@ -111,6 +111,9 @@ class FusedBackend:
     # Plans are independent JIT compiles that may build in parallel threads. False (the safe default): they
     # build one at a time in the kernel package's lane, as builds that launch the kernel must.
     parallel_builds: bool = False
+    # Whether ``--backends all`` stands for this backend too (``registry.all_backend_names``). False only for a
+    # backend kept for what it shows, not to be raced, with its reason beside it; a backend named runs either way.
+    in_all: bool = True
 
     def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
         """``geometry`` (a Geometry or a preset name); ``capacity``: the most tokens one rank stages in a

@@ -44,6 +44,9 @@ class MegaMoEDecode(FusedBackend):
     allows_zero_tokens = True
     split_tokens = 0  # tokens of the tensor-core L1's split-K scratch (MegaMoEDecodeTC)
     graph_capturable = True
+    # The exact CUDA-core kernel (the teaching kernel: the exact recipe's bits, every weight decoded on CUDA cores) is
+    # slower than FlashInfer and than megamoe-decode-tc at every count measured (README's sweep; docs/decode-kernel.md)
+    in_all = False
     max_tokens_per_rank = MAX_TOKENS  # the decode path's one bound (megamoe.decode.moe); the bench harness reads it
 
     def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
@@ -169,6 +172,7 @@ class MegaMoEDecodeTC(MegaMoEDecode):
     name = "megamoe-decode-tc"
     recipe = MEGAMOE_DECODE_TC
     kernel = MEGAMOE_DECODE_TC.kernel
+    in_all = True  # the decode backend (MegaMoEDecode's False is the exact kernel's)
     split_tokens = 1  # tc_launch_config splits L1's K at 1 token: the buffers hold its scratch (3 MB at dsv4)
 
     @classmethod

@@ -7,6 +7,9 @@
                                   benchmark sweep then find it by name like the built-in ones
     unregister_backend(name)      remove one added with register_backend
     available_backends()          [(name, ok, reason)] for ``megamoe check``
+    all_backend_names()           what ``--backends all`` stands for: every registered backend whose class has
+                                  ``in_all`` (all but ``megamoe-decode``, the exact CUDA-core kernel kept for
+                                  teaching and for its exact recipe; it runs when named)
     make_backend(name, g, ...)    an instance
 """
 
@@ -41,6 +44,9 @@ def register_backend(cls: type[FusedBackend], *, replace: bool = False) -> type[
         raise ValueError(f"register_backend: {cls.__name__}.name must be a non-empty str, got {name!r}")
     if cls.availability.__func__ is FusedBackend.availability.__func__:
         raise TypeError(f"register_backend: {cls.__name__} must define availability() -> (ok, reason)")
+    if not isinstance(cls.in_all, bool):
+        raise TypeError(f"register_backend: {cls.__name__}.in_all must be a bool, got {type(cls.in_all).__name__} "
+                        f"{cls.in_all!r}")
     if name in BUILTIN and BACKENDS[name] is not cls:
         raise ValueError(f"register_backend: {name!r} is a built-in backend; pick another name "
                          f"(built-in: {sorted(BUILTIN)})")
@@ -64,6 +70,12 @@ def get_backend_class(name: str) -> type[FusedBackend]:
         return BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKENDS)}") from None
+
+
+def all_backend_names() -> list[str]:
+    """The registered backends ``--backends all`` stands for, in registry order: those whose class has ``in_all``
+    (``FusedBackend.in_all``). Whether each runs here is the caller's to ask (``availability``)."""
+    return [name for name, cls in BACKENDS.items() if cls.in_all]
 
 
 def available_backends() -> list[tuple[str, bool, str]]:

@@ -1,9 +1,9 @@
-"""Checks of the decode path shared by the CPU tests (Triton's interpreter, in a subprocess) and the device
-script: every Triton stage against its torch twin bit for bit, the whole path against the eager reference
-(``megamoe-decode`` recipe), repeat determinism, untouched rows still poisoned, and broken variants that
-must be caught.
+"""Checks of the CUDA-core decode path (``megamoe.decode``, recipe ``megamoe-decode``), a support module of
+the tests (``test_decode.py``: under Triton's interpreter in a subprocess, ``interpreter_rows``, and on the GPU)
+and of the lab's decode probes: every Triton stage against its torch twin bit for bit, the whole path against the
+eager reference, repeat determinism, untouched rows still poisoned, and broken variants that must be caught.
 
-    python3 -m megamoe.decode.selfcheck --device cpu      (needs TRITON_INTERPRET=1 on a CPU) -> JSON rows
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 tests/decode_selfcheck.py --device cpu    -> JSON rows
 """
 
 from __future__ import annotations
@@ -12,20 +12,25 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ..geometry import Geometry, get_geometry
-from ..recipe import MEGAMOE_DECODE
-from ..testing import calc_diff, first_mismatch
-from ..inputs import make_inputs
-from ..weights import random_mxfp4_weights
-from . import gemv, routing
-from .gemv import LaunchConfig
-from .layout import TileShape, default_tiles, prepare_decode_weights
-from .moe import DecodeBuffers, moe_decode
+import megamoe
+from megamoe.decode import gemv, routing
+from megamoe.decode.gemv import LaunchConfig
+from megamoe.decode.layout import TileShape, default_tiles, prepare_decode_weights
+from megamoe.decode.moe import DecodeBuffers, moe_decode
+from megamoe.geometry import Geometry, get_geometry
+from megamoe.inputs import make_inputs
+from megamoe.recipe import MEGAMOE_DECODE
+from megamoe.testing import calc_diff, first_mismatch
+from megamoe.weights import random_mxfp4_weights
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,6 @@ class DecodeCase:
     routing: str = "uniform"  # uniform | masked | skewed | allmasked
     bn2: int = 64
     broken: str = ""  # "" | gate-up-swapped | l2-scale-off-by-one
-    fused: bool = False  # the repeat runs L1 + L2 + combine as one launch (triton_fused.py)
     l1_prefetch: bool = False  # L1 / L2 load the next K-iteration's tile first (LaunchConfig)
     l2_prefetch: bool = False
     groups: tuple[int, int] | None = None  # 32-K groups per K-iteration of L1, L2 (None: default_tiles)
@@ -46,7 +50,6 @@ class DecodeCase:
     def id(self) -> str:
         parts = [self.geometry, f"T{self.tokens}", f"bm{self.block_m}", f"bn2-{self.bn2}"]
         parts += [self.routing] if self.routing != "uniform" else []
-        parts += ["fused"] if self.fused else []
         parts += [f"prefetch-{'l1' * self.l1_prefetch}{'l2' * self.l2_prefetch}"] if self.l1_prefetch or self.l2_prefetch else []
         parts += [f"g{self.groups[0]}x{self.groups[1]}"] if self.groups else []
         parts += [f"BROKEN-{self.broken}"] if self.broken else []
@@ -70,7 +73,7 @@ CPU_CASES = (
     DecodeCase("tiny", 4, 2, "masked", bn2=128, seed=2),
     DecodeCase("tiny", 6, 4, "skewed", bn2=256, seed=3),
     DecodeCase("wide", 2, 2, "allmasked", bn2=512, seed=4),
-    DecodeCase("tiny", 5, 2, "masked", bn2=64, fused=True, seed=7),
+    DecodeCase("tiny", 5, 2, "masked", bn2=64, seed=7),
     DecodeCase("wide", 3, 2, "masked", bn2=128, groups=(4, 4), seed=8),
     DecodeCase("wide", 3, 4, "masked", bn2=128, groups=(4, 4), l1_prefetch=True, l2_prefetch=True, seed=9),
     DecodeCase("tiny", 3, 1, broken="gate-up-swapped", bn2=256, seed=5),
@@ -98,9 +101,8 @@ def case_decode_weights(name: str, device: str, bn2: int = 64, groups: tuple[int
         t1, t2 = TileShape(t1.bn, groups[0]), TileShape(t2.bn, groups[1])
     return prepare_decode_weights(case_weights(name, device), t1, t2)
 
-_STAGE_FIELDS = {
-    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32",
-              "y_unrouted"),
+STAGE_FIELDS = {
+    "route": ("num_touched", "touched", "seg_start", "seg_count", "row_token", "row_weight", "slot_row", "x32"),
     "l1": ("l1_out", "l2_q", "l2_x", "l2_sf"),
     "l2": ("slot_out",),
     "combine": ("y",),
@@ -109,8 +111,6 @@ _STAGE_FIELDS = {
 
 def written(buf: DecodeBuffers, name: str, t: int) -> torch.Tensor:
     """The part of a buffer a launch of t tokens writes (rows past it must keep their poison)."""
-    if name == "y_unrouted":  # the rows route zeroes: tokens with no local slot
-        return buf.y[:t][~(buf.slot_row[: t * buf.num_topk].view(t, -1) >= 0).any(dim=1)]
     n = int((buf.slot_row[: t * buf.num_topk] >= 0).sum()) if name not in ("x32", "y", "num_touched") else 0
     w = int(buf.num_touched[0])
     rows = {"num_touched": 1, "touched": w, "seg_start": w, "seg_count": w, "x32": t, "y": t,
@@ -126,7 +126,7 @@ def copy_staged(src: DecodeBuffers, dst: DecodeBuffers) -> None:
 
 def make_case(case: DecodeCase, device):
     """(geometry, checkpoint weights, decode weights, inputs, staged buffers) of one case."""
-    from ..staging import stage_into
+    from megamoe.staging import stage_into
 
     g = geometry_of(case.geometry)
     w = case_weights(case.geometry, str(device))
@@ -144,9 +144,8 @@ def make_case(case: DecodeCase, device):
 
 def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     """Stage by stage (Triton vs twin, from the same inputs), then the whole path vs the reference; with
-    ``repeat`` (always for a fused case), the whole path once more from poisoned buffers (fused when the case
-    says so), which must give the same bits."""
-    from ..reference import moe_forward
+    ``repeat``, the whole path once more from poisoned buffers, which must give the same bits."""
+    from megamoe.reference import moe_forward
 
     t0 = time.time()
     g, w, dw, inp, buf = make_case(case, device)
@@ -172,7 +171,7 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     for name, call, kernel, torch_twin in stages:
         call(buf, kernel)
         call(twin, torch_twin)
-        msgs = [f"{f}: {m}" for f in _STAGE_FIELDS[name]
+        msgs = [f"{f}: {m}" for f in STAGE_FIELDS[name]
                 if (m := first_mismatch(written(buf, f, t), written(twin, f, t)))]
         row[name] = "; ".join(msgs)
     n = int((buf.slot_row[: t * g.num_topk] >= 0).sum())
@@ -184,11 +183,10 @@ def run_case(case: DecodeCase, device="cpu", repeat: bool = True) -> dict:
     row["nan"] = int(torch.isnan(y.float()).sum())
     if case.routing == "allmasked":
         row["masked_rows_zero"] = bool((y[0].float() == 0).all())
-    if repeat or case.fused:
+    if repeat:
         buf.poison_()
-        y2 = moe_decode(dw, buf, t, g.clamp, dataclasses.replace(cfg, fused=case.fused)).clone()
+        y2 = moe_decode(dw, buf, t, g.clamp, cfg).clone()
         row["repeat_identical"] = not first_mismatch(y2, y)
-        row["wait_gave_up"] = int(buf.counters[-1])
     row["seconds"] = round(time.time() - t0, 2)
     return row
 
@@ -198,10 +196,24 @@ def passed(row: dict) -> bool:
     A broken case passes when the reference comparison catches it."""
     if row["broken"]:
         return row["calc_diff"] > 1e-3
-    stages_ok = not any(row[s] for s in _STAGE_FIELDS)
+    stages_ok = not any(row[s] for s in STAGE_FIELDS)
     return (stages_ok and row["bitwise_frac"] == 1.0 and row.get("repeat_identical", True) and row["poison_kept"]
-            and not row.get("wait_gave_up")
             and row["nan"] == 0 and row.get("masked_rows_zero", True))
+
+
+def interpreter_rows(script: Path, timeout: float = 600) -> dict:
+    """Run ``script --device cpu`` (this module or another check script beside it) under Triton's interpreter, in a
+    subprocess (TRITON_INTERPRET must be set before triton is imported), on the megamoe this process imported
+    -> its JSON rows (the last line of its output) by ``case``."""
+    root = str(Path(megamoe.__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu"], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise AssertionError(f"{script} printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {r["case"]: r for r in json.loads(lines[-1])}
 
 
 def main(argv=None) -> int:
@@ -217,6 +229,3 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-__all__ = ["DecodeCase", "CPU_CASES", "TileShape", "case_weights", "case_decode_weights", "make_case", "run_case",
-           "passed"]

@@ -1,4 +1,5 @@
-"""Checks of the tensor-core decode path (``tc.py``), on a GPU or under Triton's interpreter:
+"""Checks of the tensor-core decode path (``megamoe.decode.tc``, recipe ``megamoe-decode-tc``), on a GPU or under
+Triton's interpreter:
 
     stages   l1_tc and l2_tc against their twins bit for bit, from the same inputs
     whole    moe_decode (TCWeights) against the eager reference (recipe megamoe-decode-tc): calc_diff and the
@@ -11,7 +12,9 @@ are small integers and one 448 per 128 block; the L2 stage is fed small-integer 
 ``exact-block`` model; the whole path then differs from the reference only by the L2 group sums the
 interpreter rounds, and is held to calc_diff < 1e-6 instead of bit equality.
 
-    python3 -m megamoe.decode.selfcheck_tc --device cpu      (needs TRITON_INTERPRET=1 on a CPU) -> JSON rows
+A support module of the tests (``test_decode_tc.py``) and of the lab's decode probes, like ``decode_selfcheck.py``:
+
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 tests/decode_tc_selfcheck.py --device cpu    -> JSON rows
 """
 
 from __future__ import annotations
@@ -23,15 +26,15 @@ import time
 
 import torch
 
-from ..inputs import make_inputs
-from ..recipe import MEGAMOE_DECODE_TC
-from ..testing import calc_diff, first_mismatch
-from . import routing, tc
-from .layout_tc import prepare_tc_weights
-from .moe import DecodeBuffers, moe_decode
-from .selfcheck import _STAGE_FIELDS, DecodeCase, copy_staged, written, case_weights, geometry_of
+from decode_selfcheck import STAGE_FIELDS, DecodeCase, case_weights, copy_staged, geometry_of, written
+from megamoe.decode import routing, tc
+from megamoe.decode.layout_tc import prepare_tc_weights
+from megamoe.decode.moe import DecodeBuffers, moe_decode
+from megamoe.inputs import make_inputs
+from megamoe.recipe import MEGAMOE_DECODE_TC
+from megamoe.testing import calc_diff, first_mismatch
 
-ROUTE_FIELDS = tuple(f for f in _STAGE_FIELDS["route"] if f not in ("x32", "y_unrouted"))  # what L1-L2 read
+ROUTE_FIELDS = tuple(f for f in STAGE_FIELDS["route"] if f != "x32")  # what L1-L2 read
 
 CPU_CASES = (
     DecodeCase("tiny", 1, seed=11),
@@ -68,8 +71,8 @@ def run_tc_case(case: DecodeCase, device="cpu", pack: bool | None = None, split:
                 route: bool | None = None) -> dict:
     """``pack``, ``split`` and ``route`` override the launch's packed passes, K parts and whether L1 routes for
     itself (``LaunchConfig.tc_pack4``, ``tc_split``, ``tc_route``; None: the backend's launch)."""
-    from ..reference import moe_forward
-    from ..staging import stage_into
+    from megamoe.reference import moe_forward
+    from megamoe.staging import stage_into
 
     t0 = time.time()
     interp = torch.device(device).type == "cpu"
