@@ -291,8 +291,9 @@ class Sweep:
         self.read = ReadCeiling(self.dev) if self.cfg.read_ceiling else None
         self.results["ceilings"] = {**c.as_dict(), "read": self.read and self.read.how}
         self.meta["ceilings"] = self.results["ceilings"]
-        self.log(f"[bench] ceilings: copy {c.copy_gbps:.0f} GB/s, FP8 {c.fp8_tflops:.0f} TFLOP/s, "
-                 f"bf16 {c.bf16_tflops:.0f} TFLOP/s")
+        from .report import ceilings_text
+
+        self.log(f"[bench] ceilings: {ceilings_text(c.as_dict(), self.dev.type == 'cuda')}")
 
     def section_setup(self) -> None:
         from ..fused.build import build_plans
@@ -305,7 +306,11 @@ class Sweep:
         else:
             from ..weights import random_mxfp4_weights
 
-            self.weights = random_mxfp4_weights(self.g, seed=cfg.seed, device=self.dev)
+            # DeepSeek-V4 sizes take minutes on a CPU: a bar per expert made (a bar only where it takes a while)
+            slow = self.g.num_experts * self.g.hidden * self.g.intermediate >= 10**8 // 3
+            with Progress(cfg.progress and slow, self.g.num_experts, f"making {self.g.num_experts} experts") as prog:
+                self.weights = random_mxfp4_weights(self.g, seed=cfg.seed, device=self.dev,
+                                                    progress=lambda e: prog.step(f"made expert {e + 1}"))
         bks, skipped = make_backends(self.g, self.weights, max(cfg.tokens), cfg.backends, log=self.log)
         self.backends = [*bks, *cfg.extra_backends]
         self.results["skipped"].update({f"backend {k}": v for k, v in skipped.items()})
