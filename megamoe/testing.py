@@ -147,18 +147,57 @@ def weights_for_recipe(weights, recipe):
     return weights
 
 
-def interpreter_rows(module: str, timeout: float = 600) -> dict:
-    """Run ``python -m module --device cpu`` under Triton's interpreter (a subprocess: TRITON_INTERPRET must be
-    set before triton is imported) -> its JSON rows (last line of its output) by ``case``."""
-    import json
+# A self-check under Triton's interpreter takes minutes of one core. tests/conftest.py starts the ones the selected
+# tests need when collection ends, so that they run on the second core beside the rest of the suite, and
+# ``interpreter_rows`` then collects the process already running. The limit is far from what a run takes (about
+# 4 minutes for the tensor-core check on a busy 2-core machine): a slower CI machine must not fail on time.
+INTERPRETER_TIMEOUT_S = 1800.0
+_STARTED: dict = {}  # module -> (its running self-check, its stdout file, its stderr file)
+
+
+def start_interpreter_rows(module: str) -> None:
+    """Start ``python -m module --device cpu`` under Triton's interpreter now, in the background (once)."""
     import os
     import subprocess
     import sys
+    import tempfile
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", module, "--device", "cpu"], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
+    if module not in _STARTED:
+        env = dict(os.environ, TRITON_INTERPRET="1")  # set before triton is imported: hence a subprocess
+        # Files, not pipes: nobody reads while it runs, and a full pipe would stall it.
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, "-m", module, "--device", "cpu"], env=env, stdout=out, stderr=err)
+        _STARTED[module] = (proc, out, err)
+
+
+def stop_interpreter_rows() -> None:
+    """End the self-checks started and never collected (a run stopped early, -x): none outlives the test session."""
+    while _STARTED:
+        proc, out_file, err_file = _STARTED.popitem()[1]
+        proc.kill()
+        proc.wait()
+        out_file.close(), err_file.close()
+
+
+def interpreter_rows(module: str, timeout: float = INTERPRETER_TIMEOUT_S) -> dict:
+    """Run ``python -m module --device cpu`` under Triton's interpreter (a subprocess: TRITON_INTERPRET must be
+    set before triton is imported), or collect the one ``start_interpreter_rows`` began -> its JSON rows (last
+    line of its output) by ``case``."""
+    import json
+    import subprocess
+
+    start_interpreter_rows(module)
+    proc, out_file, err_file = _STARTED.pop(module)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{module} did not finish within {timeout:.0f} s") from None
+    out_file.seek(0), err_file.seek(0)
+    out, err = out_file.read(), err_file.read()
+    out_file.close(), err_file.close()
+    lines = out.strip().splitlines()
     if not lines:
-        raise AssertionError(f"{module} printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{module} printed nothing (exit {proc.returncode}):\n{err[-3000:]}")
     return {r["case"]: r for r in json.loads(lines[-1])}

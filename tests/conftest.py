@@ -92,3 +92,28 @@ def weights_for():
 def gen():
     """A fresh seeded CPU generator per test."""
     return torch.Generator().manual_seed(1234)
+
+
+# The Triton-interpreter self-checks behind these tests' fixtures take minutes of one core each: started when
+# collection ends (only for the tests selected, e.g. not under -m "not slow"), they run beside the rest of the suite
+# on the second core, and the fixtures collect them (megamoe.testing.interpreter_rows).
+INTERPRETER_SELF_CHECKS = {"tests/test_decode.py::test_triton_interpreter": "megamoe.decode.selfcheck",
+                           "tests/test_decode_tc.py::test_triton_interpreter": "megamoe.decode.selfcheck_tc"}
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or importlib.util.find_spec("triton") is None:
+        return
+    from megamoe.testing import start_interpreter_rows
+
+    root = Path(__file__).resolve().parents[1]
+    for item in session.items:
+        rel = f"{Path(item.fspath).resolve().relative_to(root).as_posix()}::{item.originalname or item.name}"
+        for prefix, module in INTERPRETER_SELF_CHECKS.items():
+            if rel.startswith(prefix):
+                start_interpreter_rows(module)
+
+
+def pytest_sessionfinish(session):
+    if "megamoe.testing" in sys.modules:
+        sys.modules["megamoe.testing"].stop_interpreter_rows()
