@@ -9,12 +9,18 @@ request and commit it was built from (its ``BUILD.json``).
     module_provenance("deep_gemm") -> {"module": "deep_gemm", "version": "2.6.1+pr323.g8ddf7f9",
                                        "file": ".../deep_gemm/__init__.py", "build": {...} or None}
     imported_kernel_modules()      -> {name: module_provenance(name)} for every kernel package imported
+    package_git("rev-parse", "HEAD") -> git's answer about megamoe's own checkout, or "" when it has none
+
+The commit a result records is megamoe's own: git runs in the folder above the package and its answer counts only
+when that folder is the top of the checkout. A copy of megamoe inside some other repository (vendored, unpacked
+from an sdist into a project) would otherwise record that repository's commit as megamoe's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 KERNEL_MODULES = ("flashinfer", "deep_gemm", "triton", "tvm_ffi")
@@ -42,3 +48,25 @@ def module_provenance(name: str) -> dict | None:
 def imported_kernel_modules() -> dict[str, dict]:
     """{name: provenance} for the kernel packages this process has imported (none are imported here)."""
     return {n: p for n in KERNEL_MODULES if (p := module_provenance(n)) is not None}
+
+
+def package_root() -> str:
+    """The folder that holds the ``megamoe`` package (a checkout's top, for an editable install)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_git(*args: str) -> str:
+    """``git *args`` in megamoe's own checkout -> its output, stripped; "" when there is no git, no checkout, or
+    the checkout around the package is some other repository's (its top is not the package's parent)."""
+    root = package_root()
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001 - no git, or not a checkout
+            return ""
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or os.path.realpath(top) != os.path.realpath(root):
+        return ""
+    return git(*args)

@@ -163,3 +163,37 @@ def test_readme_commands_refuses_a_block_of_another_size(tmp_path):
     (tmp_path / "README.md").write_text("# x\n\n```bash\npip install -e .\n```\n")
     proc = subprocess.run(["bash", str(tmp_path / "scripts" / "readme_commands.sh")], capture_output=True, text=True)
     assert proc.returncode == 1 and "holds 1 command lines, expected the two" in proc.stderr
+
+
+def _load_provenance_copy(folder: Path):
+    """megamoe/provenance.py copied to FOLDER/megamoe/ and loaded from there (what a vendored copy would run)."""
+    import importlib.util
+
+    (folder / "megamoe").mkdir(parents=True)
+    shutil.copy(REPO / "megamoe" / "provenance.py", folder / "megamoe" / "provenance.py")
+    spec = importlib.util.spec_from_file_location("provenance_copy", folder / "megamoe" / "provenance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_megamoes_own_never_a_surrounding_repositorys(tmp_path):
+    def git(cwd, *args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    other = tmp_path / "other-project"
+    other.mkdir()
+    git(other, "init", "-q")
+    (other / "README").write_text("another project\n")
+    git(other, "add", "README")
+    git(other, "commit", "-qm", "theirs")
+    vendored = _load_provenance_copy(other / "vendor")  # megamoe copied inside another repository
+    assert git(other, "rev-parse", "HEAD") and vendored.package_git("rev-parse", "HEAD") == ""
+    own = tmp_path / "megamoe-checkout"
+    mine = _load_provenance_copy(own)
+    git(own, "init", "-q")
+    git(own, "add", ".")
+    git(own, "commit", "-qm", "ours")
+    assert mine.package_git("rev-parse", "HEAD") == git(own, "rev-parse", "HEAD")

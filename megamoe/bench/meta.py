@@ -25,11 +25,10 @@ from .timing import resolve_device
 
 
 def _git(*args) -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git, or not a checkout
-        return ""
+    """git in megamoe's own checkout only ("" inside another repository: ``provenance.package_git``)."""
+    from ..provenance import package_git
+
+    return package_git(*args)
 
 
 def versions() -> dict:
