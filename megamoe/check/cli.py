@@ -217,7 +217,7 @@ def run_reference_checks(a: argparse.Namespace, recipes: list[str], console) -> 
             console.print(f"the first expert took {first[0]:.1f} s: about {_duration(first[0] * g.num_experts)} to make "
                           f"all {g.num_experts}, then their conversions and the forwards")
 
-    with Progress(big, g.num_experts, "weights") as prog:
+    with Progress(True, g.num_experts, "weights") as prog:  # a bar at every size: a busy host makes seconds minutes
         cw = prepare_weights(g, recipes, a.seed, a.device, progress=on_weights)
         prog.phase("forwards", len(a.tokens) * (1 + len(recipes)))
         for t in a.tokens:
