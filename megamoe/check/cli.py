@@ -4,6 +4,7 @@
     megamoe check --tokens 1 64 512 --ranks 4              # per rank, 4 simulated EP ranks, each count a step
     megamoe check --backends flashinfer-mxfp4              # + its differential matrix (SM90)
     megamoe check --ranks 2 --dist                         # real gloo ranks instead of simulated ones
+    megamoe check --backend-module my_kernels --backends my-kernel --preset small --tokens 7   # your backend
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[st
 
 
 def run(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -> int:
+    """The check: the reference recipes (simulated or, with --dist, real ranks), then each --backends matrix; the
+    report folder is made after validation and removed again if the run stops before writing anything into it."""
+    from rich.console import Console
+
     from ..bench.meta import new_results_dir, run_metadata
     from .render import render_backends, render_summary
-
-    from rich.console import Console
 
     avail = validate(p, a, explicit)
     console = Console()
