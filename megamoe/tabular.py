@@ -31,9 +31,9 @@ def _rich_table(title: str, head: list[str], body: list[list[str]], justify: str
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title=title)
-    for i, h in enumerate(head):
-        t.add_column(h, justify="right" if (justify[i] if i < len(justify) else justify[-1]) == "r" else "left",
+    t = Table(title=Text(title))
+    for i, h in enumerate(head):  # headers and cells as Text: "name [p2]" is never read as markup
+        t.add_column(Text(h), justify="right" if (justify[i] if i < len(justify) else justify[-1]) == "r" else "left",
                      no_wrap=True)
     for row in body:
         t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row))
