@@ -8,6 +8,8 @@ argument, what it accepts and the closest valid spelling.
     --ref-max-tokens N     the eager reference runs at most N tokens
     --ranks R              expert-parallel ranks (R must divide the preset's experts)
     --seed S  --out DIR  --device {auto,cpu,cuda}
+    --backend-module PKG.MODULE   import a module that registers your backends (repeatable); installed packages'
+                                  ``megamoe.backends`` entry points are loaded too
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import sys
 from .geometry import PRESETS
 
 MAX_TOKENS = 65536  # tokens per rank; the kernels' buffers are sized for 8192 on the H200
+MAX_SEED = 2**32 - 1  # seeds are mixed into torch generator seeds (seed * 7919 + rank) and must stay well in 64 bits
+DEVICES = ("auto", "cpu", "cuda")
+# A spelling of a device that difflib would match to the wrong one ('gpu' is closest to 'cpu').
+DEVICE_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "cuda:0": "cuda", "host": "cpu"}
 DEFAULT_OUT = "megamoe-results"  # under the current folder, never the repository's committed bench/results
 
 
@@ -41,9 +47,10 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def refuse(p: argparse.ArgumentParser, flag: str, value, expected: str, choices=()) -> None:
-    """Exit 2: '<flag>: <value> is not valid; expected <expected>; did you mean <close match>?'"""
-    near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+def refuse(p: argparse.ArgumentParser, flag: str, value, expected: str, choices=(), suggest: str | None = None) -> None:
+    """Exit 2: '<flag>: <value> is not valid; expected <expected>; did you mean <close match>?' (``suggest``: the
+    match to offer, where spelling alone would pick the wrong one)."""
+    near = [suggest] if suggest else difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
     p.error(f"argument {flag}: {value!r} is not valid; expected {expected}" + (f"; did you mean {near[0]!r}?" if near else ""))
 
 
@@ -68,6 +75,17 @@ def positive_int(text: str) -> int:
     return n
 
 
+def seed_value(text: str) -> int:
+    """An argparse type: a seed, 0 .. MAX_SEED."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (expected a seed 0 to {MAX_SEED})") from None
+    if not 0 <= n <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{n} is out of range (expected a seed 0 to {MAX_SEED})")
+    return n
+
+
 def add_common(p: argparse.ArgumentParser, *, preset: str, tokens: list[int], backends: str, ref_max: int,
                out_help: str) -> None:
     p.add_argument("--preset", default=preset, metavar="NAME", help=f"{', '.join(PRESETS)} (default {preset})")
@@ -77,9 +95,30 @@ def add_common(p: argparse.ArgumentParser, *, preset: str, tokens: list[int], ba
     p.add_argument("--ref-max-tokens", type=positive_int, default=ref_max, metavar="N",
                    help=f"the reference runs at most N tokens (default {ref_max})")
     p.add_argument("--ranks", type=positive_int, default=1, metavar="R", help="expert-parallel ranks (default 1)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of weights and inputs (default 0)")
+    p.add_argument("--seed", type=seed_value, default=0, metavar="S", help="seed of weights and inputs (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=out_help)
     p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda}", help="auto: cuda if there is a GPU (default auto)")
+    p.add_argument("--backend-module", action="append", default=[], metavar="PKG.MODULE",
+                   help="import a module that registers your backends, repeatable (default none)")
+
+
+def load_user_backends(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Before the backend names are checked: installed ``megamoe.backends`` entry points (a broken one is said on
+    stderr and skipped), then each --backend-module (one that fails to import is refused, exit 2)."""
+    from .fused.registry import load_backend_module, load_entry_points
+
+    _, broken = load_entry_points()
+    for ep, why in broken.items():
+        print(f"warning: entry point megamoe.backends {ep} not loaded: {why}", file=sys.stderr)
+    for module in a.backend_module:
+        try:
+            added = load_backend_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's module: its error, in one line
+            first = (str(exc).strip().splitlines() or [""])[0]
+            p.error(f"argument --backend-module: {module!r} could not be imported: {type(exc).__name__}: {first}")
+        if not added:
+            p.error(f"argument --backend-module: {module!r} registered no backend (it must call "
+                    "megamoe.fused.registry.register_backend on import)")
 
 
 def resolve_common(p: argparse.ArgumentParser, a: argparse.Namespace, backend_names: list[str]) -> None:
@@ -89,8 +128,8 @@ def resolve_common(p: argparse.ArgumentParser, a: argparse.Namespace, backend_na
 
     if a.preset not in PRESETS:
         refuse(p, "--preset", a.preset, f"one of {', '.join(PRESETS)}", PRESETS)
-    if a.device not in ("auto", "cpu", "cuda"):
-        refuse(p, "--device", a.device, "one of auto, cpu, cuda", ("auto", "cpu", "cuda"))
+    if a.device not in DEVICES:
+        refuse(p, "--device", a.device, "one of auto, cpu, cuda", DEVICES, DEVICE_ALIASES.get(str(a.device).lower()))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("argument --device: 'cuda' is not available here (torch.cuda.is_available() is False: "
                 f"torch {torch.__version__} {'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); "
@@ -100,6 +139,9 @@ def resolve_common(p: argparse.ArgumentParser, a: argparse.Namespace, backend_na
     if e % a.ranks:
         divisors = [r for r in range(1, e + 1) if e % r == 0]
         refuse(p, "--ranks", a.ranks, f"a divisor of the {e} experts of {a.preset!r}: {divisors}", map(str, divisors))
+    if a.tokens != sorted(set(a.tokens)):  # one step per count, ascending: said, not done silently
+        print(f"note: --tokens {' '.join(map(str, a.tokens))} runs as {' '.join(map(str, sorted(set(a.tokens))))} "
+              "(ascending, each count once)", file=sys.stderr)
     a.tokens = sorted(set(a.tokens))
     if a.backends is not None:
         names = [n for n in a.backends if n != "all"]
@@ -108,22 +150,44 @@ def resolve_common(p: argparse.ArgumentParser, a: argparse.Namespace, backend_na
                 refuse(p, "--backends", n, f"names from {', '.join(backend_names)} (or all)", backend_names)
         if "all" in a.backends and names:
             p.error("argument --backends: 'all' already names every backend; give 'all' or names, not both")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"argument --out: {a.out!r} exists and is not a folder")
-    parent = os.path.dirname(os.path.abspath(a.out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
-        p.error(f"argument --out: cannot create {a.out!r} (no write access to {parent!r})")
+    check_out(p, a.out)
 
 
-def unavailable(p: argparse.ArgumentParser, requested: list[str], registry: dict) -> None:
-    """Exit 2 when a named fused backend cannot run here, with the reason, before any work."""
+def check_out(p: argparse.ArgumentParser, out: str) -> None:
+    """Exit 2 unless a results folder can be made under ``out``: not empty, not a file, no file on its way, and
+    writable (tried: a folder made and removed in the deepest existing one, so that root on a read-only file system
+    is refused too). Nothing is left behind."""
+    import tempfile
+
+    if not out.strip():
+        p.error("argument --out: '' is not valid; expected a folder path (default megamoe-results)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        p.error(f"argument --out: {out!r} exists and is not a folder")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        p.error(f"argument --out: cannot create {out!r}: {existing!r} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".megamoe-write-test-").cleanup()
+    except OSError as exc:
+        p.error(f"argument --out: cannot create {out!r}: {existing!r} is not writable ({exc.strerror or exc})")
+
+
+def availability() -> dict[str, tuple[bool, str]]:
+    """{name: (ok, why not)} of every registered fused backend (``registry.available_backends``): asked once per
+    command, then handed to whatever needs it."""
+    from .fused.registry import available_backends
+
+    return {name: (ok, why) for name, ok, why in available_backends()}
+
+
+def unavailable(p: argparse.ArgumentParser, requested: list[str], avail: dict[str, tuple[bool, str]]) -> None:
+    """Exit 2 when a named fused backend cannot run here (``avail``: ``availability()``), with the reason, before
+    any work."""
     for n in requested:
-        if n in registry:
-            ok, why = registry[n].availability()
-            if not ok:
-                p.error(f"argument --backends: {n!r} cannot run here: {why}")
+        if n in avail and not avail[n][0]:
+            p.error(f"argument --backends: {n!r} cannot run here: {avail[n][1]}")
 
 
 def interrupted() -> int:

@@ -6,7 +6,8 @@
 
 Both commands share their arguments' names and meanings (``megamoe.args``): --preset, --tokens (per rank, a
 list), --backends, --ref-max-tokens, --ranks, --seed, --out DIR, --device. Exit status: 0 when everything that
-ran passed, 1 when a check failed, 2 on a bad argument (refused before any work), 130 on Ctrl-C.
+ran passed, 1 when a check failed or the run stopped on an error (one line: the error; MEGAMOE_TRACEBACK=1 for
+its traceback), 2 on a bad argument (refused before any work), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -68,8 +69,24 @@ def main(argv: "list[str] | None" = None) -> int:
             return int(a.run(a, argv) or 0)
         except SystemExit as exc:  # a bad argument found by validation, before any work
             return int(exc.code or 0)
+        except Exception as exc:  # noqa: BLE001 - anything else: one line and exit 1, never a traceback
+            return failed(a.command, exc)
     except KeyboardInterrupt:
         return interrupted()
+
+
+def failed(command: str, exc: BaseException) -> int:
+    """An error after the arguments were accepted: 'megamoe <command>: error: <Type>: <first line>' on stderr and
+    exit 1. MEGAMOE_TRACEBACK=1 prints the traceback too (for a bug report)."""
+    import os
+    import traceback
+
+    if os.environ.get("MEGAMOE_TRACEBACK"):
+        traceback.print_exc()
+    first = (str(exc).strip().splitlines() or [""])[0]
+    print(f"megamoe {command}: error: {type(exc).__name__}: {first}"
+          + ("" if os.environ.get("MEGAMOE_TRACEBACK") else " (MEGAMOE_TRACEBACK=1 shows where)"), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One colour per backend (and per recurring quantity), shared by the benchmark plots and the notebooks,
 so that a reader who learns "orange is DeepGEMM FP4" in one figure can rely on it in every other.
-Colours are matplotlib's tab10 names; unknown names fall back to grey."""
+Colours are matplotlib's tab10 names; grey is the reference's alone."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ BACKEND_COLOURS = {
     "deepgemm-sm90-fp4": "tab:orange",
     "deepgemm-staged-fp8": "tab:purple",
     "megamoe-decode": "tab:red",
+    "megamoe-decode-tc": "tab:pink",  # the headline decode kernel: its own colour, never the reference's grey
+    "deepgemm-sm100-fp4": "tab:olive",  # a recipe only (no SM100 backend here): in the notebooks' error budgets
     "reference": "tab:gray",
 }
+# Backends without a colour of their own (a user's, registered at run time) take one of these, the same for the
+# same name in every figure of a run: never the reference's grey.
+SPARE_COLOURS = ("tab:cyan", "gold", "teal", "navy")
 QUANTITY_COLOURS = {
     "floor": "black",  # bandwidth / FLOP floor lines
     "read-ceiling": "tab:brown",  # a plain read of the same bytes, measured
@@ -37,5 +42,12 @@ def role_colour(name: str) -> str:
 
 
 def backend_colour(name: str) -> str:
-    """The colour of backend ``name`` ('tab:gray' for names without one)."""
-    return BACKEND_COLOURS.get(name, "tab:gray")
+    """The colour of backend ``name``: its own; a second process's reading ("name [p2]") the same as the first's;
+    a name without one a spare colour picked from the name (stable across runs), never the reference's grey."""
+    import re
+    import zlib
+
+    base = re.sub(r" \[p\d+\]$", "", name)
+    if base in BACKEND_COLOURS:
+        return BACKEND_COLOURS[base]
+    return SPARE_COLOURS[zlib.crc32(base.encode()) % len(SPARE_COLOURS)]

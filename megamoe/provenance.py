@@ -16,6 +16,12 @@ DeepGEMM earlier on ``sys.path`` was the module that ran, is wrong in the one fa
 versions here come from ``sys.modules`` (``__version__`` and ``__file__`` of the imported module), never from
 installed-package metadata, and a source build staged by ``megamoe.fused.deepgemm_build`` adds the pull
 request and commit it was built from (its ``BUILD.json``).
+
+    package_git("rev-parse", "HEAD") -> git's answer about megamoe's own checkout, or "" when it has none
+
+The commit a result records is megamoe's own: git runs in the folder above the package and its answer counts only
+when that folder is the top of the checkout. A copy of megamoe inside some other repository (vendored, unpacked
+from an sdist into a project) would otherwise record that repository's commit as megamoe's.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import sys
 
 import torch
 
-KERNEL_MODULES = ("flashinfer", "deep_gemm", "triton", "tvm_ffi")
+KERNEL_MODULES = ("flashinfer", "deep_gemm", "humming", "triton", "tvm_ffi")
 BUILD_INFO_FILE = "BUILD.json"
 
 
@@ -56,6 +62,28 @@ def imported_kernel_modules() -> dict[str, dict]:
     return {n: p for n in KERNEL_MODULES if (p := module_provenance(n)) is not None}
 
 
+def package_root() -> str:
+    """The folder that holds the ``megamoe`` package (a checkout's top, for an editable install)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_git(*args: str) -> str:
+    """``git *args`` in megamoe's own checkout -> its output, stripped; "" when there is no git, no checkout, or
+    the checkout around the package is some other repository's (its top is not the package's parent)."""
+    root = package_root()
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001 - no git, or not a checkout
+            return ""
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or os.path.realpath(top) != os.path.realpath(root):
+        return ""
+    return git(*args)
+
+
 # ---- the run: its device, card, commit and versions ------------------------------------------------------------
 
 
@@ -75,11 +103,8 @@ def device_name(device=None) -> str:
 
 
 def _git(*args) -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git, or not a checkout
-        return ""
+    """git in megamoe's own checkout only ("" inside another repository: ``package_git``)."""
+    return package_git(*args)
 
 
 def versions() -> dict:

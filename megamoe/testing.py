@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# Why FlashInfer's layout-oracle tests skip, and how to run them: flashinfer-python imports on a CPU only when
+# installed without its CUDA dependencies, which no extra of pyproject.toml can say (README.md).
+FLASHINFER_ORACLE = ("FlashInfer's layout oracle is not installed; on a CPU: pip install --no-deps "
+                     "flashinfer-python==0.7.4 apache-tvm-ffi==0.1.11 nvidia-ml-py tqdm")
 
 # ------------------------------------------------------------------------------------ checkers
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:

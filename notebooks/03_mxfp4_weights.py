@@ -252,8 +252,11 @@ for k, v in results.items():
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.8))
 names = list(results)
-colors = ["tab:green" if "repaired" in n else "tab:red" if n.startswith("FlashInfer") else "tab:blue" for n in names]
-ax.barh(names, list(results.values()), color=colors)
+# Each bar in its backend's colour (megamoe.palette); the raw, out-of-range scales hatched.
+colors = [backend_colour("flashinfer-mxfp4" if n.startswith("FlashInfer") else "deepgemm-sm90-fp4") for n in names]
+bars = ax.barh(names, list(results.values()), color=colors)
+for bar, n in zip(bars, names):
+    bar.set_hatch("" if "repaired" in n else "//")
 ax.set(xscale="log", xlabel="calc_diff vs the exact reference (lower is better)",
        title="whole layer, small preset: in range vs out of range")
 ax.invert_yaxis()

@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt
 
 from megamoe import calc_diff, get_geometry, make_inputs, random_mxfp4_weights
 from megamoe.layouts.staging import dequantize_per_token_fp8
+from megamoe.palette import backend_colour
 from megamoe.recipe import EXACT, get_recipe
 from megamoe.reference import (
     decode_expert, exact_gemm, moe_forward, promoted_gemm, requant_fp8, stage_activations, swiglu,
@@ -213,7 +214,7 @@ for label, (d, rl) in budget.items():
 fig, ax = plt.subplots(figsize=(9, 4.4))
 labels = list(budget)[1:]  # exact is 0
 ax.barh(labels, [budget[k][1] for k in labels],
-        color=["tab:blue" if not k.startswith("recipe") else "tab:green" for k in labels])
+        color=[backend_colour(k.removeprefix("recipe ")) if k.startswith("recipe") else "0.6" for k in labels])
 for i, k in enumerate(labels):
     ax.text(budget[k][1], i, f" {budget[k][1]:.3f}", va="center", fontsize=8)
 ax.invert_yaxis()

@@ -201,18 +201,56 @@ def passed(row: dict) -> bool:
             and row["nan"] == 0 and row.get("masked_rows_zero", True))
 
 
-def interpreter_rows(script: Path, timeout: float = 600) -> dict:
-    """Run ``script --device cpu`` (this module or another check script beside it) under Triton's interpreter, in a
-    subprocess (TRITON_INTERPRET must be set before triton is imported), on the megamoe this process imported
+# A self-check under Triton's interpreter takes minutes of one core. tests/conftest.py starts the ones the selected
+# tests need when collection ends, so that they run on the second core beside the rest of the suite, and
+# ``interpreter_rows`` then collects the process already running. The limit is far from what a run takes (about
+# 4 minutes for the tensor-core check on a busy 2-core machine): a slower CI machine must not fail on time.
+INTERPRETER_TIMEOUT_S = 1800.0
+_STARTED: dict = {}  # script -> (its running self-check, its stdout file, its stderr file)
+
+
+def start_interpreter_rows(script: Path) -> None:
+    """Start ``script --device cpu`` under Triton's interpreter now, in the background (once), on the megamoe this
+    process imported (TRITON_INTERPRET must be set before triton is imported: hence a subprocess)."""
+    import tempfile
+
+    key = str(Path(script).resolve())
+    if key not in _STARTED:
+        root = str(Path(megamoe.__file__).resolve().parents[1])
+        env = dict(os.environ, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+        # Files, not pipes: nobody reads while it runs, and a full pipe would stall it.
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, key, "--device", "cpu"], env=env, stdout=out, stderr=err)
+        _STARTED[key] = (proc, out, err)
+
+
+def stop_interpreter_rows() -> None:
+    """End the self-checks started and never collected (a run stopped early, -x): none outlives the test session."""
+    while _STARTED:
+        proc, out_file, err_file = _STARTED.popitem()[1]
+        proc.kill()
+        proc.wait()
+        out_file.close(), err_file.close()
+
+
+def interpreter_rows(script: Path, timeout: float = INTERPRETER_TIMEOUT_S) -> dict:
+    """Collect ``script --device cpu`` run under Triton's interpreter (started here if conftest did not start it)
     -> its JSON rows (the last line of its output) by ``case``."""
-    root = str(Path(megamoe.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu"], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
+    start_interpreter_rows(script)
+    proc, out_file, err_file = _STARTED.pop(str(Path(script).resolve()))
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{script} did not finish within {timeout:.0f} s") from None
+    out_file.seek(0), err_file.seek(0)
+    out, err = out_file.read(), err_file.read()
+    out_file.close(), err_file.close()
+    lines = out.strip().splitlines()
     if not lines:
-        raise AssertionError(f"{script} printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{script} printed nothing (exit {proc.returncode}):\n{err[-3000:]}")
     return {r["case"]: r for r in json.loads(lines[-1])}
 
 

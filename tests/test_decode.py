@@ -12,7 +12,7 @@ import torch
 
 # megamoe.decode's kernels are Triton (its torch twins live beside them): without triton installed (CI installs
 # it; the `fused` extra has it) the whole module is skipped with this reason.
-pytest.importorskip("triton", reason="megamoe.decode needs triton (pip install triton; CI installs it)")
+pytest.importorskip("triton", reason="needs triton 3.6 (its CPU interpreter): pip install -e \".[test]\"")
 
 from megamoe.decode import DecodeBuffers, TileShape, checkpoint_from_decode, moe_decode_torch, prepare_decode_weights
 from megamoe.decode.layout import MAX_SCALE_SPREAD, decode_pair_torch, pack_words, unpack_words

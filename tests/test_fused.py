@@ -19,6 +19,7 @@ from megamoe.layouts.staging import per_token_cast_to_fp8
 from megamoe.recipe import FLASHINFER_MXFP4
 from megamoe.reference import moe_forward
 from megamoe.reference.tensorcore import EXACT_BLOCK, TensorCoreModel, tc_dot
+from megamoe.testing import FLASHINFER_ORACLE
 
 
 def test_every_backend_reports_availability_with_a_reason():
@@ -187,7 +188,7 @@ def test_deepgemm_fp4_broken_layouts_are_detected_and_window_enforced():
 
 @pytest.mark.gpu
 def test_flashinfer_broken_layouts_are_detected():
-    pytest.importorskip("flashinfer.megamoe")
+    pytest.importorskip("flashinfer.megamoe", reason=FLASHINFER_ORACLE)
     from megamoe.check.matrix import run_matrix
 
     rows = run_matrix("flashinfer-mxfp4", [Case("small", 64, broken="gate-up-not-interleaved"),

@@ -19,7 +19,7 @@ from megamoe.layouts.flashinfer_sm90 import (
     to_marlin_order,
 )
 from megamoe.layouts.random import random_mxfp4_bytes
-from megamoe.testing import assert_bitwise_equal
+from megamoe.testing import FLASHINFER_ORACLE, assert_bitwise_equal
 from megamoe.weights import random_mxfp4_weights
 
 
@@ -83,7 +83,7 @@ def test_roundtrip_bitwise(case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bytes_equal_flashinfer_transform(case):
-    fm = pytest.importorskip("flashinfer.megamoe")
+    fm = pytest.importorskip("flashinfer.megamoe", reason=FLASHINFER_ORACLE)
     w = weights_for(case)
     ours = converted(case)
     theirs = fm.transform_mxfp4_weights_for_mega_moe((to_marlin_order(w.l1), w.l1_scale), (to_marlin_order(w.l2), w.l2_scale))
@@ -92,7 +92,7 @@ def test_bytes_equal_flashinfer_transform(case):
 
 
 def test_realistic_weights_match_flashinfer_after_repair():
-    fm = pytest.importorskip("flashinfer.megamoe")
+    fm = pytest.importorskip("flashinfer.megamoe", reason=FLASHINFER_ORACLE)
     w = random_mxfp4_weights(get_geometry("tiny"), seed=11)
     p = prepare_flashinfer_sm90(w)
     from megamoe.layouts.ranges import repair_ranges
@@ -110,7 +110,7 @@ def test_realistic_weights_match_flashinfer_after_repair():
 
 def test_broken_variants_are_caught():
     """A gate/up swap or a missing Marlin reorder must not pass the oracle comparison."""
-    fm = pytest.importorskip("flashinfer.megamoe")
+    fm = pytest.importorskip("flashinfer.megamoe", reason=FLASHINFER_ORACLE)
     w = weights_for(CASES[0])
     ours = to_flashinfer_sm90(w)
     i = w.intermediate

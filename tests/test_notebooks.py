@@ -134,3 +134,16 @@ def test_all_notebooks_within_budget():
     report = ", ".join(f"{n} {s:.1f}s" for n, s in _durations.items())
     print(f"notebooks executed in {total:.1f} s: {report}")
     assert total < TOTAL_BUDGET_S, f"notebooks took {total:.0f} s > {TOTAL_BUDGET_S:.0f} s: {report}"
+
+
+def test_one_colour_per_backend_and_grey_is_the_references_alone():
+    """Every registered backend (the headline megamoe-decode-tc included) and a user's has its own colour, never the
+    reference's grey; a second process's reading of a backend keeps the backend's colour."""
+    from megamoe.fused.registry import BACKENDS
+    from megamoe.palette import backend_colour
+
+    colours = {name: backend_colour(name) for name in [*BACKENDS, "reference"]}
+    assert len(set(colours.values())) == len(colours), colours
+    assert [n for n, c in colours.items() if c == "tab:gray"] == ["reference"]
+    assert backend_colour("my-own-kernel") != "tab:gray" and backend_colour("my-own-kernel") not in colours.values()
+    assert backend_colour("flashinfer-mxfp4 [p2]") == backend_colour("flashinfer-mxfp4")

@@ -116,8 +116,7 @@ def test_requirements_are_ranges_that_the_cpu_install_satisfies():
     assert torch_req.specifier.contains("2.13.0"), torch_req
     assert "numpy" in {r.name for r in reqs["core"]}
     for r in reqs["fused"]:
-        if r.name != "triton":
-            assert any(s.operator in ("<", "<=") for s in r.specifier), f"[fused] {r} has no upper bound"
+        assert any(s.operator in ("<", "<=") for s in r.specifier), f"[fused] {r} has no upper bound"
     assert {"triton", "flashinfer-python", "sgl-deep-gemm", "apache-tvm-ffi"} <= {r.name for r in reqs["fused"]}
     assert {"jupyterlab", "nbconvert", "jupytext", "nbclient", "ipykernel", "matplotlib"} <= {
         r.name for r in reqs["notebooks"]}
@@ -133,3 +132,82 @@ def test_tested_versions_are_stated_in_the_docs():
     for name, version in tested.items():
         assert f"{name} {version}" in text, f"docs/quickstart.md does not state the tested {name} {version}"
         assert fused[name].specifier.contains(version), f"tested {name} {version} is outside {fused[name]}"
+
+
+def test_the_test_extra_brings_the_tested_triton():
+    """`pip install -e ".[test]"` must give a Triton whose interpreter passes (3.6.0; 3.9's fails 29 tests with
+    "mask has unsupported dtype"), not whatever is newest; and the setuptools the sdist test builds with."""
+    test = {Requirement(r).name: Requirement(r) for r in _pyproject()["project"]["optional-dependencies"]["test"]}
+    assert test["triton"].specifier.contains("3.6.0") and not test["triton"].specifier.contains("3.9.0")
+    assert {"pytest", "pytest-benchmark", "setuptools"} <= set(test)
+    build = Requirement(_pyproject()["build-system"]["requires"][0])
+    assert build.name == "setuptools" and str(test["setuptools"].specifier) == str(build.specifier)
+
+
+def test_the_metadata_says_who_and_what():
+    meta = _pyproject()["project"]
+    assert meta["authors"] and meta["keywords"]
+    assert "Programming Language :: Python :: 3.11" in meta["classifiers"]
+    assert any(c.startswith("Topic ::") for c in meta["classifiers"])
+
+
+def _readme_commands() -> list[str]:
+    out = subprocess.run(["bash", str(REPO / "scripts" / "readme_commands.sh")], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    return out.splitlines()
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    """.ci/run runs the README's two commands as README.md shows them (scripts/readme_commands.sh reads them out
+    of its first bash block) and nothing else: no install or test step of its own that the README does not say."""
+    install, tests = _readme_commands()
+    assert install.startswith("pip install torch==2.13.0 -e . &&") and install.endswith("megamoe check")
+    assert tests == 'pip install torch==2.13.0 -e ".[test,notebooks]" && python3 -m pytest -q'
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert "commands=$(bash scripts/readme_commands.sh)" in ci
+    assert not [line for line in ci if "pip " in line or "pytest" in line], "a step of .ci/run's own"
+    assert "set -euo pipefail" in ci  # a failing command (pytest's exit 5 for no tests, too) fails CI
+
+
+def test_readme_commands_refuses_a_block_of_another_size(tmp_path):
+    """The script fails (CI fails) rather than run a README whose first block no longer holds the two commands."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "readme_commands.sh", tmp_path / "scripts")
+    (tmp_path / "README.md").write_text("# x\n\n```bash\npip install -e .\n```\n")
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "readme_commands.sh")], capture_output=True, text=True)
+    assert proc.returncode == 1 and "holds 1 command lines, expected the two" in proc.stderr
+
+
+def _load_provenance_copy(folder: Path):
+    """megamoe/provenance.py copied to FOLDER/megamoe/ and loaded from there (what a vendored copy would run)."""
+    import importlib.util
+
+    (folder / "megamoe").mkdir(parents=True)
+    shutil.copy(REPO / "megamoe" / "provenance.py", folder / "megamoe" / "provenance.py")
+    spec = importlib.util.spec_from_file_location("provenance_copy", folder / "megamoe" / "provenance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_megamoes_own_never_a_surrounding_repositorys(tmp_path):
+    def git(cwd, *args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    other = tmp_path / "other-project"
+    other.mkdir()
+    git(other, "init", "-q")
+    (other / "README").write_text("another project\n")
+    git(other, "add", "README")
+    git(other, "commit", "-qm", "theirs")
+    vendored = _load_provenance_copy(other / "vendor")  # megamoe copied inside another repository
+    assert git(other, "rev-parse", "HEAD") and vendored.package_git("rev-parse", "HEAD") == ""
+    own = tmp_path / "megamoe-checkout"
+    mine = _load_provenance_copy(own)
+    git(own, "init", "-q")
+    git(own, "add", ".")
+    git(own, "commit", "-qm", "ours")
+    assert mine.package_git("rev-parse", "HEAD") == git(own, "rev-parse", "HEAD")

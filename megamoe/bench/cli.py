@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from ..args import add_common, positive_int, refuse, resolve_common, unavailable
+from ..args import add_common, availability, load_user_backends, positive_int, refuse, resolve_common, unavailable
 from .sweep import STUDIES
 
 DESCRIPTION = """\
@@ -48,6 +48,7 @@ CUDA_ONLY = ("warmup_ms", "passes", "no_flush", "graph")  # flags of device-boun
 def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     from .backends import fused_registry
 
+    load_user_backends(p, a)  # before the names are checked: --backend-module and installed entry points
     reg = fused_registry()
     resolve_common(p, a, [*reg, "reference"])
     for s in a.studies:
@@ -74,15 +75,17 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                     "--rep-ms); use it with --device cuda")
     if a.ref_max_tokens != p.get_default("ref_max_tokens") and a.backends and not {"all", "reference"} & set(a.backends):
         p.error("argument --ref-max-tokens: the reference is not among --backends, so it would change nothing")
-    unavailable(p, [n for n in (a.backends or []) if n not in ("all", "reference")], reg)
+    named = [n for n in (a.backends or []) if n not in ("all", "reference")]
+    if named:  # the sweep asks every backend it makes; only the named ones are asked here, before any work
+        unavailable(p, named, availability())
     if a.append:
         from .sweep import check_appendable, load_results
         from ..provenance import run_metadata
 
         try:
             check_appendable(load_results(a.append), config_from_args(a), run_metadata(a.device))
-        except ValueError as exc:
-            p.error(f"argument --append: {exc}")
+        except ValueError as exc:  # its message may name the flag already: said once
+            p.error(f"argument --append: {str(exc).removeprefix('--append: ')}")
 
 
 def config_from_args(a: argparse.Namespace):

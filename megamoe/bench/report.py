@@ -13,6 +13,9 @@ import json
 import math
 import os
 
+from rich.markup import escape
+
+from ..tabular import markdown_table, show_table
 from .tables import first_pass
 
 
@@ -28,32 +31,70 @@ def pct(v) -> str:
     return f"{100 * v:.0f}%" if abs(v) >= 0.095 else f"{100 * v:.2g}%"
 
 
-def md_table(head, body) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+md_table = markdown_table  # one Markdown writer for check.md and results.md (megamoe.tabular)
+
+
+def on_gpu(results: dict) -> bool:
+    """Whether the run's ceilings and floors were measured on a GPU. On a CPU, torch._scaled_mm is emulated: its
+    'FP8 rate' is no hardware ceiling, and a floor bounded by it means nothing, so neither is shown."""
+    return bool((results.get("meta") or {}).get("gpu"))
+
+
+def ceilings_text(c: dict, gpu: bool) -> str:
+    """'copy 3,350 GB/s, FP8 1,500 TFLOP/s, bf16 ...' on a GPU; on a CPU the copy bandwidth only."""
+    def num(k):
+        v = c.get(k)
+        return "-" if v is None or v != v else f"{v:,.0f}"
+
+    if not gpu:
+        return f"copy {num('copy_gbps')} GB/s (no FP8 or bf16 ceiling on a CPU: no tensor cores to measure)"
+    return f"copy {num('copy_gbps')} GB/s, FP8 {num('fp8_tflops')} TFLOP/s, bf16 {num('bf16_tflops')} TFLOP/s"
+
+
+def empty_studies(results: dict) -> dict[str, str]:
+    """{study: why it has no rows} for each study asked for that produced nothing and was not skipped by name."""
+    asked = (results.get("meta") or {}).get("config", {}).get("studies") or []
+    skipped = " ".join(results.get("skipped", {}))
+    backends = results.get("backends", [])
+    fused = [b for b in backends if b.get("fused")]
+    device = [b for b in backends if not b.get("host_bound")]
+    why = {
+        "ragged": "no fused backend ran here (the ragged step times fused kernels, one rank at a time)" if not fused
+        else "no fused backend takes the ragged steps' largest count",
+        "overhead": "every backend here is host-bound (the harness overhead is measured on device-bound rows)"
+        if not device else "no device-bound backend was timed at the overhead study's token counts",
+        "staging": "no staging case ran",
+        "block_m": "no backend here can force BLOCK_M",
+    }
+    return {s: why.get(s, "nothing to time") for s in asked
+            if not results.get(s) and s not in skipped}
 
 
 def backend_names(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["backend"] for r in rows))
 
 
-def cell(r: dict) -> str:
-    """A row's figure: device-bound 'us (of floor, of read, BM n)'; host-bound 'mean +- standard error'."""
-    if r.get("statistic") == "mean":
+def cell(r: dict, gpu: bool = True) -> str:
+    """A row's figure: device-bound 'us (of floor, of read, BM n)' (no floor off a GPU: ``on_gpu``); host-bound
+    'mean +- standard error'."""
+    if r.get("statistic") == "mean" or r.get("host_bound"):
         return f"{fmt_us(r['us'])} +- {fmt_us(r.get('stderr_us'))}"
-    parts = [pct(r.get("frac_of_floor"))] + ([f"read {pct(r['frac_of_read'])}"] if r.get("frac_of_read") else [])
+    parts = ([pct(r.get("frac_of_floor"))] if gpu else []) + ([f"read {pct(r['frac_of_read'])}"] if r.get("frac_of_read") else [])
     parts += [f"BM {r['block_m']}"] if r.get("block_m") else []
     return f"{fmt_us(r['us'])} ({', '.join(parts)})" + (" FAIL" if r.get("correct") is False else "")
 
 
 def sweep_table(results: dict) -> tuple[list[str], list[list[str]]]:
-    """One line per token count: the MXFP4 floor and read ceiling, each backend's figure, the speedups."""
+    """One line per token count: the floor of the MXFP4 weights' step (and what bounds it: the copy bandwidth or
+    the FP8 rate; GPU only) and a plain read of their bytes, each backend's figure, the speedups."""
     rows = first_pass(results["rows"])
     names = backend_names(rows)
+    gpu = on_gpu(results)
     spd = {(s["tokens"], s["fused"]): s for s in results.get("speedup", [])}
     fused = [n for n in names if any(r["fused"] for r in rows if r["backend"] == n)]
     stream = any(r.get("read_us_stream") for r in rows)  # the streaming read (the ceiling until issue 47) beside
-    head = (["tokens", "floor us (MXFP4)", "read us (MXFP4 bytes)"] + (["streaming read us"] if stream else [])
+    head = (["tokens"] + (["floor us, MXFP4 weights (bound by)"] if gpu else []) + ["read us, MXFP4 bytes"]
+            + (["streaming read us"] if stream else [])
             + [f"{n} us" for n in names]
             + [f"{f} vs unfused" for f in fused if any("speedup" in s for s in spd.values() if s["fused"] == f)])
     body = []
@@ -62,9 +103,10 @@ def sweep_table(results: dict) -> tuple[list[str], list[list[str]]]:
         mx = next((r for r in at.values() if r["weight_format"] == "mxfp4"), next(iter(at.values())))
         mxfp4 = mx["weight_format"] == "mxfp4"
         read = fmt_us(mx.get("read_us")) + (f" ({mx['read_kernel']})" if mx.get("read_kernel") else "")
-        line = [str(t), f"{fmt_us(mx['floor_mxfp4_us'])} ({mx['bound']})", read if mxfp4 else "-"]
+        line = [str(t)] + ([f"{fmt_us(mx['floor_mxfp4_us'])} ({mx['bound']})"] if gpu else [])
+        line += [read if mxfp4 else "-"]
         line += [fmt_us(mx.get("read_us_stream")) if mxfp4 else "-"] if stream else []
-        line += [cell(at[n]) if n in at else "-" for n in names]
+        line += [cell(at[n], gpu) if n in at else "-" for n in names]
         for f in fused:
             if len(head) > len(line):
                 s = spd.get((t, f))
@@ -74,6 +116,8 @@ def sweep_table(results: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def detail_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Every first-pass row in full (the floor only where it was measured: a GPU)."""
+    gpu = on_gpu(results)
     head = ["backend", "tokens", "BM", "timed by", "figure us", "stat", "spread", "calls", "kineto us", "TFLOP/s",
             "GB/s", "floor us", "of floor", "read us", "of read", "calc_diff", "pass 2 us", "repeat spread"]
     rep = {(r["backend"], r["tokens"]): r for r in results.get("repeatability", [])}
@@ -83,7 +127,8 @@ def detail_table(results: dict) -> tuple[list[str], list[list[str]]]:
         stat = r.get("statistic", "median") + (f" +- {fmt_us(r.get('stderr_us'))}" if r.get("statistic") == "mean" else "")
         body.append([r["backend"], str(r["tokens"]), str(r.get("block_m") or "-"), str(r.get("path", r["method"])),
                      fmt_us(r["us"]), stat, pct(r["spread"]), str(r["repeats"]), fmt_us(r.get("kineto_us")),
-                     f"{r['tflops']:.3g}", f"{r['gbps']:.4g}", fmt_us(r["floor_us"]), pct(r["frac_of_floor"]),
+                     f"{r['tflops']:.3g}", f"{r['gbps']:.4g}", fmt_us(r["floor_us"]) if gpu else "-",
+                     pct(r["frac_of_floor"]) if gpu else "-",
                      fmt_us(r.get("read_us")), pct(r.get("frac_of_read")),
                      f"{r['calc_diff']:.1e}" if r.get("calc_diff") is not None else "-",
                      fmt_us(rp["medians_us"][1]) if rp else "-",
@@ -105,19 +150,25 @@ def header(results: dict) -> list[str]:
             out.append(f"  - {prov['module']} {prov.get('version') or '?'} from {prov.get('file')}"
                        + (f" ({build})" if build else ""))
         if c:
-            out.append(f"  - ceilings: copy {c['copy_gbps']:.0f} GB/s (read + written), FP8 {c['fp8_tflops']:.0f} TFLOP/s, "
-                       f"bf16 {c['bf16_tflops']:.0f} TFLOP/s; read ceiling: {c.get('read') or 'not measured'}")
+            out.append(f"  - ceilings: {ceilings_text(c, bool(p.get('gpu')))}; copy = bytes read + written; read "
+                       f"ceiling: {c.get('read') or 'not measured'}")
     if m.get("gpu"):
         out.append("- card: " + ", ".join(f"{k} {v}" for k, v in m["gpu"].items() if v))
     cfg = m.get("config", {})
-    budget = (f">= {cfg.get('rep_ms')} ms of calls (at least {cfg.get('repeats')}) after >= {cfg.get('warmup_ms')} ms "
-              f"of warm-up" if m.get("gpu") else f"{cfg.get('repeats')} calls (no CUDA device: host wall time)")
-    out += [f"- device-bound rows: median of {budget}, L2 flushed (fused) or {cfg.get('rotate')} input sets rotated; "
-            f"{cfg.get('passes')} passes, the repeatability bar 3%. Host-bound rows (+-): mean +- standard error over "
-            f"{cfg.get('rep_ms')} ms of calls, one pass. Wall time {results.get('wall_seconds', '?')} s",
-            "- 'of floor' = floor / time, floor = max(bytes of the experts touched + activations over copy bandwidth, "
-            "FLOPs over the FP8 rate), each backend with its own weight format; 'read' = the fastest plain read of the "
-            "same bytes / time (1.0 = as fast as reading them; the read kernel that was fastest in brackets)"]
+    rows = results.get("rows", [])
+    if any(not r.get("host_bound") for r in rows):  # the device-bound sentence only where there are such rows
+        out.append(f"- device-bound rows: median of >= {cfg.get('rep_ms')} ms of calls (at least {cfg.get('repeats')}) "
+                   f"after >= {cfg.get('warmup_ms')} ms of warm-up, L2 flushed (fused) or {cfg.get('rotate')} input sets "
+                   f"rotated; {cfg.get('passes')} passes, the repeatability bar 3%")
+    if any(r.get("host_bound") for r in rows):
+        out.append(f"- host-bound rows (+-): mean +- standard error over {cfg.get('rep_ms')} ms of calls (at least "
+                   f"{min(r.get('repeats', 0) for r in rows if r.get('host_bound'))}), one pass, host wall time")
+    out.append(f"- wall time {results.get('wall_seconds', '?')} s")
+    if on_gpu(results):
+        out.append("- 'of floor' = floor / time, floor = max(bytes of the experts touched + activations over copy "
+                   "bandwidth, FLOPs over the FP8 rate), each backend with its own weight format")
+    out.append("- 'read' = the fastest plain read of the same bytes / time (1.0 = as fast as reading them; the read "
+               "kernel that was fastest in brackets)")
     return out
 
 
@@ -177,8 +228,11 @@ def to_markdown(results: dict) -> str:
             ["backend", "tokens", "timed by", "input sets", "bare loop us", "harness us", "harness / bare", "within 2%"],
             [[r["backend"], str(r["tokens"]), r.get("path", "-"), str(r.get("sets", 1)), fmt_us(r["bare_loop_us"]),
               fmt_us(r["harness_us"]), f"{r['ratio']:.4f}", "yes" if r["ok"] else "NO"] for r in results["overhead"]])]
-    if results.get("skipped"):
+    if not results["rows"]:
+        out += ["", "No rows: nothing was timed (see Skipped and Errors)."]
+    if results.get("skipped") or empty_studies(results):
         out += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in results["skipped"].items()]
+        out += [f"- study {k}: {v}" for k, v in empty_studies(results).items()]
     if results.get("errors"):
         out += ["", "## Errors", ""] + [f"- {e['where']}: {e['error']}" for e in results["errors"]]
     return "\n".join(out) + "\n"
@@ -186,7 +240,9 @@ def to_markdown(results: dict) -> str:
 
 def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
     """results.json (written whole, then moved into place), results.jsonl (a record per timed row:
-    ``megamoe.bench.jsonl``), results.md, and the plots when ``plots``."""
+    ``megamoe.bench.jsonl``), results.md, and the plots when ``plots`` (the end of the sweep or of the run).
+    results.md waits for the first row or the end: a run stopped before it times anything leaves results.json (its
+    ceilings and setup), never a results.md of headers without rows."""
     os.makedirs(out_dir, exist_ok=True)
     p = os.path.join(out_dir, "results.json")
     with open(p + ".tmp", "w") as f:
@@ -194,9 +250,12 @@ def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
     os.replace(p + ".tmp", p)
     from .jsonl import write_jsonl
 
-    written = [p, os.path.join(out_dir, "results.md"), write_jsonl(results, out_dir)]
-    with open(written[1], "w") as f:
-        f.write(to_markdown(results))
+    written = [p, write_jsonl(results, out_dir)]
+    if results["rows"] or plots:
+        written.append(os.path.join(out_dir, "results.md"))
+        with open(written[-1] + ".tmp", "w") as f:
+            f.write(to_markdown(results))
+        os.replace(written[-1] + ".tmp", written[-1])
     if plots:
         from .plots import write_plots
 
@@ -205,35 +264,37 @@ def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
 
 
 def print_tables(results: dict, console=None) -> None:
-    """The sweep table and the one-line verdicts (repeatability, overhead, cross-process, errors) on screen."""
+    """The sweep table and the one-line verdicts (repeatability, overhead, cross-process, empty studies, errors) on
+    screen: the table boxed where it fits, else in Markdown (``megamoe.tabular.show_table``)."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     c, m = results.get("ceilings") or {}, results["meta"]
-    console.print(f"[bold]{m['card']}[/] {m['date']} commit {m['commit']}; ceilings: copy "
-                  f"{c.get('copy_gbps', float('nan')):.0f} GB/s, FP8 {c.get('fp8_tflops', float('nan')):.0f} TFLOP/s")
+    console.print(f"{m['card']} {m['date']} commit {m['commit']}; ceilings: {ceilings_text(c, on_gpu(results))}",
+                  markup=False, highlight=False)
     if results["rows"]:
         head, body = sweep_table(results)
-        t = Table(title="time per layer, us (of floor, of the fastest read, BLOCK_M); host-bound rows: mean +- s.e.")
-        for h in head:
-            t.add_column(h, justify="right")
-        for row in body:
-            t.add_row(*row)
-        console.print(t)
+        hosts = any(r.get("host_bound") for r in results["rows"])
+        title = ("time per layer, us (of floor, of the fastest read, BLOCK_M)" if on_gpu(results) else
+                 "time per layer, us") + ("; host-bound rows: mean +- s.e." if hosts else "")
+        show_table(console, title, head, body, justify="r")
+    else:
+        console.print("no rows: nothing was timed", markup=False)
     rep = results.get("repeatability", [])
     if rep:
         flagged = [r for r in rep if r["flag"]]
         console.print(f"repeatability (device-bound rows): largest spread {100 * max(r['spread'] for r in rep):.2f}%; "
                       f"{len(flagged)} of {len(rep)} rows at or over 3%"
-                      + "".join(f"\n  {r['backend']} T={r['tokens']}: {100 * r['spread']:.2f}%" for r in flagged))
+                      + "".join(f"\n  {r['backend']} T={r['tokens']}: {100 * r['spread']:.2f}%" for r in flagged),
+                      markup=False)
     for r in results.get("overhead", []):
         console.print(f"overhead {r['backend']} T={r['tokens']}: harness / bare loop {r['ratio']:.4f} "
-                      f"({'ok' if r['ok'] else 'OVER 2%'})")
+                      f"({'ok' if r['ok'] else 'OVER 2%'})", markup=False)
     for x in results.get("cross_process", []):
         console.print(f"{x['backend']} T={x['tokens']} in processes {x['processes']}: "
-                      f"{' / '.join(fmt_us(u) for u in x['us'])} us ({100 * x['change']:+.2f}%)")
-    for k, v in results.get("skipped", {}).items():
-        console.print(f"[yellow]skipped[/] {k}: {v}")
+                      f"{' / '.join(fmt_us(u) for u in x['us'])} us ({100 * x['change']:+.2f}%)", markup=False)
+    skipped = {**results.get("skipped", {}), **{f"study {k}": v for k, v in empty_studies(results).items()}}
+    for k, v in skipped.items():
+        console.print(f"[yellow]skipped[/] {escape(k)}: {escape(str(v))}")
     for e in results.get("errors", []):
-        console.print(f"[red]error[/] {e['where']}: {e['error']}")
+        console.print(f"[red]error[/] {escape(e['where'])}: {escape(str(e['error']))}")

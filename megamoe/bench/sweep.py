@@ -41,9 +41,11 @@ from ..inputs import MoEInputs, make_inputs, ragged_counts
 from ..progress import Progress
 from ..provenance import imported_kernel_modules
 from ..testing import calc_diff
+from ..weights import random_mxfp4_weights
 from .backends import BenchBackend, make_backends, select_timing
 from .ceilings import Ceilings, ReadCeiling, device_name, measure_ceilings
 from ..provenance import gpu_state, new_results_dir, run_metadata, versions
+from .report import ceilings_text, write_all
 from .roofline import achieved, step_floor
 from .tables import check_appendable, derive, load_results, merge_results
 from .timing import Timing, host_quiet, resolve_device, time_fn, time_graph
@@ -283,8 +285,6 @@ class Sweep:
     def write(self, final: bool = False) -> None:
         if not self.out_dir:
             return
-        from .report import write_all
-
         try:
             write_all(self.document(), self.out_dir, plots=final)
         except Exception as exc:  # noqa: BLE001
@@ -295,8 +295,7 @@ class Sweep:
         self.read = ReadCeiling(self.dev) if self.cfg.read_ceiling else None
         self.results["ceilings"] = {**c.as_dict(), **(self.read.summary() if self.read else {"read": None})}
         self.meta["ceilings"] = self.results["ceilings"]
-        self.log(f"[bench] ceilings: copy {c.copy_gbps:.0f} GB/s, FP8 {c.fp8_tflops:.0f} TFLOP/s, "
-                 f"bf16 {c.bf16_tflops:.0f} TFLOP/s")
+        self.log(f"[bench] ceilings: {ceilings_text(c.as_dict(), self.dev.type == 'cuda')}")
 
     def section_setup(self) -> None:
         from ..fused.build import build_plans
@@ -307,9 +306,10 @@ class Sweep:
         if cfg.weights is not None:
             self.weights = cfg.weights
         else:
-            from ..weights import random_mxfp4_weights
-
-            self.weights = random_mxfp4_weights(self.g, seed=cfg.seed, device=self.dev)
+            big = self.g.num_experts * self.g.hidden * self.g.intermediate >= 3 * 10**7  # minutes on a CPU: a bar
+            with Progress(cfg.progress and big, self.g.num_experts, "making the experts") as prog:
+                self.weights = random_mxfp4_weights(self.g, seed=cfg.seed, device=self.dev,
+                                                    progress=lambda e: prog.step(f"expert {e + 1}"))
         bks, skipped = make_backends(self.g, self.weights, max(cfg.tokens), cfg.backends, log=self.log)
         self.backends = [*bks, *cfg.extra_backends]
         self.results["skipped"].update({f"backend {k}": v for k, v in skipped.items()})

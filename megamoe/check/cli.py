@@ -4,6 +4,7 @@
     megamoe check --tokens 1 64 512 --ranks 4              # per rank, 4 simulated EP ranks, each count a step
     megamoe check --backends flashinfer-mxfp4              # + its differential matrix (SM90)
     megamoe check --ranks 2 --dist                         # real gloo ranks instead of simulated ones
+    megamoe check --backend-module my_kernels --backends my-kernel --preset small --tokens 7   # your backend
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import json
 import os
 
-from ..args import add_common, positive_int, refuse, resolve_common, unavailable
+from ..args import add_common, availability, load_user_backends, positive_int, refuse, resolve_common, unavailable
 from ..recipe import MMA_MODELS, RECIPES
 
 DESCRIPTION = """\
@@ -40,9 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="matrix: skip cases not begun after S s (default none)")
 
 
-def validate(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -> dict:
+def validate(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -> dict[str, tuple[bool, str]]:
+    """Exit 2 on the first bad argument; returns every fused backend's availability, asked here once."""
     from ..fused.registry import BACKENDS
 
+    load_user_backends(p, a)  # before the names are checked: --backend-module and installed entry points
     resolve_common(p, a, list(BACKENDS))
     for r in a.recipes or []:
         if r not in KERNEL_RECIPES:
@@ -61,76 +64,128 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[st
         p.error("argument --device: --dist spawns gloo ranks on the CPU; use --device cpu or auto")
     if a.dist and a.ranks < 2:
         p.error("argument --dist: needs --ranks 2 or more (it spawns one process per rank)")
+    avail = availability()
     if a.backends == ["all"]:
-        a.backends = [n for n, cls in BACKENDS.items() if cls.availability()[0]]
+        a.backends = [n for n, (ok, _) in avail.items() if ok]
     else:
-        unavailable(p, a.backends or [], BACKENDS)
-    return BACKENDS
+        unavailable(p, a.backends or [], avail)
+    return avail
 
 
 def run(p: argparse.ArgumentParser, a: argparse.Namespace, explicit: set[str]) -> int:
+    """The check: the reference recipes (simulated or, with --dist, real ranks), then each --backends matrix; the
+    report folder is made after validation and removed again if the run stops before writing anything into it."""
     from rich.console import Console
 
-    from .. import check
     from ..provenance import new_results_dir, run_metadata
-    from . import render
+    from .render import render_backends, render_summary
 
-    validate(p, a, explicit)
+    avail = validate(p, a, explicit)
     console = Console()
     recipes = a.recipes or KERNEL_RECIPES
     out = new_results_dir(a.out, run_metadata(a.device), "-check")
-    doc: dict = {"arguments": {k: v for k, v in vars(a).items() if k not in ("run", "parser")}, "reports": [],
-                 "dist": [], "matrix": {}}
-    checked, not_checked, failed = [], [], 0
-    if a.dist:
-        from ..distributed.check import check_ranks
+    try:
+        doc = {"arguments": {k: v for k, v in vars(a).items() if k not in ("run", "parser")}, "reports": [],
+               "dist": [], "matrix": {}, "checked": [], "not_checked": [], "failed": 0}
+        if a.dist:
+            run_dist_checks(a, recipes, console, doc)
+        else:
+            run_single_process(a, recipes, console, doc)
+        render_backends([(n, ok, why) for n, (ok, why) in avail.items()], console)
+        run_matrices(a, out, explicit, avail, console, doc)
+        render_summary(doc["checked"], doc["not_checked"], doc["failed"], console)
+        write_report(out, doc)
+    except BaseException:  # Ctrl-C or an error: no report folder left empty (a matrix's rows so far stay)
+        remove_if_empty(out)
+        raise
+    console.print(f"report written to {out}", markup=False, highlight=False)
+    return 1 if doc["failed"] else 0
 
-        for t in a.tokens:
-            for r in recipes:
+
+def remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)  # only succeeds on an empty folder
+    except OSError:
+        pass
+
+
+def run_single_process(a: argparse.Namespace, recipes: list[str], console, doc: dict) -> None:
+    reports = run_reference_checks(a, recipes, console)
+    doc["reports"] = [r.to_dict() for r in reports]
+    doc["failed"] += sum(not s.ok for r in reports for s in r.sanity)
+    doc["checked"].append(f"the reference recipes {', '.join(recipes)} against exact, every stage (x, L1, L2 in, L2 out, "
+                          f"y), preset {a.preset}, {a.tokens} tokens per rank over {a.ranks} simulated rank(s), on "
+                          f"{a.device}")
+    masked = "fully masked tokens give zero rows" + ("" if min(a.tokens) >= 2 else
+                                                     " (at 2 tokens per rank or more: a 1-token step has none)")
+    doc["checked"].append(f"EP over {a.ranks} rank(s) bit-identical to one rank at BLOCK_M 1; no NaN; {masked}")
+    doc["not_checked"].append("real distributed ranks (megamoe check --ranks 2 --dist)")
+
+
+def run_dist_checks(a: argparse.Namespace, recipes: list[str], console, doc: dict) -> None:
+    """Every recipe over ``--ranks`` real gloo ranks, each handed the weights its kernel takes (as the single-process
+    check converts them). A recipe whose weights cannot be made is skipped and said; a rank that fails is a failed
+    check with its one-line reason."""
+    from ..distributed.check import check_ranks
+    from ..distributed.launch import RankError
+
+    ran, skipped = [], []
+    for t in a.tokens:
+        for r in recipes:
+            console.print(f"distributed reference: recipe {r}, {a.ranks} ranks x {t} tokens ...", markup=False,
+                          highlight=False)
+            entry = {"recipe": r, "tokens_per_rank": [t] * a.ranks, "ok": False, "result": "", "mismatches": {}}
+            try:
                 rep = check_ranks(a.ranks, a.preset, [t] * a.ranks, a.seed, recipe=r, block_m=a.block_m)
-                console.print(rep.summary())
-                failed += not rep.ok
-                doc["dist"].append({"recipe": r, "tokens_per_rank": rep.tokens_per_rank, "ok": rep.ok,
-                                    "mismatches": {" ".join(map(str, k)): v for k, v in rep.mismatches.items()}})
-        checked.append(f"the distributed reference over {a.ranks} real gloo ranks, bitwise against the single-process "
-                       f"reference: recipes {', '.join(recipes)}, {a.tokens} tokens per rank, preset {a.preset}")
-    else:
-        reports = run_reference_checks(a, recipes, console)
-        doc["reports"] = [r.to_dict() for r in reports]
-        failed += sum(not s.ok for r in reports for s in r.sanity)
-        checked.append(f"the reference recipes {', '.join(recipes)} against exact, every stage (x, L1, L2 in, L2 out, "
-                       f"y), preset {a.preset}, {a.tokens} tokens per rank over {a.ranks} simulated rank(s), on {a.device}")
-        checked.append(f"EP over {a.ranks} rank(s) bit-identical to one rank at BLOCK_M 1; no NaN; fully masked tokens "
-                       "give zero rows")
-        not_checked.append("real distributed ranks (megamoe check --ranks 2 --dist)")
-    avail = check.backend_availability()
-    render.render_backends(avail, console)
-    for name in a.backends or []:
-        from .matrix import run_matrix, selected_cases
+            except ValueError as exc:  # the recipe's weights or its setup refused before any rank ran
+                entry["result"] = f"skipped: {exc}"
+                skipped.append(f"{r} at {t} tokens per rank ({exc})")
+            except RankError as exc:
+                entry["result"] = f"FAIL: {str(exc).splitlines()[0]}"
+                doc["failed"] += 1
+            else:
+                console.print(rep.summary(), markup=False, highlight=False)
+                entry.update(ok=rep.ok, result="bit-identical" if rep.ok else "MISMATCH",
+                             mismatches={" ".join(map(str, k)): v for k, v in rep.mismatches.items()})
+                doc["failed"] += not rep.ok
+                ran.append(r)
+            if entry["result"].startswith(("skipped", "FAIL")):
+                console.print(f"  {entry['result']}", markup=False, highlight=False)
+            doc["dist"].append(entry)
+    ran = list(dict.fromkeys(ran))
+    if ran:
+        doc["checked"].append(f"the distributed reference over {a.ranks} real gloo ranks, bitwise against the "
+                              f"single-process reference: recipes {', '.join(ran)}, {a.tokens} tokens per rank, "
+                              f"preset {a.preset}")
+    if skipped:
+        doc["not_checked"].append("distributed recipes skipped: " + "; ".join(skipped))
 
+
+def run_matrices(a: argparse.Namespace, out: str, explicit: set[str], avail: dict, console, doc: dict) -> None:
+    """Each fused backend named with --backends through its differential matrix; then what did not run and why."""
+    from .. import check
+    from .matrix import run_matrix, selected_cases
+    from .render import render_matrix
+
+    for name in a.backends or []:
         # --preset / --tokens given: the matrix at that geometry and those counts (else its own full case list)
         cases = selected_cases(name, a.preset, a.tokens) if explicit & {"--preset", "--tokens"} else None
         rows = run_matrix(name, cases, os.path.join(out, f"matrix-{name}.json"), mma=a.mma, quick=a.quick,
                           deadline_s=a.deadline_s, ref_max_tokens=a.ref_max_tokens)
-        render.render_matrix(name, rows, console)
+        render_matrix(name, rows, console)
         doc["matrix"][name] = rows
         bad = [r for r in rows if r.get("status") in check.MATRIX_BAD]
-        failed += len(bad)
+        doc["failed"] += len(bad)
         skipped = [r for r in rows if r.get("status") == "skipped"]
-        checked.append(f"fused kernel {name}: {len(rows) - len(skipped)} matrix cases against its faithful reference, "
-                       f"{len(bad)} bad")
+        doc["checked"].append(f"fused kernel {name}: {len(rows) - len(skipped)} matrix cases against its faithful "
+                              f"reference, {len(bad)} bad")
         if skipped:
-            not_checked.append(f"{name}: {len(skipped)} matrix cases not begun by --deadline-s {a.deadline_s}")
+            doc["not_checked"].append(f"{name}: {len(skipped)} matrix cases not begun by --deadline-s {a.deadline_s}")
     ran = set(a.backends or [])
     missing = [f"{n} ({why})" if not ok else f"{n} (runs here: megamoe check --backends {n})"
-               for n, ok, why in avail if n not in ran]
+               for n, (ok, why) in avail.items() if n not in ran]
     if missing:
-        not_checked.append(("fused kernels: " if not ran else "other fused kernels: ") + "; ".join(missing))
-    doc.update(checked=checked, not_checked=not_checked, failed=failed)
-    render.render_summary(checked, not_checked, failed, console)
-    write_report(out, doc, checked, not_checked, failed)
-    console.print(f"report written to {out}")
-    return 1 if failed else 0
+        doc["not_checked"].append(("fused kernels: " if not ran else "other fused kernels: ") + "; ".join(missing))
 
 
 def run_reference_checks(a: argparse.Namespace, recipes: list[str], console) -> list:
@@ -165,7 +220,7 @@ def run_reference_checks(a: argparse.Namespace, recipes: list[str], console) -> 
             console.print(f"the first expert took {first[0]:.1f} s: about {_duration(first[0] * g.num_experts)} to make "
                           f"all {g.num_experts}, then their conversions and the forwards")
 
-    with Progress(big, g.num_experts, "weights") as prog:
+    with Progress(True, g.num_experts, "weights") as prog:  # a bar at every size: a busy host makes seconds minutes
         cw = prepare_weights(g, recipes, a.seed, a.device, progress=on_weights)
         prog.phase("forwards", len(a.tokens) * (1 + len(recipes)))
         for t in a.tokens:
@@ -181,16 +236,11 @@ def _duration(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"
 
 
-def write_report(out: str, doc: dict, checked: list[str], not_checked: list[str], failed: int) -> None:
+def write_report(out: str, doc: dict) -> None:
+    """check.json (the whole document) and check.md (``render.report_markdown``: every stage, not only y)."""
+    from .render import report_markdown
+
     with open(os.path.join(out, "check.json"), "w") as f:
         json.dump(doc, f, indent=1, default=str)
-    lines = ["# megamoe check", "", "## Checked", ""] + [f"- {c}" for c in checked]
-    lines += ["", "## Not checked", ""] + [f"- {c}" for c in not_checked] if not_checked else []
-    lines += ["", f"**{failed} check(s) failed**" if failed else "All checks that ran passed."]
-    for rep in doc["reports"]:
-        ys = [e for e in rep["errors"] if e["stage"] == "y"]
-        lines += ["", f"## {rep['tokens_per_rank']} tokens per rank", "", "| recipe | y calc_diff vs exact |", "|---|---|"]
-        lines += [f"| {e['recipe']} | {e['calc_diff']:.3e} |" for e in ys]
-        lines += [f"- {'ok' if s['ok'] else 'FAIL'}: {s['name']} {s['detail']}" for s in rep["sanity"]]
     with open(os.path.join(out, "check.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(report_markdown(doc))

@@ -1,98 +1,147 @@
-"""What ``megamoe check`` prints: per token count the dispatch pools, each stage's error against ``exact`` and
-the sanity checks; each fused backend's differential matrix; and, last, what was and was not checked."""
+"""What ``megamoe check`` prints and writes: per token count the dispatch pools, each stage's error against
+``exact`` and the sanity checks; each fused backend's differential matrix; and, last, what was and was not
+checked. Each table is built once as (title, head, body) from a report's dict (``CheckReport.to_dict()``, what
+check.json holds) and shown on screen (``megamoe.tabular.show_table``: boxed where it fits, else Markdown) or
+written to check.md (``markdown_table``), so that the screen and the report never disagree.
+
+    stage_tables(rep)      calc_diff and rel_l2 vs exact: a row per kernel recipe, a column per stage
+    sanity_table(rep)      every sanity check with its result and detail
+    report_markdown(doc)   check.md: what was checked, every stage of every step, sanity, matrices
+"""
 
 from __future__ import annotations
 
+from ..tabular import markdown_table, show_table
 from . import MATRIX_BAD, STAGES, CheckReport
+
+Table = tuple[str, list[str], list[list]]  # title, head, body
 
 
 def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.2e}"
 
 
-def render_report(report: CheckReport, console) -> None:
-    from rich.table import Table
+def _status(ok: bool, yes: str = "ok", no: str = "FAIL"):
+    from rich.text import Text
 
-    g = report.geometry
-    h = report.histogram()
+    return Text(yes, style="green") if ok else Text(no, style="red")
+
+
+def report_header(rep: dict) -> list[str]:
+    """The step's geometry, counts and routing histogram, as lines."""
+    g, h = rep["geometry"], rep["histogram"]
     empty = h["empty_experts"]
-    console.print(
-        f"[bold]megamoe check[/bold] preset [cyan]{report.preset}[/cyan] (E={g['num_experts']}, K={g['num_topk']}, "
-        f"H={g['hidden']}, I={g['intermediate']}), tokens per rank {report.tokens_per_rank}, ranks {report.ranks}, "
-        f"BLOCK_M {report.block_m}, seed {report.seed}"
-    )
-    console.print(
-        f"rows per expert: min {h['min']} / median {h['median']:g} / max {h['max']}; "
-        f"empty experts: {len(empty)}{(' ' + str(empty[:16]) + (' ...' if len(empty) > 16 else '')) if empty else ''}"
-    )
-    pools = Table(title="dispatch pools (simulated EP ranks)")
-    for col in ("rank", "experts", "routed rows", "pool rows (padded)"):
-        pools.add_column(col, justify="right")
-    for p in report.pool_rows:
-        pools.add_row(str(p["rank"]), p["experts"], str(p["routed"]), str(p["pool"]))
-    console.print(pools)
-    kernel = [r for r in report.recipes if r != "exact"]
-    table = Table(title="error vs the exact recipe per stage: calc_diff / rel_l2")
-    table.add_column("stage")
-    table.add_column("shape", justify="right")
-    for r in kernel:
-        table.add_column(r, justify="right")
-    for stage in STAGES:
-        cells = [("-" if (e := report.error(r, stage)) is None else f"{_fmt(e.calc_diff)} / {_fmt(e.rel_l2)}") for r in kernel]
-        table.add_row(stage, "x".join(map(str, report.stage_shapes[stage])), *cells)
-    console.print(table)
-    sanity = Table(title="sanity checks")
-    for col in ("check", "result", "detail"):
-        sanity.add_column(col)
-    for s in report.sanity:
-        sanity.add_row(s.name, "[green]ok[/green]" if s.ok else "[red]FAIL[/red]", s.detail)
-    console.print(sanity)
+    return [f"preset {rep['preset']} (E={g['num_experts']}, K={g['num_topk']}, H={g['hidden']}, I={g['intermediate']}), "
+            f"tokens per rank {rep['tokens_per_rank']}, ranks {rep['ranks']}, BLOCK_M {rep['block_m']}, seed {rep['seed']}",
+            f"rows per expert: min {h['min']} / median {h['median']:g} / max {h['max']}; empty experts: {len(empty)}"
+            + ((" " + str(empty[:16]) + (" ..." if len(empty) > 16 else "")) if empty else "")]
+
+
+def pools_table(rep: dict) -> Table:
+    return ("dispatch pools (simulated EP ranks)", ["rank", "experts", "routed rows", "pool rows (padded)"],
+            [[str(p["rank"]), p["experts"], str(p["routed"]), str(p["pool"])] for p in rep["pool_rows"]])
+
+
+def stage_tables(rep: dict) -> list[Table]:
+    """Two tables, calc_diff and rel_l2 against exact: a row per kernel recipe, a column per stage (its shape in
+    the header). Narrow enough for 80 columns with the full recipe names and numbers."""
+    shapes = rep["stage_shapes"]
+    head = ["recipe"] + [f"{s} [{'x'.join(map(str, shapes[s]))}]" for s in STAGES]
+    errors = {(e["recipe"], e["stage"]): e for e in rep["errors"]}
+    out = []
+    for key in ("calc_diff", "rel_l2"):
+        body = [[r] + [_fmt(errors[(r, s)][key]) if (r, s) in errors else "-" for s in STAGES]
+                for r in rep["recipes"] if r != "exact"]
+        out.append((f"error vs the exact recipe per stage: {key}", head, body))
+    return out
+
+
+def sanity_table(rep: dict) -> Table:
+    return ("sanity checks", ["check", "result", "detail"],
+            [[s["name"], _status(s["ok"]), s["detail"]] for s in rep["sanity"]])
+
+
+def render_report(report: CheckReport, console) -> None:
+    rep = report.to_dict()
+    first, second = report_header(rep)
+    console.print(f"[bold]megamoe check[/bold] {first}", highlight=False)
+    console.print(second, highlight=False)
+    for title, head, body in [pools_table(rep), *stage_tables(rep), sanity_table(rep)]:
+        show_table(console, title, head, body, justify="lr")
     console.print("time: " + ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items()))
 
 
+def backends_table(avail) -> Table:
+    return ("fused backends", ["backend", "runs here", "why not (or a warning)"],
+            [[name, _status(ok, "yes", "no"), why] for name, ok, why in avail])
+
+
 def render_backends(avail, console) -> None:
-    from rich.table import Table
-
-    bt = Table(title="fused backends")
-    for col in ("backend", "runs here", "why not (or a warning)"):
-        bt.add_column(col)
-    for name, ok, why in avail:
-        bt.add_row(name, "[green]yes[/green]" if ok else "[yellow]no[/yellow]", why)
-    console.print(bt)
+    show_table(console, *backends_table(avail))
 
 
-def render_matrix(name: str, rows: list[dict], console) -> None:
-    from rich.table import Table
+def matrix_table(name: str, rows: list[dict]) -> Table:
+    from rich.text import Text
 
-    mt = Table(title=f"{name}: differential matrix (kernel vs its faithful reference)")
-    for col in ("case", "status", "calc_diff", "L2 codes", "L2 sf rel", "ref", "launch us", "plan"):
-        mt.add_column(col)
+    def num(r, k, fmt):
+        v = r.get(k)
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    body = []
     for r in rows:
-        def num(k, fmt):
-            v = r.get(k)
-            return fmt.format(v) if isinstance(v, (int, float)) else "-"
         st = r.get("status", "")
         color = "red" if st in MATRIX_BAD else ("green" if st in ("pass", "detected") else "yellow")
         rr = r.get("reference_recipe") or {}
-        mt.add_row(str(r.get("case")), f"[{color}]{st}[/{color}]", num("calc_diff", "{:.2e}"),
-                   num("code_match", "{:.4f}"), num("sf_rel_median", "{:.1e}"),
-                   f"{rr.get('mma', '')}/{rr.get('accumulate', '')}" if rr else "-",
-                   num("launch_us", "{:.1f}"), str(r.get("plan", r.get("reason", r.get("error", ""))))[:60])
-    console.print(mt)
+        body.append([str(r.get("case")), Text(st, style=color), num(r, "calc_diff", "{:.2e}"),
+                     num(r, "code_match", "{:.4f}"), num(r, "sf_rel_median", "{:.1e}"),
+                     f"{rr.get('mma', '')}/{rr.get('accumulate', '')}" if rr else "-",
+                     num(r, "launch_us", "{:.1f}"), str(r.get("plan", r.get("reason", r.get("error", ""))))[:60]])
+    return (f"{name}: differential matrix (kernel vs its faithful reference)",
+            ["case", "status", "calc_diff", "L2 codes", "L2 sf rel", "ref", "launch us", "plan"], body)
+
+
+def render_matrix(name: str, rows: list[dict], console) -> None:
+    show_table(console, *matrix_table(name, rows))
 
 
 def render_summary(checked: list[str], not_checked: list[str], failed: int, console) -> None:
     """The last lines: what ran, what did not and why, and the verdict over what ran."""
     console.print("[bold]checked[/bold]")
     for line in checked:
-        console.print(f"  - {line}")
+        console.print(f"  - {line}", markup=False)
     if not_checked:
         console.print("[bold]not checked[/bold]")
         for line in not_checked:
-            console.print(f"  - {line}")
+            console.print(f"  - {line}", markup=False)
     if failed:
         console.print(f"[bold red]{failed} check(s) FAILED[/bold red]")
     else:
         kernels = not any(line.startswith("fused kernels") for line in not_checked)
         console.print("[bold green]all checks passed[/bold green]"
                       + ("" if kernels else " [yellow](the reference only: no fused kernel ran)[/yellow]"))
+
+
+def _md(table: Table) -> list[str]:
+    title, head, body = table
+    return ["", f"### {title}", "", markdown_table(head, body)]
+
+
+def report_markdown(doc: dict) -> str:
+    """check.md from check.json's document: the verdict, what was and was not checked, then per step its header,
+    pools, both stage tables and sanity checks; the distributed steps; each backend's matrix."""
+    lines = ["# megamoe check", "", "## Checked", ""] + [f"- {c}" for c in doc["checked"]]
+    if doc["not_checked"]:
+        lines += ["", "## Not checked", ""] + [f"- {c}" for c in doc["not_checked"]]
+    lines += ["", f"**{doc['failed']} check(s) failed**" if doc["failed"] else "All checks that ran passed."]
+    for rep in doc["reports"]:
+        lines += ["", f"## {rep['tokens_per_rank'][0]} tokens per rank", ""] + [f"{x}  " for x in report_header(rep)]
+        for table in [pools_table(rep), *stage_tables(rep), sanity_table(rep)]:
+            lines += _md(table)
+    if doc.get("dist"):
+        lines += ["", "## Distributed reference (real gloo ranks)", "", markdown_table(
+            ["recipe", "tokens per rank", "result", "first mismatch"],
+            [[d["recipe"], str(d["tokens_per_rank"]), d["result"], next(iter(v for v in d["mismatches"].values() if v), "")]
+             for d in doc["dist"]])]
+    for name, rows in doc.get("matrix", {}).items():
+        lines += _md(matrix_table(name, rows))
+    return "\n".join(lines) + "\n"

@@ -12,7 +12,19 @@ docs/decode-kernel-tc.md (tensor cores)."""
 from .gemv import LaunchConfig
 from .layout import DecodeWeights, TileShape, checkpoint_from_decode, prepare_decode_weights
 from .layout_tc import TCWeights, prepare_tc_weights
-from .moe import MAX_TOKENS, DecodeBuffers, moe_decode, moe_decode_torch
+
+# moe.py imports the Triton kernels (routing.py) at its top; its names load on first use, so that the triton-free
+# helpers here and in the submodules (layouts, torch twins, timeline) import on a machine without triton.
+_FROM_MOE = ("MAX_TOKENS", "DecodeBuffers", "moe_decode", "moe_decode_torch")
+
+
+def __getattr__(name: str):
+    if name in _FROM_MOE:
+        from . import moe
+
+        return getattr(moe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["LaunchConfig", "DecodeWeights", "TileShape", "checkpoint_from_decode", "prepare_decode_weights",
            "TCWeights", "prepare_tc_weights", "MAX_TOKENS", "DecodeBuffers", "moe_decode", "moe_decode_torch"]

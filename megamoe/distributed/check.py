@@ -17,7 +17,7 @@ from ..geometry import Geometry, get_geometry
 from ..inputs import MoEInputs, make_inputs
 from ..recipe import get_recipe
 from ..reference.pipeline import moe_forward, moe_forward_ep
-from ..testing import first_mismatch
+from ..testing import first_mismatch, weights_for_recipe
 from ..weights import MXFP4Weights, random_mxfp4_weights
 from .agreement import agree_on_step, check_same_setup, setup_fingerprint
 from .fused import FusedEPLauncher, ReferenceEPBackend, check_ep_ranks, make_fused_backend
@@ -160,6 +160,7 @@ def check_ranks(
         raise ValueError(f"tokens_per_rank must have one count per rank ({num_ranks}), got {tokens}")
     g.experts_per_rank(num_ranks)
     weights = fast_random_weights(g, seed=seed) if fast_weights else random_mxfp4_weights(g, seed=seed)
+    weights = weights_for_recipe(weights, recipe_obj)  # what the recipe's kernel is handed, as the 1-rank check does
     inputs = rank_inputs(g, tokens, seed)
     results = spawn(_check_worker, num_ranks, timeout_s=timeout_s,
                     args=(g, recipe_obj, weights, inputs, tuple(schemes), block_m, agree_iters, _fail_rank, _bad_rank))

@@ -6,6 +6,8 @@
                                   decorator); ``megamoe.check.matrix.run_matrix(cls.name, ...)`` and the
                                   benchmark sweep then find it by name like the built-in ones
     unregister_backend(name)      remove one added with register_backend
+    load_backend_module(module)   import a user's module that registers backends (``--backend-module``)
+    load_entry_points()           the same for every installed package's ``megamoe.backends`` entry point
     available_backends()          [(name, ok, reason)] for ``megamoe check``
     all_backend_names()           what ``--backends all`` stands for: every registered backend whose class has
                                   ``in_all`` (all but ``megamoe-decode``, the exact CUDA-core kernel kept for
@@ -14,6 +16,10 @@
 """
 
 from __future__ import annotations
+
+import importlib
+import os
+import sys
 
 from .base import FusedBackend
 from .deepgemm_fp4 import DeepGEMMFP4
@@ -63,6 +69,43 @@ def unregister_backend(name: str) -> None:
         raise ValueError(f"unregister_backend: {name!r} is built in and cannot be removed")
     get_backend_class(name)
     del BACKENDS[name]
+
+
+ENTRY_POINT_GROUP = "megamoe.backends"
+_MODULE_BACKENDS: dict[str, list[str]] = {}  # module -> the names its import registered (a second load: the same)
+
+
+def load_backend_module(module: str) -> list[str]:
+    """Import ``module`` (``PKG.MODULE``, importable from the current folder or the installed packages), whose
+    import registers its backends with ``register_backend``; returns the names it registered. An ImportError or the
+    module's own error propagates (the CLI turns it into a refused argument)."""
+    if not module or not all(part.isidentifier() for part in module.split(".")):
+        raise ValueError(f"{module!r} is not a module name (expected PKG.MODULE, e.g. my_kernels.backend)")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does: the user's folder first
+        sys.path.insert(0, os.getcwd())
+    if module not in _MODULE_BACKENDS:
+        before = set(BACKENDS)
+        importlib.import_module(module)
+        _MODULE_BACKENDS[module] = [n for n in BACKENDS if n not in before]
+    return [n for n in _MODULE_BACKENDS[module] if n in BACKENDS]
+
+
+def load_entry_points() -> tuple[list[str], dict[str, str]]:
+    """Every installed ``megamoe.backends`` entry point: one that names a module is imported (it registers its
+    backends), one that names a FusedBackend subclass is registered. Returns (names added, {entry point: why it
+    failed}); a broken entry point of some other package never stops the caller."""
+    from importlib.metadata import entry_points
+
+    before, failed = set(BACKENDS), {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if isinstance(obj, type):
+                if BACKENDS.get(getattr(obj, "name", None)) is not obj:
+                    register_backend(obj)
+        except Exception as exc:  # noqa: BLE001 - another package's bug is reported, not raised
+            failed[f"{ep.name} = {ep.value}"] = f"{type(exc).__name__}: {exc}"
+    return [n for n in BACKENDS if n not in before], failed
 
 
 def get_backend_class(name: str) -> type[FusedBackend]:
