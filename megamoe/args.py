@@ -5,6 +5,7 @@ argument, what it accepts and the closest valid spelling.
     --preset NAME          geometry preset
     --tokens T [T ...]     tokens PER RANK, a list: one step per value
     --backends NAME [...]  fused backends by registry name (bench: and "reference"); "all": every one that runs here
+                           (the teaching kernel megamoe-decode only by name)
     --ref-max-tokens N     the eager reference runs at most N tokens
     --ranks R              expert-parallel ranks (R must divide the preset's experts)
     --seed S  --out DIR  --device {auto,cpu,cuda}

@@ -219,12 +219,14 @@ def fused_registry() -> dict:
 
 def make_backends(g: Geometry, weights, capacity: int, names: Sequence[str] | None = None, *,
                   log: Callable[[str], None] = print) -> tuple[list[BenchBackend], dict[str, str]]:
-    """Every requested backend built and prepared (``names`` None: every registered one that runs here, and
-    the reference); returns (backends, {name: why skipped})."""
+    """Every requested backend built and prepared (``names`` None: every registered one with ``in_all`` that runs
+    here, and the reference); returns (backends, {name: why skipped})."""
     reg = fused_registry()
     out: list[BenchBackend] = []
     skipped: dict[str, str] = {}
-    for name in (list(names) if names is not None else [*reg, "reference"]):
+    from ..fused.registry import all_backend_names
+
+    for name in (list(names) if names is not None else [*(n for n in all_backend_names() if n in reg), "reference"]):
         if name == "reference":
             out.append(reference_backend(g, weights))
             continue
