@@ -7,6 +7,9 @@ Tests marked ``@pytest.mark.gpu`` run only where torch sees a CUDA device of com
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch

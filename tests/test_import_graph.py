@@ -169,3 +169,17 @@ def test_every_module_imports_on_a_cpu(name):
         if exc.name not in OPTIONAL:
             raise
         pytest.skip(f"{name} needs {exc.name}, which is not installed")
+
+
+def test_the_cli_and_the_registry_import_without_triton():
+    """``megamoe check`` (the README's first command) installs no triton: the registry, the backends' classes and
+    both CLIs must import with triton absent (it is blocked here, as a machine without it has none)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import megamoe.fused.registry, megamoe.check.cli, megamoe.bench.cli, megamoe.cli\n"
+            "from megamoe.fused.registry import BACKENDS; assert 'megamoe-decode' in BACKENDS\n"
+            "assert BACKENDS['megamoe-decode'].max_tokens_per_rank == 64\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -36,14 +36,11 @@ from ..geometry import Geometry
 from ..recipe import MEGAMOE_DECODE
 from ..validate import as_clamp, as_int, check_topk, expect_tensor
 from . import cuda_step, gemv, routing, tc
+from .bounds import MAX_TOKENS  # the token bound, stated once (importable without triton)
 from .gemv import LaunchConfig
 from .layout import DecodeWeights
 from .layout_tc import TCWeights
 
-# The decode path's token bound, stated once: the buffers' capacity, the launch check and the backends'
-# ``max_tokens_per_rank`` (which the bench harness reads) all read it. The routing kernel sorts all T * K slots in
-# one program.
-MAX_TOKENS = 64
 L2_GROUP = MEGAMOE_DECODE.l2_group  # L2's activation scale group (both decode recipes: 32)
 
 

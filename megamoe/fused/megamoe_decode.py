@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decode.moe import MAX_TOKENS
+from ..decode.bounds import MAX_TOKENS
 from ..recipe import MEGAMOE_DECODE, MEGAMOE_DECODE_TC
 from ..inputs import MoEInputs
 from ..validate import NonFiniteOutputError
@@ -47,7 +47,7 @@ class MegaMoEDecode(FusedBackend):
     # The exact CUDA-core kernel (the teaching kernel: the exact recipe's bits, every weight decoded on CUDA cores) is
     # slower than FlashInfer and than megamoe-decode-tc at every count measured (README's sweep; docs/decode-kernel.md)
     in_all = False
-    max_tokens_per_rank = MAX_TOKENS  # the decode path's one bound (megamoe.decode.moe); the bench harness reads it
+    max_tokens_per_rank = MAX_TOKENS  # the decode path's one bound (megamoe.decode.bounds); the bench harness reads it
 
     def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
         super().__init__(geometry, capacity=capacity, force_block_m=force_block_m, group=group)
