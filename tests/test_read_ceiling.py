@@ -255,7 +255,7 @@ def test_the_sweep_table_shows_the_fastest_read_and_the_streaming_read_beside_it
            "read_kernel": "cuda/16", "read_us_stream": slow, "frac_of_read": fast / us, "block_m": None}
     head, body = sweep_table({"rows": [row]})
     line = dict(zip(head, body[0]))
-    assert line["read us (MXFP4 bytes)"] == f"{fast:.1f} (cuda/16)" and line["streaming read us"] == f"{slow:.1f}"
+    assert line["read us, MXFP4 bytes"] == f"{fast:.1f} (cuda/16)" and line["streaming read us"] == f"{slow:.1f}"
     assert f"read {100 * fast / us:.0f}%" in line["k us"]
     head, _ = sweep_table({"rows": [{**row, "read_us_stream": None}]})  # no streaming read measured: no column
     assert "streaming read us" not in head

@@ -241,8 +241,8 @@ def to_markdown(results: dict) -> str:
 def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
     """results.json (written whole, then moved into place), results.jsonl (a record per timed row:
     ``megamoe.bench.jsonl``), results.md, and the plots when ``plots`` (the end of the sweep or of the run).
-    results.md waits for the first row or the end: a run stopped before it times anything leaves results.json (its
-    ceilings and setup), never a results.md of headers without rows."""
+    results.jsonl and results.md wait for the first row or the end: a run stopped before it times anything leaves
+    results.json (its ceilings and setup), never a results.md of headers without rows."""
     os.makedirs(out_dir, exist_ok=True)
     p = os.path.join(out_dir, "results.json")
     with open(p + ".tmp", "w") as f:
@@ -250,8 +250,9 @@ def write_all(results: dict, out_dir: str, plots: bool = True) -> list[str]:
     os.replace(p + ".tmp", p)
     from .jsonl import write_jsonl
 
-    written = [p, write_jsonl(results, out_dir)]
-    if results["rows"] or plots:
+    written = [p]
+    if results["rows"] or plots:  # like results.md: no baseline file of no rows
+        written.append(write_jsonl(results, out_dir))
         written.append(os.path.join(out_dir, "results.md"))
         with open(written[-1] + ".tmp", "w") as f:
             f.write(to_markdown(results))
