@@ -534,3 +534,18 @@ def test_every_name_the_quickstart_h200_block_uses_exists():
     assert get_geometry(calls["get_geometry"].args[0].value).num_experts == 256  # the backend's own size
     staged = ast.literal_eval(calls["stage"].args[1])
     assert ast.literal_eval(calls["make_inputs"].args[1]) == staged == ast.literal_eval(calls["launch"].args[0])
+
+
+def test_the_device_script_runs_the_quickstart_blocks_in_order_with_the_h200_one():
+    """bench/device/quickstart.py (what an H200 machine runs) joins every step's block, the H200 one last among
+    them and section 6's module file left out, into one script that compiles."""
+    import runpy
+
+    mod = runpy.run_path("bench/device/quickstart.py", run_name="quickstart_under_test")
+    src = mod["script"]()
+    compile(src, "quickstart", "exec")
+    blocks = src.split("# --- ")[1:]
+    assert "# H200 only" in blocks[-1] and "be.launch(128)" in blocks[-1]
+    assert "my_cpu_backend" not in src and len(blocks) >= 6
+    fake = "## A\n```python\nx = 1\n```\n## B\n```python\n# my_cpu_backend.py\ny = 2\n```\n```python\nz = x\n```\n"
+    assert mod["script"](fake) == "# --- A\nx = 1\n\n# --- B\nz = x\n"
