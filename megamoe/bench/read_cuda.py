@@ -16,25 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
+from ..nvcc import build_shared, find_nvcc as nvcc  # noqa: F401  (nvcc: the ceiling asks whether there is one)
 from .read_kernel import check_read_args
 
 SOURCE = Path(__file__).with_name("read_kernel.cu")
 NVCC_FLAGS = ("-O3", "-Xcompiler", "-fPIC", "-shared")
 THREADS = 128  # read_kernel.cu's kThreads (the library is asked; a mismatch raises)
-
-
-def nvcc() -> str | None:
-    """The nvcc the 1-token CUDA step builds with (``$CUDA_HOME/bin/nvcc``, else PATH): one lookup for both."""
-    from ..decode.cuda_step import nvcc as find_nvcc
-
-    return find_nvcc()
 
 
 def arch_of(device) -> str:
@@ -46,21 +38,11 @@ def arch_of(device) -> str:
 def build(arch: str = "90a", out_dir: str | os.PathLike | None = None) -> Path:
     """Compile ``read_kernel.cu`` for ``arch`` (e.g. "90a") into a shared library, once per source, flags and
     arch, and return its path. Raises RuntimeError without nvcc or when nvcc fails (its message in the error)."""
-    exe = nvcc()
+    flags = (*NVCC_FLAGS, "-gencode", f"arch=compute_{arch},code=sm_{arch}")
+    exe = nvcc()  # this module's name for the lookup (a test replaces it)
     if exe is None:
         raise RuntimeError("building the CUDA read needs nvcc (CUDA_HOME/bin or PATH)")
-    flags = (*NVCC_FLAGS, "-gencode", f"arch=compute_{arch},code=sm_{arch}")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    root = Path(out_dir or os.environ.get("MEGAMOE_CACHE", Path.home() / ".cache" / "megamoe"))
-    lib = root / f"read-{key}.so"
-    if not lib.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # built aside, then renamed: two processes may race here
-        run = subprocess.run([exe, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"nvcc failed on {SOURCE.name} (arch {arch}):\n{run.stderr[-4000:]}")
-        tmp.replace(lib)
-    return lib
+    return build_shared("read", SOURCE, (), flags, out_dir, what="the CUDA read", exe=exe, note=f"arch {arch}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
+
+from ..nvcc import build_shared, find_nvcc
 
 LAG = 2  # gate/up rounds a down tile waits after its item's last gate/up round (cuda_step_params.cuh's Schedule)
 MAX_TOPK = 8  # cuda/cuda_step_ops.cuh's kMaxTopK
@@ -52,33 +51,17 @@ NVCC_FLAGS = ("-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--fmad=false",
 
 
 def nvcc() -> str | None:
-    """The nvcc to build with: ``$CUDA_HOME/bin/nvcc``, else the one on PATH."""
-    home = os.environ.get("CUDA_HOME")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    """The nvcc to build with (``megamoe.nvcc.find_nvcc``: ``$CUDA_HOME/bin/nvcc``, else the one on PATH)."""
+    return find_nvcc()
 
 
 def build(out_dir: str | os.PathLike | None = None, *, source: Path = SOURCE) -> Path:
     """Compile ``source`` into a shared library (once per source, the step's headers and flags) and return its path.
     ``source``: ``cuda/cuda_step.cu``, the step; the lab compiles its probe instances over the same headers the same
     way. Cached by hash under ``out_dir``, else ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``."""
-    exe = nvcc()
-    if exe is None:
-        raise RuntimeError("building the 1-token CUDA step needs nvcc (CUDA_HOME/bin or PATH)")
     source = Path(source)
-    parts = sorted({source, *SOURCE.parent.glob("cuda_step*.cuh"), *source.parent.glob("*.cuh")})
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in parts) + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
-    root = Path(out_dir or os.environ.get("MEGAMOE_CACHE", Path.home() / ".cache" / "megamoe"))
-    lib = root / f"{source.stem}-{key}.so"
-    if not lib.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        run = subprocess.run([exe, *NVCC_FLAGS, "-o", str(tmp), str(source)], capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"nvcc failed on {source.name}:\n{run.stderr[-4000:]}")
-        tmp.replace(lib)
-    return lib
+    parts = {*SOURCE.parent.glob("cuda_step*.cuh"), *source.parent.glob("*.cuh")}
+    return build_shared(source.stem, source, parts, NVCC_FLAGS, out_dir, what="the 1-token CUDA step", exe=nvcc())
 
 
 @functools.lru_cache(maxsize=None)

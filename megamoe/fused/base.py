@@ -85,6 +85,17 @@ def _checked_launch(launch):
     return checked
 
 
+class LossyScalesOptIn:
+    """For a backend whose weight decode has a window with no exact repair (DeepGEMM SM90 FP4's table, Humming
+    W4A8's rebase): ``accept_lossy_scales=True`` runs weights outside it, and ``prepare`` leaves what they lose in
+    ``decode_loss`` for every result to report. Put it before FusedBackend in the bases."""
+
+    def __init__(self, geometry, *, accept_lossy_scales: bool = False, **kwargs) -> None:
+        super().__init__(geometry, **kwargs)
+        self.accept_lossy_scales = bool(accept_lossy_scales)
+        self.decode_loss: dict | None = None
+
+
 class FusedBackend:
     """Base class; subclasses set the class attributes and implement the ``_`` hooks.
 

@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from ..recipe import DEEPGEMM_SM90_FP4
-from .base import FusedBackend, Plan, kernel_availability
+from .base import FusedBackend, LossyScalesOptIn, Plan, kernel_availability
 from .deepgemm_build import JIT_CACHE, PIN, SM90_FP4_ENTRY_POINTS
 from .deepgemm_fp8 import capture_stdout_fd, find_all_kernel_args, parse_config_print
 
@@ -123,18 +123,13 @@ def parse_fp4_config_key(text: str) -> dict:
     return out
 
 
-class DeepGEMMFP4(FusedBackend):
+class DeepGEMMFP4(LossyScalesOptIn, FusedBackend):
     name = "deepgemm-sm90-fp4"
     recipe = DEEPGEMM_SM90_FP4
     weight_format = "mxfp4"
     kernel = "deep_gemm.fp8_fp4_mega_moe on SM90 (DeepGEMM PR #323, source build)"
     kernel_module = "deep_gemm"
     allows_zero_tokens = True
-
-    def __init__(self, geometry, *, accept_lossy_scales: bool = False, **kwargs) -> None:
-        super().__init__(geometry, **kwargs)
-        self.accept_lossy_scales = bool(accept_lossy_scales)
-        self.decode_loss: dict | None = None
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

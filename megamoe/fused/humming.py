@@ -41,7 +41,7 @@ import torch
 
 from ..inputs import MoEInputs
 from ..recipe import HUMMING_W4A8, HUMMING_W4A16, Recipe
-from .base import FusedBackend, Plan, cuda_hopper_reason
+from .base import FusedBackend, LossyScalesOptIn, Plan, cuda_hopper_reason
 
 REQUIRED = ("forward", "transform", "schema", "tune", "layer")
 COMPUTE_CONFIG = {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"}
@@ -61,7 +61,7 @@ def _config_summary(cfg: dict) -> str:
     return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 
-class _Humming(FusedBackend):
+class _Humming(LossyScalesOptIn, FusedBackend):
     """The shared chain; subclasses set the activation type."""
 
     weight_format = "mxfp4"
@@ -70,11 +70,6 @@ class _Humming(FusedBackend):
     kernel_module = "humming"
     graph_capturable = True  # every buffer made by allocate(); the chain syncs nothing (captured whole)
     input_config: dict | None = None
-
-    def __init__(self, geometry, *, accept_lossy_scales: bool = False, **kwargs) -> None:
-        super().__init__(geometry, **kwargs)
-        self.accept_lossy_scales = bool(accept_lossy_scales)
-        self.decode_loss: dict | None = None
 
     # ------------------------------------------------------------------ availability
     @classmethod
