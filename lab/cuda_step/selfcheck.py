@@ -90,19 +90,27 @@ def run_step_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: s
     if bits is not None and row["unsupported"] is None:
         sync = probe_step.sync_buffer(tw, "cuda")
 
-    def cuda_step():
+    # (not named cuda_step: that is the module, read below)
+    def launch_step():
         if mode is None:
             moe_decode(tw, bufs[1], 1, g.clamp, cuda_cfg)
         elif row["unsupported"] is None:  # (else the row fails on "unsupported")
             probe_step.step(tw, bufs[1], g.clamp, mode=bits, sync=sync)
 
-    for b in bufs:
-        b.poison_()
-    moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
-    cuda_step()
-    torch.cuda.synchronize()
-    row["stages"] = "; ".join(f"{f}: {m}" for f in FIELDS
-                              if (m := first_mismatch(written(bufs[1], f, 1), written(bufs[0], f, 1))))
+    def mismatches() -> str:
+        return "; ".join(f"{f}: {m}" for f in FIELDS if (m := first_mismatch(written(bufs[1], f, 1),
+                                                                             written(bufs[0], f, 1))))
+
+    def launch_both() -> str:
+        """Both buffers poisoned, the Triton launches into 0 and the step into 1: the stages that differ."""
+        for b in bufs:
+            b.poison_()
+        moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
+        launch_step()
+        torch.cuda.synchronize()
+        return mismatches()
+
+    row["stages"] = launch_both()
     n = int((bufs[1].slot_row[: g.num_topk] >= 0).sum())
     row["rows"] = n
     row["poison_kept"] = bool(torch.isnan(bufs[1].y[1:].float()).all() and (bufs[1].l2_q[n:] == 0x7F).all()
@@ -116,8 +124,8 @@ def run_step_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: s
     differ = 0
     for _ in range(repeats):
         bufs[1].poison_()
-        cuda_step()
-        differ += any(first_mismatch(written(bufs[1], f, 1), written(bufs[0], f, 1)) for f in FIELDS)
+        launch_step()
+        differ += bool(mismatches())
     row["relaunches_differing"] = f"{differ} of {repeats}"
     # Then another token in the same buffers: a launch that took anything of the last one's (a count not reset, an
     # LL word of an earlier launch taken for this one's) gives the last token's values where this one's differ.
@@ -125,13 +133,7 @@ def run_step_case(case: DecodeCase, repeats: int = 8, capacity: int = 2, mode: s
     stage_into(other.x, other.topk_idx, other.topk_weights, bufs[0].x_q, bufs[0].x_sf, bufs[0].topk_idx,
                bufs[0].topk_weights, 1, num_experts=g.num_experts, backend="torch")
     copy_staged(bufs[0], bufs[1])
-    for b in bufs:
-        b.poison_()
-    moe_decode(tw, bufs[0], 1, g.clamp, triton_cfg)
-    cuda_step()
-    torch.cuda.synchronize()
-    row["next_token"] = "; ".join(f"{f}: {m}" for f in FIELDS
-                                  if (m := first_mismatch(written(bufs[1], f, 1), written(bufs[0], f, 1))))
+    row["next_token"] = launch_both()
     counts = (bufs[1].step_sync if sync is None else sync)[: cuda_step.sync_words(g.hidden)]
     row["counts_left"] = int((counts != 0).sum())  # a relaunch passes its waits early if any is left
     row["seconds"] = round(time.time() - t0, 2)
