@@ -78,6 +78,18 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return out.reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
+def nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [..., K/2] -> bool [..., K/32]: does the 32-group hold a nonzero magnitude?
+
+    Code 8 (-0) is zero. 0x77 keeps both nibbles' magnitude bits.
+    """
+    p = packed.contiguous().view(torch.uint8)
+    if p.shape[-1] % (MXFP4_BLOCK // 2):
+        raise ValueError(f"packed last dim must be a multiple of {MXFP4_BLOCK // 2} bytes, got {p.shape[-1]}")
+    words = p.view(torch.int64)  # one 32-group = 16 bytes = 2 int64 words
+    return ((words & 0x7777777777777777) != 0).reshape(*p.shape[:-1], -1, 2).any(dim=-1)
+
+
 # ----------------------------------------------------------------------------------------- E8M0
 def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes (uint8, or torch.float8_e8m0fnu) -> float32 2**(b-127); byte 255 -> NaN."""

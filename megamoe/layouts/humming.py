@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..formats import E2M1_MAGNITUDES, E8M0_BIAS, MXFP4_BLOCK
+from ..formats import E2M1_MAGNITUDES, E8M0_BIAS, MXFP4_BLOCK, nonzero_groups
 from ..validate import check_mxfp4_values
 from ..weights import MXFP4Weights
 
@@ -112,6 +112,12 @@ class Rebased:
     lo: torch.Tensor
 
 
+def window_low(scale: torch.Tensor, span: int = W4A8_SCALE_SPAN) -> torch.Tensor:
+    """scale uint8 [E, N, K/32] -> int16 [E]: each tensor's window's lowest exact byte, max(min, max - span)."""
+    s = scale.view(torch.uint8).reshape(scale.shape[0], -1).to(torch.int16)
+    return torch.maximum(s.amin(dim=1), s.amax(dim=1) - span)
+
+
 def rebase_fused_e8m0(codes: torch.Tensor, scale: torch.Tensor, span: int = W4A8_SCALE_SPAN) -> Rebased:
     """Humming's ``process_fused_e8m0_scale`` for FP8 activations, in PyTorch (module docstring):
     codes uint8 [E, N, K/2], scale uint8 [E, N, K/32] -> ``Rebased``. Every byte of the tensor counts for
@@ -121,8 +127,7 @@ def rebase_fused_e8m0(codes: torch.Tensor, scale: torch.Tensor, span: int = W4A8
         raise ValueError(f"scale must be [{e}, {n}, {half_k * 2 // MXFP4_BLOCK}] for codes {tuple(codes.shape)}, "
                          f"got {tuple(scale.shape)}")
     s = scale.view(torch.uint8).view(e, -1).to(torch.int16)
-    hi, mn = s.amax(dim=1), s.amin(dim=1)
-    lo = torch.maximum(mn, hi - span)  # [E]
+    lo = window_low(scale, span)  # [E]
     delta = (lo[:, None] - s).clamp(min=0).clamp(max=31).view(e, n, -1)  # [E, N, K/32]
     new_scale = (torch.maximum(s, lo[:, None]) - lo[:, None] + 1).to(torch.uint8).view(e, n, -1)
     # Each nibble through the table of its group's delta (delta 0 maps -0 to 0 and keeps the rest), one expert at
@@ -169,9 +174,8 @@ def humming_window(weights: MXFP4Weights, span: int = W4A8_SCALE_SPAN) -> list[W
     kernel = humming_kernel_weights(weights, span)
     for codes_name, scale_name in SUBLAYERS.values():
         codes, scale = getattr(weights, codes_name), getattr(weights, scale_name)
-        lo = rebase_fused_e8m0(codes, scale, span).lo.view(-1, 1, 1).to(torch.int16)
-        nonzero = ((codes.view(*scale.shape, MXFP4_BLOCK // 2) & 0x77) != 0).any(-1)  # [E, N, K/32]
-        below = nonzero & (scale.to(torch.int16) < lo)
+        lo = window_low(scale, span).view(-1, 1, 1)
+        below = nonzero_groups(codes) & (scale.to(torch.int16) < lo)  # [E, N, K/32]
         experts = torch.nonzero(below.flatten(1).any(1)).flatten()
         if not experts.numel():
             continue
@@ -223,9 +227,8 @@ def humming_kernel_weights(weights: MXFP4Weights, span: int = W4A8_SCALE_SPAN) -
         codes, scale = getattr(weights, codes_name), getattr(weights, scale_name)
         r = rebase_fused_e8m0(codes, scale, span)
         new_codes, new_bytes = rebased_values(r)
-        nonzero = ((codes.view(*scale.shape, MXFP4_BLOCK // 2) & 0x77) != 0).any(-1)
         # All-zero groups keep their bytes (any byte decodes 0 there); -0 codes stay as the checkpoint wrote them.
-        keep = ~nonzero | (scale >= r.lo.view(-1, 1, 1))
+        keep = ~nonzero_groups(codes) | (scale >= r.lo.view(-1, 1, 1))
         new[scale_name] = torch.where(keep, scale, new_bytes)
         keep_codes = keep.repeat_interleave(MXFP4_BLOCK // 2, dim=-1)
         new[codes_name] = torch.where(keep_codes, codes, new_codes)

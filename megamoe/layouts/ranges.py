@@ -23,25 +23,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..formats import E8M0_BIAS, MXFP4_BLOCK
+from ..formats import E8M0_BIAS, MXFP4_BLOCK, nonzero_groups
 from ..recipe import Recipe, get_recipe
 from ..validate import check_mxfp4_values
 from ..weights import MXFP4Weights
 from .decode_loss import DecodeLoss, decode_loss, describe_loss, tensor_loss  # noqa: F401 (re-exported)
 
 TENSORS = ("l1", "l2")
-
-
-def nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [..., K/2] -> bool [..., K/32]: does the 32-group hold a nonzero magnitude?
-
-    Code 8 (-0) is zero. 0x77 keeps both nibbles' magnitude bits.
-    """
-    p = packed.contiguous().view(torch.uint8)
-    if p.shape[-1] % (MXFP4_BLOCK // 2):
-        raise ValueError(f"packed last dim must be a multiple of {MXFP4_BLOCK // 2} bytes, got {p.shape[-1]}")
-    words = p.view(torch.int64)  # one 32-group = 16 bytes = 2 int64 words
-    return ((words & 0x7777777777777777) != 0).reshape(*p.shape[:-1], -1, 2).any(dim=-1)
 
 
 @dataclass(frozen=True)
