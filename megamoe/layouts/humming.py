@@ -170,8 +170,7 @@ def humming_window(weights: MXFP4Weights, span: int = W4A8_SCALE_SPAN) -> list[W
     with what Humming's rewrite does to them (compared against the exact MXFP4 values)."""
     from ..formats import dequantize_mxfp4
 
-    out = []
-    kernel = humming_kernel_weights(weights, span)
+    out, kernel = [], None
     for codes_name, scale_name in SUBLAYERS.values():
         codes, scale = getattr(weights, codes_name), getattr(weights, scale_name)
         lo = window_low(scale, span).view(-1, 1, 1)
@@ -179,6 +178,7 @@ def humming_window(weights: MXFP4Weights, span: int = W4A8_SCALE_SPAN) -> list[W
         experts = torch.nonzero(below.flatten(1).any(1)).flatten()
         if not experts.numel():
             continue
+        kernel = kernel or humming_kernel_weights(weights, span)  # the rewrite, only where something is below
         kc, ks = getattr(kernel, codes_name), getattr(kernel, scale_name)
         for e in experts.tolist():  # one expert at a time: a whole sublayer in float64 is tens of GiB
             exact = dequantize_mxfp4(codes[e], scale[e]).double()
