@@ -178,7 +178,8 @@ def humming_window(weights: MXFP4Weights, span: int = W4A8_SCALE_SPAN) -> list[W
         experts = torch.nonzero(below.flatten(1).any(1)).flatten()
         if not experts.numel():
             continue
-        kernel = kernel or humming_kernel_weights(weights, span)  # the rewrite, only where something is below
+        if kernel is None:  # the rewrite, only where something is below
+            kernel = humming_kernel_weights(weights, span)
         kc, ks = getattr(kernel, codes_name), getattr(kernel, scale_name)
         for e in experts.tolist():  # one expert at a time: a whole sublayer in float64 is tens of GiB
             exact = dequantize_mxfp4(codes[e], scale[e]).double()
