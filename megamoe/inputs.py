@@ -39,6 +39,10 @@ class MoEInputs:
     def clone(self) -> "MoEInputs":
         return MoEInputs(self.x.clone(), self.topk_idx.clone(), self.topk_weights.clone())
 
+    def select(self, tokens: torch.Tensor) -> "MoEInputs":
+        """The step of the tokens ``tokens`` (int64 indices, on this step's device) alone, in that order."""
+        return MoEInputs(self.x[tokens], self.topk_idx[tokens], self.topk_weights[tokens])
+
 
 def make_routing(
     num_tokens: int,

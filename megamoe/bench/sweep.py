@@ -214,7 +214,7 @@ class Sweep:
         sel = torch.randperm(t, generator=torch.Generator().manual_seed(t))[:256].sort().values.to(inp.x.device)
         key = (b.reference_key(t), t)
         if key not in self._refs:
-            sub = inp if t <= 256 else type(inp)(inp.x[sel], inp.topk_idx[sel], inp.topk_weights[sel])
+            sub = inp if t <= 256 else inp.select(sel)
             ref = b.reference(sub.clone(), self.weights)
             self._refs[key] = None if ref is None else ref.float()
         if self._refs[key] is None:

@@ -255,11 +255,9 @@ def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) 
 
 def _subset(inp, n: int, seed: int):
     """A sorted random subset of n tokens (the reference of a token depends only on its own rows)."""
-    from ..inputs import MoEInputs
-
     gen = torch.Generator().manual_seed(seed)
     sel = torch.randperm(inp.num_tokens, generator=gen)[:n].sort().values.to(inp.x.device)
-    return sel, MoEInputs(x=inp.x[sel], topk_idx=inp.topk_idx[sel], topk_weights=inp.topk_weights[sel])
+    return sel, inp.select(sel)
 
 
 def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mma: str | None = None,
