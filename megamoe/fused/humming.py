@@ -108,9 +108,7 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         in_schema, _ = self._schemas().convert_humming(tensors=tensors, shape_n_stacks=n_stacks,
                                                        shape_k_stacks=[shape_k], param_dtype=torch.bfloat16,
                                                        num_experts=e, device=self.device)
-        config = transform.prepare_layer_config(shape_n=shape_n, shape_k=shape_k, weight_schema=ws,
-                                                input_schema=in_schema, num_experts=e, pad_n_to_multiple=256,
-                                                pad_k_to_multiple=128, torch_dtype=torch.bfloat16, device=self.device)
+        config = _layer_config(shape_n, shape_k, ws, in_schema, e, self.device)
         meta = HummingLayerMeta.from_layer_config(config, name)
         meta, tensors = transform.prepare_fp16_e8m0_scale(meta, tensors)
         out = transform.transform_humming_tensors(meta, tensors)
@@ -323,10 +321,19 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         return restore
 
 
+def _layer_config(shape_n: int, shape_k: int, weight_schema, input_schema, num_experts: int, device):
+    """Humming's layer config as vLLM asks for it: padded to 256 rows and 128 K, bf16, without the tensors (so the
+    W4A8 rebase keeps one window per expert and sublayer)."""
+    from humming import transform
+
+    return transform.prepare_layer_config(shape_n=shape_n, shape_k=shape_k, weight_schema=weight_schema,
+                                          input_schema=input_schema, num_experts=num_experts, pad_n_to_multiple=256,
+                                          pad_k_to_multiple=128, torch_dtype=torch.bfloat16, device=device)
+
+
 @functools.lru_cache(maxsize=None)
 def _geometry_tuning(name: str, e: int, h: int, i: int, input_config: str):
     """The tuning lists of a geometry from its layer configs alone (no weights), cached per geometry."""
-    from humming import transform
     from humming.schema import HummingInputSchema, Mxfp4WeightSchema
     from humming.tune import get_heuristics_config
 
@@ -336,9 +343,7 @@ def _geometry_tuning(name: str, e: int, h: int, i: int, input_config: str):
     dev = torch.device("cuda", torch.cuda.current_device())
     out = []
     for n, k in ((2 * i, h), (h, i)):
-        config = transform.prepare_layer_config(shape_n=n, shape_k=k, weight_schema=ws, input_schema=in_schema,
-                                                num_experts=e, pad_n_to_multiple=256, pad_k_to_multiple=128,
-                                                torch_dtype=torch.bfloat16, device=dev)
+        config = _layer_config(n, k, ws, in_schema, e, dev)
         out.append(get_heuristics_config(config, gemm_type="indexed", device=dev))
     return tuple(out)
 
