@@ -41,8 +41,11 @@ class Plan:
     forced: bool = False
     detail: dict = field(default_factory=dict)
 
+    DESCRIBED = ("block_n", "swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source", "batch_invariant",
+                 "down_repicked", "decode_loss")
+
     def describe(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in ("block_n", "swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source", "decode_loss"))
+        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in self.DESCRIBED)
         return f"BLOCK_M {self.block_m}{' (forced)' if self.forced else ''}{'; ' + extra if extra else ''}"
 
 
