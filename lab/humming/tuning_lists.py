@@ -34,12 +34,14 @@ class FakeH100:
     l1_cache_size, l1_cache_size_kb = 256 * 1024, 256.0
 
 
-def describe_card_as_h100() -> None:
+def describe_card_as_h100(set_attr=setattr) -> None:
+    """Humming's card query answers FakeH100, and torch's CUDA device calls become no-ops (a test passes
+    ``monkeypatch.setattr`` so that all three are undone after it)."""
     import humming.device as hd
 
-    hd._get_device_info_extension = lambda: types.SimpleNamespace(_DeviceInfo=lambda index: FakeH100())
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.device = lambda index: contextlib.nullcontext()
+    set_attr(hd, "_get_device_info_extension", lambda: types.SimpleNamespace(_DeviceInfo=lambda index: FakeH100()))
+    set_attr(torch.cuda, "current_device", lambda: 0)
+    set_attr(torch.cuda, "device", lambda index: contextlib.nullcontext())
 
 
 def lists(e: int, h: int, i: int, input_config: dict | None, batch_invariant: bool):
