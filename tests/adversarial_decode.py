@@ -194,8 +194,6 @@ DECODE = [
          Refused(ValueError, r"TileShape: groups must be >= 1, got 0")),
     Case("decode", "three warps", lambda wf: _cfg(l1_warps=3),
          Refused(ValueError, r"LaunchConfig: l1_warps must be one of \(1, 2, 4, 8, 16\), got 3")),
-    Case("decode", "combine block 1000", lambda wf: _cfg(combine_block=1000),
-         Refused(ValueError, r"LaunchConfig: combine_block must be a power of two \(a Triton block\), got 1000")),
     Case("decode", "pdl as an int", lambda wf: _cfg(pdl=1), Refused(TypeError, r"LaunchConfig: pdl must be a bool, got int 1")),
     Case("decode", "split K past the buffers' scratch, tensor cores", lambda wf: _launch(
          dw=_dw(tc=True), cfg=_cfg(tc_pack4=True, tc_split=2)),

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import dequantize_mxfp4
+from ..formats import dequantize_mxfp4, pack_e2m1
 from ..recipe import MEGAMOE_DECODE
 from ..reference.gemm import promoted_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from ..validate import as_int
 from .layout import DecodeWeights, _untile
-from ..formats import pack_e2m1
+
+
+COMBINE_BLOCK = 1024  # columns per combine program
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,6 @@ class LaunchConfig:
     block_m: int = 1
     l1_warps: int = 4
     l2_warps: int = 4
-    combine_block: int = 1024
     store_l1: bool = False
     # L1 / L2 load the next K-iteration's tile before this one's arithmetic (more registers, same bits)
     l1_prefetch: bool = False
@@ -72,9 +73,6 @@ class LaunchConfig:
             v = as_int(name, getattr(self, name), who=who)
             if v not in allowed:
                 raise ValueError(f"{who}: {name} must be one of {allowed}, got {v}")
-        cb = as_int("combine_block", self.combine_block, lo=1, who=who)
-        if cb & (cb - 1):
-            raise ValueError(f"{who}: combine_block must be a power of two (a Triton block), got {cb}")
         as_int("tc_stages", self.tc_stages, lo=1, hi=8, who=who)
         for name in ("tc_l1_maxnreg", "tc_l2_maxnreg"):
             if getattr(self, name) is not None:
@@ -127,7 +125,7 @@ def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
     if num_tokens == 0:
         return
     h = buf.y.shape[1]
-    bh = min(cfg.combine_block, h)
+    bh = min(COMBINE_BLOCK, h)
     combine_kernel[(num_tokens, -(-h // bh))](buf.slot_out, buf.slot_row, buf.y.view(torch.int16), num_tokens,
                                               H=h, K=num_topk, BH=bh, PDL=cfg.pdl and not buf.interpret,
                                               **_kw(4, buf.interpret, cfg.pdl))

@@ -79,17 +79,6 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=-1).reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
-def decode_pair_torch(words: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel's pair-p decode computes: int32 words -> (lo, hi) float32 = e2m1 * 2**-14."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    h = ((w << (3 * p)) & 0x0E000E00) | ((w << p) & 0x80008000)
-
-    def f16(v):  # 16 bits -> the fp16 they spell, as float32 (exact, subnormals included)
-        return (v - ((v >> 15) << 16)).to(torch.int16).view(torch.float16).float()
-
-    return f16(h & 0xFFFF), f16(h >> 16)
-
-
 @dataclass(frozen=True)
 class TileShape:
     """Rows per program (``bn``) and 32-K groups per K-iteration (``groups``) of one GEMM: powers of two (a

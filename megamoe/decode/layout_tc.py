@@ -227,10 +227,3 @@ def expert_operands(tw: TCWeights, e: int) -> tuple[torch.Tensor, torch.Tensor, 
     c1, s1, c2, s2 = _expert_codes(tw, e)
     vals = lambda codes: e4m3_bytes(codes).view(torch.float8_e4m3fn).float()  # noqa: E731
     return vals(c1), e8m0_to_float(s1) * 2.0**6, vals(c2), e8m0_to_float(s2) * 2.0**6
-
-
-def checkpoint_from_tc(tw: TCWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All experts' codes and bytes back in checkpoint order (the inverse of prepare, after its canonical
-    bytes): (l1 codes [E, 2I, H], l1 bytes [E, 2I, H/32], l2 codes [E, H, I], l2 bytes [E, H, I/32])."""
-    per_expert = [_expert_codes(tw, e) for e in range(tw.num_experts)]
-    return tuple(torch.stack(t) for t in zip(*per_expert))

@@ -60,8 +60,6 @@ class DecodeBuffers:
         split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
-        stamps int64 [2, P, 16] or None    set by a caller that wants the tensor-core L1's (0) and L2's (1)
-                                           timeline, P >= each launch's programs (``stamps.stamp_buffer``)
     """
 
     x_q: torch.Tensor
@@ -87,7 +85,6 @@ class DecodeBuffers:
     step_sync: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
-    stamps: torch.Tensor | None = None
     num_experts: int = 0  # the layer's E, that staged ids are checked against (0: expert_lo + num_local)
 
     def __post_init__(self) -> None:
@@ -114,28 +111,13 @@ class DecodeBuffers:
         if g.hidden % 128 or g.intermediate % L2_GROUP:
             raise ValueError(f"{who}: the decode kernels need hidden % 128 == 0 and intermediate % {L2_GROUP} == 0, "
                              f"got hidden={g.hidden}, intermediate={g.intermediate}")
-        h, i, k = g.hidden, g.intermediate, g.num_topk
-        el = num_local
-        s = capacity * k
-        w = min(el, s)
-        s_split = min(capacity, split_tokens) * k
-        f32, i32 = torch.float32, torch.int32
-
-        def e(*shape, dtype=f32):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        buf = cls(
-            x_q=e(capacity, h, dtype=torch.float8_e4m3fn), x_sf=e(capacity, h // 128),
-            topk_idx=torch.full((capacity, k), -1, dtype=torch.int64, device=device), topk_weights=e(capacity, k),
-            x32=e(capacity, h), num_touched=torch.zeros(1, dtype=i32, device=device), touched=e(w, dtype=i32),
-            seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
-            slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
-            l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
-            split_terms=e(s_split, h // 128, 2 * i),
-            split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
-            step_sync=torch.zeros(cuda_step.sync_words(h), dtype=i32, device=device),
-            num_local=el, expert_lo=expert_lo, num_experts=g.num_experts,
-        )
+        table = _tensor_table(capacity, g.hidden, g.num_topk, g.intermediate, num_local,
+                              min(capacity, split_tokens) * g.num_topk)
+        zeroed = ("num_touched", "split_counts", "step_sync")  # counts the launches expect at zero
+        tensors = {n: (torch.zeros if n in zeroed else torch.empty)(shape, dtype=dt, device=device)
+                   for n, (shape, dt) in table.items()}
+        tensors["topk_idx"].fill_(-1)  # nothing staged: every slot masked
+        buf = cls(**tensors, num_local=num_local, expert_lo=expert_lo, num_experts=g.num_experts)
         from ..staging.stage import record_staged
 
         record_staged(buf.topk_idx, 0, g.num_experts, True)  # nothing staged yet: every id -1
@@ -143,23 +125,9 @@ class DecodeBuffers:
 
     def _expected(self) -> dict:
         """name -> (shape, dtype) of every tensor, from the staged block's C, H, K, the L2 block's I and the
-        split scratch's rows (the docstring's table)."""
-        c, h = self.x_q.shape
-        k, i = self.topk_idx.shape[1], self.l2_q.shape[1]
-        s, el = c * k, self.num_local
-        w = min(el, s)
-        s_split = self.split_terms.shape[0]
-        f32, i32 = torch.float32, torch.int32
-        return {
-            "x_q": ((c, h), torch.float8_e4m3fn), "x_sf": ((c, h // 128), f32), "topk_idx": ((c, k), torch.int64),
-            "topk_weights": ((c, k), f32), "x32": ((c, h), f32), "num_touched": ((1,), i32), "touched": ((w,), i32),
-            "seg_start": ((w,), i32), "seg_count": ((w,), i32), "row_token": ((s,), i32), "row_weight": ((s,), f32),
-            "slot_row": ((s,), i32), "l1_out": ((s, 2 * i), f32), "l2_q": ((s, i), torch.uint8), "l2_x": ((s, i), f32),
-            "l2_sf": ((s, i // L2_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
-            "split_terms": ((s_split, h // 128, 2 * i), f32),
-            "split_counts": ((min(el, s_split) * (i // 32),), i32),
-            "step_sync": ((cuda_step.sync_words(h),), i32),
-        }
+        split scratch's rows (``_tensor_table``)."""
+        (c, h), k, i = self.x_q.shape, self.topk_idx.shape[1], self.l2_q.shape[1]
+        return _tensor_table(c, h, k, i, self.num_local, self.split_terms.shape[0])
 
     def check(self, who: str = "DecodeBuffers") -> None:
         """Every tensor's shape, dtype, device (x_q's) and contiguity against the table (the kernels take raw
@@ -189,10 +157,6 @@ class DecodeBuffers:
         dev = self.x_q.device
         for name, (shape, dtype) in self._expected().items():
             expect_tensor(name, getattr(self, name), shape, dtype, dev, who, contiguous=True)
-        if self.stamps is not None:
-            expect_tensor("stamps", self.stamps, None, torch.int64, dev, who, contiguous=True)
-            if self.stamps.ndim != 3 or self.stamps.shape[0] != 2 or self.stamps.shape[2] != 16:
-                raise ValueError(f"{who}: stamps must be int64 [2, P, 16], got shape {tuple(self.stamps.shape)}")
         self._checked_key = key
 
     @property
@@ -235,6 +199,24 @@ class DecodeBuffers:
                     t.fill_(float("nan"))
                 else:
                     t.view(torch.uint8).fill_(0x7F)
+
+
+def _tensor_table(c: int, h: int, k: int, i: int, num_local: int, s_split: int) -> dict:
+    """name -> (shape, dtype) of every tensor of ``DecodeBuffers`` (its docstring's table) for C tokens, H, top-k K,
+    I, E_l local experts and S' split scratch rows."""
+    s = c * k
+    w = min(num_local, s)
+    f32, i32 = torch.float32, torch.int32
+    return {
+        "x_q": ((c, h), torch.float8_e4m3fn), "x_sf": ((c, h // 128), f32), "topk_idx": ((c, k), torch.int64),
+        "topk_weights": ((c, k), f32), "x32": ((c, h), f32), "num_touched": ((1,), i32), "touched": ((w,), i32),
+        "seg_start": ((w,), i32), "seg_count": ((w,), i32), "row_token": ((s,), i32), "row_weight": ((s,), f32),
+        "slot_row": ((s,), i32), "l1_out": ((s, 2 * i), f32), "l2_q": ((s, i), torch.uint8), "l2_x": ((s, i), f32),
+        "l2_sf": ((s, i // L2_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
+        "split_terms": ((s_split, h // 128, 2 * i), f32),
+        "split_counts": ((min(num_local, s_split) * (i // 32),), i32),
+        "step_sync": ((cuda_step.sync_words(h),), i32),
+    }
 
 
 _all_fields = operator.attrgetter(*(f.name for f in fields(DecodeBuffers)))  # every field's value, in one C call

@@ -14,8 +14,6 @@ tensor cores' 13 fraction bits (the CPU tests' inputs are built so).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..recipe import MEGAMOE_DECODE_TC
@@ -23,7 +21,6 @@ from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
-from .stamps import WORDS
 
 
 MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
@@ -91,29 +88,17 @@ def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
     return slot_pad(num_tokens, buf.num_topk)
 
 
-def _stamps(buf, launch: int, grid: tuple) -> tuple:
-    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``stamps.py``), checked
-    against the grid; otherwise a stand-in tensor the kernel never touches and STAMP off."""
-    if buf.stamps is None:
-        return buf.num_touched, False
-    programs = math.prod(grid)
-    if buf.interpret or buf.stamps.dim() != 3 or buf.stamps.shape[1] < programs or buf.stamps.shape[2] != WORDS:
-        raise ValueError(f"DecodeBuffers.stamps must be int64 [2, >= {programs}, {WORDS}] on a GPU (launch {launch}'s "
-                         f"grid {grid}), got {tuple(buf.stamps.shape)}{' under the interpreter' * buf.interpret}")
-    return buf.stamps[launch], True
-
-
 def launch_grids(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> tuple[tuple, tuple]:
     """The grids ``l1_tc`` and ``l2_tc`` launch for this step, after their checks: L1 (W work items, one more
-    when it routes for itself; I / 32 channel tiles; its K parts), L2 (W, H / 64). A timeline's stamp buffer
-    holds the larger (``stamps.stamp_buffer``)."""
+    when it routes for itself; I / 32 channel tiles; its K parts), L2 (W, H / 64)."""
     w = buf.max_work(num_tokens)
     route = bool(_route_slots(buf, num_tokens, cfg))
     return (w + route, tw.intermediate // 32, _split(tw, buf, num_tokens, cfg)), (w, tw.hidden // 64)
 
 
-def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
-    """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
+def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig, probe: tuple | None = None) -> None:
+    """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route). ``probe``:
+    (a Triton function, its tensor) for the kernel's PROBE hook (``triton_tc_ops.no_probe``), None for none."""
     from .routing import route_pads
     from .triton_tc import l1_tc_kernel
 
@@ -124,29 +109,30 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
     route = {}
     if grid[0] > buf.max_work(num_tokens):  # L1 routes for itself: route's sort sizes, as route's launch has them
         route = dict(ROUTE=True, **route_pads(num_tokens, buf.num_topk, buf.num_local))
-    stamps, stamp = _stamps(buf, 0, grid)
+    hook, probe_ptr = probe or (None, buf.num_touched)
     l1_tc_kernel[grid](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
         buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
-        buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        buf.num_local, float(clamp), probe_ptr, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
-        PACK=cfg.tc_pack4, SPLIT=split, **route, STAMP=stamp,
+        PACK=cfg.tc_pack4, SPLIT=split, **route, **({"PROBE": hook} if hook else {}),
     )
 
 
-def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
+def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig, probe: tuple | None = None) -> None:
+    """L2; ``probe`` as in ``l1_tc``."""
     from .triton_tc import l2_tc_kernel
 
     if num_tokens == 0:
         return
     _, grid = launch_grids(tw, buf, num_tokens, cfg)
-    stamps, stamp = _stamps(buf, 1, grid)
+    hook, probe_ptr = probe or (None, buf.num_touched)
     l2_tc_kernel[grid](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, H=tw.hidden, I=tw.intermediate,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, probe_ptr, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        PACK=cfg.tc_pack4, STAMP=stamp,
+        PACK=cfg.tc_pack4, **({"PROBE": hook} if hook else {}),
     )
 
 

@@ -39,7 +39,7 @@ from .triton_gemv import _bf16_bits
 from .routing import route_item, route_meta, route_rows
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma,
-                            _stamp, _x_group)
+                            _x_group, no_probe)
 
 
 @triton.jit
@@ -64,15 +64,15 @@ def l1_tc_kernel(
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W' * I/32] (moe.DecodeBuffers.split_*)
     idx_ptr, tw_ptr, slot_row_ptr, T, expert_lo, num_local,  # ROUTE: the staged routing; route's other output
-    clamp, stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
+    clamp, probe_ptr,  # PROBE's (``triton_tc_ops.no_probe``)
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
     ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-    STAMP: tl.constexpr = False,
+    PROBE: tl.constexpr = no_probe,
 ):
-    _stamp(stamps_ptr, 1, STAMP)
+    PROBE(probe_ptr, 1)
     pdl_wait(PDL)
-    _stamp(stamps_ptr, 2, STAMP)
+    PROBE(probe_ptr, 2)
     j = tl.program_id(0)
     t = tl.program_id(1)
     part = tl.program_id(2)
@@ -87,7 +87,7 @@ def l1_tc_kernel(
         skey = 0
     if j < n_items:
         NB: tl.constexpr = H // 128
-        _stamp(stamps_ptr, 3, STAMP)
+        PROBE(probe_ptr, 3)
         tile = e * (I // 32) + t
         sp = s_ptr + tile * NB * 64
         wp = w_ptr + tile * NB * 4096
@@ -99,7 +99,7 @@ def l1_tc_kernel(
             zero = tl.zeros([64, 4], tl.float32)
             if SPLIT == 1:
                 acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
-                _stamp(stamps_ptr, 4, STAMP)
+                PROBE(probe_ptr, 4)
                 pdl_release(PDL)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
@@ -112,7 +112,7 @@ def l1_tc_kernel(
                 else:  # each block's term in its own slot
                     _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
                                ASM, True, True)
-                _stamp(stamps_ptr, 4, STAMP)
+                PROBE(probe_ptr, 4)
                 pdl_release(PDL)
                 if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
                     acc = _replay(slots, valid, NBP, NB, 2 * I)
@@ -125,11 +125,11 @@ def l1_tc_kernel(
                                          ROUTE, K, S_PAD, NTOK)
                 acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), valid, None, wp, sp, x_ptr, xsf_ptr, tok, 0, NB,
                                  None, 1, H, ASM, False, False)
-                _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
+                PROBE(probe_ptr, 4)  # (each pass: the last one's stays)
                 pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
                 _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
-    _stamp(stamps_ptr, 5, STAMP)
+    PROBE(probe_ptr, 5)
 
 
 @triton.jit
@@ -200,26 +200,26 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
+    probe_ptr,  # PROBE's (``triton_tc_ops.no_probe``)
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PACK: tl.constexpr = False,
-    STAMP: tl.constexpr = False,
+    PROBE: tl.constexpr = no_probe,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
-    _stamp(stamps_ptr, 1, STAMP)
+    PROBE(probe_ptr, 1)
     pdl_wait(PDL)
-    _stamp(stamps_ptr, 2, STAMP)
+    PROBE(probe_ptr, 2)
     n_items = tl.load(num_touched_ptr)
     e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as L1's)
     if j < n_items:
-        _stamp(stamps_ptr, 3, STAMP)
+        PROBE(probe_ptr, 3)
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
         if PACK and count <= 4:  # one packed pass (as L1's)
             rows, valid = _pass(start, 0, count, 4)
             acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
                              w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
-            _stamp(stamps_ptr, 4, STAMP)
+            PROBE(probe_ptr, 4)
             pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
         else:
@@ -228,11 +228,11 @@ def l2_tc_kernel(
                 rows, valid = _pass(start, m0, count)
                 acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
                                  tile, I, ASM, False)
-                _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
+                PROBE(probe_ptr, 4)  # (each pass: the last one's stays)
                 pdl_release(PDL)  # the combine may start (as in L1)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
-    _stamp(stamps_ptr, 5, STAMP)
+    PROBE(probe_ptr, 5)
 
 
 @triton.jit

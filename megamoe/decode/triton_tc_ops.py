@@ -8,27 +8,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .stamps import WORDS
-
 NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
-STAMP_WORDS = tl.constexpr(WORDS)  # int64 per program in a launch's timeline (``_stamp``): SM id, timer / clock
 
 
 @triton.jit
-def _stamp(stamps_ptr, k: tl.constexpr, STAMP: tl.constexpr):
-    """A launch's timeline (``DecodeBuffers.stamps``; off unless STAMP): point k (1..7) of this program, the
-    GPU's nanosecond %globaltimer in word k and its SM's %clock64 in word 8 + k of the program's 16; point 1
-    also stores the SM id in word 0. GPU only (inline PTX)."""
-    if STAMP:
-        pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        base = stamps_ptr + pid.to(tl.int64) * STAMP_WORDS
-        if k == 1:
-            tl.store(base, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False,
-                                                     pack=1).to(tl.int64))
-        tl.store(base + k, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                                     is_pure=False, pack=1))
-        tl.store(base + 8 + k, tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
-                                                         is_pure=False, pack=1))
+def no_probe(probe_ptr, point: tl.constexpr):
+    """The kernels' PROBE hook unless a caller passes its own: nothing. Each program calls PROBE(probe_ptr, point) at
+    point 1 its start, 2 past ``griddepcontrol.wait``, 3 its work item known, 4 its K loop done, 5 its exit (past the
+    step's work items: 1, 2 and 5); the lab's timeline (lab/decode/stamps.py) stores when each was reached."""
+    pass
 
 
 @triton.jit
