@@ -183,8 +183,8 @@ DECODE = [
     Case("decode", "tile of 24 rows", lambda wf: _tiles((32, 4), (24, 2)),
          Refused(ValueError, r"TileShape: bn must be a power of two \(a Triton block size\), got 24")),
     Case("decode", "L1 tile of 64 rows", lambda wf: _tiles((64, 4), (64, 2)),
-         Refused(ValueError, r"prepare_decode_weights: l1_tile.bn must be 32 \(L1's rows per program are one L2 requant "
-                             r"group\), got 64")),
+         Refused(ValueError, r"prepare_decode_weights: l1_tile.bn must be 32 \(gate/up's rows per program are one down "
+                             r"requant group\), got 64")),
     Case("decode", "L1 tile of 2 groups", lambda wf: _tiles((32, 2), (64, 2)),
          Refused(ValueError, r"l1_tile.groups must be 4..64 \(1 to 16 promotion blocks of 128 K\), got 2")),
     Case("decode", "L2 tile wider than I", lambda wf: _tiles((32, 4), (64, 8)),

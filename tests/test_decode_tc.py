@@ -172,7 +172,7 @@ def test_split_k_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="tc_split=2 needs tc_pack4=True.*tc_pack4=False"):
         _split(TW, Buf, 1, LaunchConfig(tc_split=2))
     TW.hidden = 256
-    with pytest.raises(ValueError, match="tc_split=4 must divide L1's 2 K blocks"):
+    with pytest.raises(ValueError, match="tc_split=4 must divide gate/up's 2 K blocks"):
         _split(TW, Buf, 1, LaunchConfig(tc_pack4=True, tc_split=4))
 
 

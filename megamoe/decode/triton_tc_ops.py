@@ -67,7 +67,7 @@ def _blocks4(wp):
     thread into shared memory, and each thread's registers then hold bytes [8 i, 8 i + 8) of each block (its
     fragment share); the group split is in registers. Offsets written as a 5-D tensor in the block's own
     order hid that contiguity: the copies walked a block 256 bytes apart per lane (~28 sectors per warp
-    request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 the
+    request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 cache the
     bottleneck."""
     p = tl.reshape(_load4(wp), (2, 2, 4, 8, 4, 2, 4))
     p = tl.permute(p, (2, 3, 4, 5, 6, 0, 1))  # [..., g // 2, g % 2]
@@ -95,7 +95,7 @@ def _factors4(sp):
 
 @triton.jit
 def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr):
-    """L1: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
+    """Gate/up GEMM: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
     FP32 in ascending K [64, NTOK]."""
     p0, p1, p2, p3 = _blocks4(wp)
     blk = _mma(p0, f0, _x_group(xp, tok, valid, k0, LD), ASM)
@@ -137,7 +137,7 @@ def _decode4(wp, ASM: tl.constexpr):
 def _packed_columns(xrow4, count):
     """The 16 MMA columns of a packed pass (up to 4 tokens, all four groups of a 128-K block in one MMA): column
     c = 8 gh + 2 n + gl is token n at group g = 2 gh + gl. xrow4 [4]: x's row of each of the pass's rows (the
-    pool row's token in L1, the pool row in L2) -> (x's row of each column [16]; its group [16]; whether n is in
+    pool row's token in gate/up, the pool row in down) -> (x's row of each column [16]; its group [16]; whether n is in
     the pass [16]). With this order the accumulator columns each thread holds (2q, 2q + 1, 8 + 2q, 9 + 2q) are
     the four groups of one token. Computed once per pass, outside the K loop."""
     c = tl.arange(0, 16)
