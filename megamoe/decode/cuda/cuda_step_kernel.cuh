@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   };
   int tiles_done = 0;
   uint32_t gate_up_tiles = 0;  // this CTA's gate/up epilogues done (warpgroup 0)
-  int mine = 0;           // this CTA's down tiles
-  uint32_t inputs = 0;    // items whose down-GEMM input row this warpgroup has seen arrive
+  int mine = 0;                // this CTA's down tiles
+  uint32_t inputs = 0;         // items whose down-GEMM input row this warpgroup has seen arrive
 
   auto gate_up_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
