@@ -15,7 +15,7 @@
 #
 # Before the kernel runs, `x` (bf16 [T, H]) is cast to FP8 e4m3 with an FP32 scale per token per 128
 # channels (`megamoe.layouts.staging.per_token_cast_to_fp8`, bit-exact with DeepGEMM's function as it
-# runs on CUDA). The L1 GEMM then multiplies each 128-wide K block's partial product by that scale
+# runs on CUDA). The gate/up GEMM then multiplies each 128-wide K block's partial product by that scale
 # (notebook 4). This is the first place the kernel loses precision.
 #
 # Ladder: (2.1) the scales, (2.2) the error per element, (2.3) why 128 channels per scale,

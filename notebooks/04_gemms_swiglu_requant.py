@@ -11,14 +11,14 @@
 # ---
 
 # %% [markdown]
-# # 4. The L1 GEMM, clamped SwiGLU and the L2 requant: where the expert math rounds
+# # 4. The gate/up GEMM, clamped SwiGLU and the down requant: where the expert math rounds
 #
-# Inside the kernel each expert's rows go through: the L1 (gate|up) GEMM with the activation scale
+# Inside the kernel each expert's rows go through: the gate/up GEMM with the activation scale
 # promoted per 128-wide K block, the clamped SwiGLU in FP32 with the routing weight folded in, and a
-# requantization to FP8 (one power-of-two scale per token per G channels) that feeds the L2 GEMM.
+# requantization to FP8 (one power-of-two scale per token per G channels) that feeds the down GEMM.
 # Every step is a library function (`megamoe.reference`); here each one is measured.
 #
-# Ladder: (4.1) per-128 promotion in the L1 GEMM, (4.2) clamped SwiGLU, (4.3) the L2 requant's
+# Ladder: (4.1) per-128 promotion in the gate/up GEMM, (4.2) clamped SwiGLU, (4.3) the down requant's
 # per-group scales, (4.4) the error budget of each kernel recipe, stage by stage.
 
 # %%
@@ -53,7 +53,7 @@ def kernel_weights(w, recipe):
 
 
 # %% [markdown]
-# ## 4.1 The L1 GEMM with per-128 promotion
+# ## 4.1 The gate/up GEMM with per-128 promotion
 #
 # The FP8 tensor core sums one 128-wide K block; the kernel then does, in FP32,
 # `acc += x_sf[t, kb] * partial_kb` for kb ascending. The promotion exists because the MMA's own
@@ -101,8 +101,8 @@ figs.save(fig, "l1_promotion")
 # ## 4.2 Clamped SwiGLU
 #
 # `g = min(gate, 10)`, `u = clamp(up, -10, 10)`, `v = silu(g) * u`, in FP32, then `v * topk_weight`.
-# The clamp bounds `v` (|v| < ~100), which bounds the L2 requant's scales. With std-1 activations
-# and 1/sqrt(H) weights the L1 outputs are O(1) and the clamp rarely fires; with 8x larger
+# The clamp bounds `v` (|v| < ~100), which bounds the down requant's scales. With std-1 activations
+# and 1/sqrt(H) weights the gate/up outputs are O(1) and the clamp rarely fires; with 8x larger
 # activations it does. We measure how often, on the whole layer (small preset).
 
 # %%
@@ -137,7 +137,7 @@ ax1.legend(fontsize=8)
 figs.save(fig, "swiglu_clamp")
 
 # %% [markdown]
-# ## 4.3 The L2 requant: per-group scales
+# ## 4.3 The down requant: per-group scales
 #
 # `vw = v * topk_weight` is cast to FP8 with one scale per token per G channels. FlashInfer uses
 # G = 128 and a power-of-two scale (`2^ceil(log2(amax / 448))`), DeepGEMM SM90 FP4 G = 64, the
@@ -241,9 +241,9 @@ figs.save(fig, "error_budget")
 #   accumulator, divided by the next block's scale before its MMAs and multiplied back after: the
 #   13-bit rounding now applies to the whole running sum, 32 times on DeepSeek-V4-Flash's K = 4096.
 #
-# Below, one expert's L1 GEMM on a few rows, under each model, against the exact product. On the H200 the
+# Below, one expert's gate/up GEMM on a few rows, under each model, against the exact product. On the H200 the
 # reference that models the right mode for each plan brought DeepGEMM at 8192 tokens from calc_diff 5.7e-5
-# (94% of L2 codes identical) to 1.6e-6 (99.9%) with the first, 90%-exact tensor-core model, and to 7.8e-7 with
+# (94% of down codes identical) to 1.6e-6 (99.9%) with the first, 90%-exact tensor-core model, and to 7.8e-7 with
 # the bit-exact one (`bench/results/2026-12-03_nvidia-h200_tc-operands/`).
 
 # %%
@@ -279,5 +279,5 @@ figs.save(fig, "tc_accumulation")
 # On this CPU run: exact-block 7e-8, promote 1.2e-4, rescale 7.6e-4 median relative error, the two
 # tensor-core modes biased toward zero by 5.5e-5 and 3.4e-4. The rescale mode's error is several times the
 # promote mode's and biased toward zero (truncation), which
-# is what the DeepGEMM kernel's own L2 scales showed on the H200: its largest SwiGLU outputs sat 3e-4 low
+# is what the DeepGEMM kernel's own down scales showed on the H200: its largest SwiGLU outputs sat 3e-4 low
 # against an exact-block reference in the large-tile configuration and 1e-4 low in the small one.

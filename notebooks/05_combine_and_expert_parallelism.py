@@ -11,14 +11,14 @@
 # ---
 
 # %% [markdown]
-# # 5. The L2 GEMM, the slot-ordered combine, and expert parallelism over R ranks
+# # 5. The down GEMM, the slot-ordered combine, and expert parallelism over R ranks
 #
-# After L2 each pool row is one (token, slot) result, rounded to bf16 and written back to the token's
+# After the down GEMM each pool row is one (token, slot) result, rounded to bf16 and written back to the token's
 # source rank. The combine sums a token's K slots in FP32 *in ascending slot order*, skipping masked
 # slots, and rounds once to bf16. With R expert-parallel ranks, every rank owns E / R experts and
 # pulls its rows from every other rank; the result must not depend on R.
 #
-# Ladder: (5.1) the L2 output per (token, slot), (5.2) why the slot order is fixed, (5.3) R simulated
+# Ladder: (5.1) the down GEMM's output per (token, slot), (5.2) why the slot order is fixed, (5.3) R simulated
 # ranks give bit-identical outputs and the traffic between them, (5.4) ragged steps: one agreed token
 # count, padded with masked rows.
 
@@ -41,7 +41,7 @@ weights = random_mxfp4_weights(g, seed=11)
 print(g)
 
 # %% [markdown]
-# ## 5.1 The L2 output per (token, slot)
+# ## 5.1 The down GEMM's output per (token, slot)
 #
 # `l2_out` is one bf16 row per pool row. Sent back to the source rank, it becomes `slots [T, K, H]`
 # with a `filled [T, K]` mask (masked slots never ran). We take a step with masked slots and one token

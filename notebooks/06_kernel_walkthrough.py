@@ -84,8 +84,8 @@ figs.save(fig, "plan_vs_tokens")
 # ## 6.2 Tiles per expert per wave
 #
 # The persistent kernel walks the local experts in waves of `num_experts_per_wave`. Within a wave,
-# the L1 work is one tile per (M block of an expert's rows, BLOCK_N = 256 columns of 2I); with
-# E_l experts and n_e rows each, the wave offers `sum_e ceil(n_e / BLOCK_M) * 2I / 256` L1 tiles to
+# the gate/up work is one tile per (M block of an expert's rows, BLOCK_N = 256 columns of 2I); with
+# E_l experts and n_e rows each, the wave offers `sum_e ceil(n_e / BLOCK_M) * 2I / 256` gate/up tiles to
 # 132 SMs. (Counted as BLOCK_M x BLOCK_N work units whether or not swap-AB puts the tokens on the
 # MMA's N side; waves taken as consecutive local experts: a model of the order, not a measurement.)
 # Few rows per expert -> few tiles per wave -> idle SMs; that is the small-T regime.
@@ -210,7 +210,7 @@ figs.save(fig, "roofline")
 # - **decode** warps (FP4 kernels, where the plan gives them their own warps) turn the packed FP4
 #   tile into e4m3 in shared memory, the per-32 scale folded in; elsewhere the math warps decode.
 # - **math** warpgroups issue the WGMMAs, then run the epilogue: SwiGLU, the FP8 requant written to
-#   the pool for L2, and after L2 the bf16 rows written straight into the source rank's combine
+#   the pool for the down GEMM, and after it the bf16 rows written straight into the source rank's combine
 #   buffer; at the end they sum each token's top-k slots.
 #
 # Every row is a plan recorded on the H200: FlashInfer and DeepGEMM FP8 from the cited sweep, DeepGEMM
@@ -286,7 +286,7 @@ figs.save(fig, "smem_stages")
 # issued (an assumed latency), a decode takes one step, one step of WGMMA consumes a K block. With S
 # stages at most S loads are in flight, so a 3-stage plan with a decode step leaves the WGMMA waiting
 # where an 8-stage plan does not; DeepGEMM FP4's recorded 5 stages at T = 1, with its decode warps
-# between the loads and the WGMMA, still leave it waiting once per turn of the ring. The L1 mainloop of DeepSeek-V4-Flash has H / 128 = 32 K blocks; 12
+# between the loads and the WGMMA, still leave it waiting once per turn of the ring. The gate/up mainloop of DeepSeek-V4-Flash has H / 128 = 32 K blocks; 12
 # are drawn.
 
 # %%
@@ -300,7 +300,7 @@ figs.save(fig, "tma_wgmma_pipeline")
 #
 # Every rank allocates the same symmetric buffer, so a rank addresses another rank's copy directly
 # over NVLink. Dispatch is a *pull*: rank 0's dispatch warps copy each row routed to its experts out
-# of the source rank's staged input into its own pool. After L2, the epilogue *pushes* each (token,
+# of the source rank's staged input into its own pool. After the down GEMM, the epilogue *pushes* each (token,
 # slot) output row back into the source rank's combine buffer, slot k; the source rank then sums its
 # slots. No all-to-all collective runs: the GEMMs of early tasks overlap the pulls of later rows, and
 # the write-back overlaps the remaining tasks. The byte counts below are DeepSeek-V4-Flash's.
@@ -314,12 +314,12 @@ figs.save(fig, "dispatch_combine")
 # %% [markdown]
 # ## 6.9 The persistent schedule
 #
-# The tasks are (pool block of BLOCK_M rows, N block) tiles of L1 (N = 2I) and of L2 (N = H); an L2
-# task may start only when L1 has written every column of its rows. DeepGEMM walks the experts in
-# waves of `num_experts_per_wave`: all L1 tasks of a wave, then its L2 tasks, SM i taking every 132nd
+# The tasks are (pool block of BLOCK_M rows, N block) tiles of gate/up (N = 2I) and of down (N = H); a down
+# task may start only when gate/up has written every column of its rows. DeepGEMM walks the experts in
+# waves of `num_experts_per_wave`: all gate/up tasks of a wave, then its down tasks, SM i taking every 132nd
 # task. FlashInfer (`use_interleaved_scheduler` in every H200 plan) lets the SMs claim tasks from two
-# counters: a few L1 claims to warm up, then L2 and L1 alternately, an L2 claim waiting until its
-# block's L1 tasks are claimed. Each task one step here (a model of the order, not of durations);
+# counters: a few gate/up claims to warm up, then down and gate/up alternately, a down claim waiting until its
+# block's gate/up tasks are claimed. Each task one step here (a model of the order, not of durations);
 # routing is random at T = 512 and 8192.
 
 # %%
@@ -342,7 +342,7 @@ figs.save(fig, "persistent_schedule")
 # rounding points `megamoe.recipe` models; docs/kernel-numerics.md says how each was measured). The
 # DeepGEMM SM90 FP4 column is read from its H200 results folder: the decode table of all 256 scale
 # bytes x 16 codes read back through a crafted layer (notebook 3 plots it), the reference variants that
-# pin its L2 requant, the plan of every sweep token count, and a race probe that relaunched every count
+# pin its down requant, the plan of every sweep token count, and a race probe that relaunched every count
 # 20-60 times and compared the outputs bit for bit: first on the pull request as it is, then on the
 # build with megamoe's proxy-fence patch (docs/deepgemm-fp4.md). FlashInfer and DeepGEMM FP8 were only
 # relaunched by their matrices (8 times per case, no difference).

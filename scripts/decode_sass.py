@@ -71,9 +71,9 @@ TC_L1_SIG = dict(w_ptr="*u8", s_ptr="*i32", x_ptr="*fp8e4nv", xsf_ptr="*fp32", n
                  touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", row_token_ptr="*i32",
                  row_weight_ptr="*fp32", l1_ptr="*fp32", q_ptr="*u8", sf2_ptr="*fp32", terms_ptr="*fp32",
                  cnt_ptr="*i32", idx_ptr="*i64", tw_ptr="*fp32", slot_row_ptr="*i32",
-                 T="i32", expert_lo="i32", num_local="i32", clamp="fp32", stamps_ptr="*i64")
+                 T="i32", expert_lo="i32", num_local="i32", clamp="fp32", probe_ptr="*i32")
 TC_L2_SIG = dict(w_ptr="*u8", s_ptr="*i32", q_ptr="*fp8e4nv", sf2_ptr="*fp32", num_touched_ptr="*i32",
-                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", stamps_ptr="*i64")
+                 touched_ptr="*i32", seg_start_ptr="*i32", seg_count_ptr="*i32", out_ptr="*i16", probe_ptr="*i32")
 
 
 def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool = False) -> int:
@@ -82,9 +82,10 @@ def tc_report(pdl: bool = False, pack: bool = False, split: int = 1, route: bool
     and the MMA: the only ones are the epilogue's)."""
     from megamoe.decode import LaunchConfig
     from megamoe.decode.triton_tc import l1_tc_kernel, l2_tc_kernel
+    from megamoe.decode.triton_tc_ops import no_probe
 
     cfg = LaunchConfig()
-    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack)
+    geo = dict(H=4096, I=2048, ASM=True, PDL=pdl, PACK=pack, PROBE=no_probe)  # (a launch binds PROBE's default)
     for name, fn, sig, const, cap, groups in (
         ("l1_tc_kernel", l1_tc_kernel, TC_L1_SIG, dict(STORE_L1=False, SPLIT=split, ROUTE=route, K=6, S_PAD=8,
                                                        E_PAD=512, **geo), cfg.tc_l1_maxnreg, 4),

@@ -183,8 +183,8 @@ DECODE = [
     Case("decode", "tile of 24 rows", lambda wf: _tiles((32, 4), (24, 2)),
          Refused(ValueError, r"TileShape: bn must be a power of two \(a Triton block size\), got 24")),
     Case("decode", "L1 tile of 64 rows", lambda wf: _tiles((64, 4), (64, 2)),
-         Refused(ValueError, r"prepare_decode_weights: l1_tile.bn must be 32 \(L1's rows per program are one L2 requant "
-                             r"group\), got 64")),
+         Refused(ValueError, r"prepare_decode_weights: l1_tile.bn must be 32 \(gate/up's rows per program are one down "
+                             r"requant group\), got 64")),
     Case("decode", "L1 tile of 2 groups", lambda wf: _tiles((32, 2), (64, 2)),
          Refused(ValueError, r"l1_tile.groups must be 4..64 \(1 to 16 promotion blocks of 128 K\), got 2")),
     Case("decode", "L2 tile wider than I", lambda wf: _tiles((32, 4), (64, 8)),
@@ -194,8 +194,6 @@ DECODE = [
          Refused(ValueError, r"TileShape: groups must be >= 1, got 0")),
     Case("decode", "three warps", lambda wf: _cfg(l1_warps=3),
          Refused(ValueError, r"LaunchConfig: l1_warps must be one of \(1, 2, 4, 8, 16\), got 3")),
-    Case("decode", "combine block 1000", lambda wf: _cfg(combine_block=1000),
-         Refused(ValueError, r"LaunchConfig: combine_block must be a power of two \(a Triton block\), got 1000")),
     Case("decode", "pdl as an int", lambda wf: _cfg(pdl=1), Refused(TypeError, r"LaunchConfig: pdl must be a bool, got int 1")),
     Case("decode", "split K past the buffers' scratch, tensor cores", lambda wf: _launch(
          dw=_dw(tc=True), cfg=_cfg(tc_pack4=True, tc_split=2)),

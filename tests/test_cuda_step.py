@@ -71,7 +71,7 @@ def test_the_step_sync_buffer_holds_the_counts_only():
 
 def test_the_launch_takes_the_tensors_in_the_kernels_order():
     """tensor_pointers: the weights' four, then the buffers' sixteen, in Params' order (cuda_step_params.cuh), each
-    the tensor's own address; ``sync`` replaces the last."""
+    the tensor's own address."""
     params = (Path(cuda_step.SOURCE).parent / "cuda_step_params.cuh").read_text()
     fields = params[params.index("struct Params {"):params.index("int64_t* stamps;")]
     declared = re.findall(r"\*\s*(\w+);", fields)  # the pointer fields before the probes' stamps
@@ -84,8 +84,6 @@ def test_the_launch_takes_the_tensors_in_the_kernels_order():
     ptrs = cuda_step.tensor_pointers(tw, buf)
     assert len(ptrs) == 20 and ptrs[0] == tw.l1_codes.data_ptr() and ptrs[4] == buf.x_q.data_ptr()
     assert ptrs[19] == buf.step_sync.data_ptr() and ptrs[18] == buf.y.data_ptr()
-    other = torch.zeros(64, dtype=torch.int32)
-    assert cuda_step.tensor_pointers(tw, buf, other)[19] == other.data_ptr()
 
 
 @pytest.mark.skipif(cuda_step.nvcc() is None, reason="no nvcc on this machine")
@@ -93,11 +91,10 @@ def test_source_builds_one_instance_that_agrees_with_the_python_constants(tmp_pa
     lib_path = cuda_step.build(tmp_path)
     assert cuda_step.build(tmp_path) == lib_path  # cached by the sources' hash
     lib = ctypes.CDLL(str(lib_path))
-    for name in ("megamoe_cuda_step_parts", "megamoe_cuda_step_max_terms", "megamoe_cuda_step_threads"):
+    for name in ("megamoe_cuda_step_parts", "megamoe_cuda_step_max_terms"):
         getattr(lib, name).restype = ctypes.c_int
     assert lib.megamoe_cuda_step_parts() == cuda_step.PARTS
     assert lib.megamoe_cuda_step_max_terms() == cuda_step.MAX_TERMS
-    assert lib.megamoe_cuda_step_threads() == 128 * cuda_step.PARTS + 128
     symbols = subprocess.run(["nm", "-C", str(lib_path)], capture_output=True, text=True).stdout
     kernels = {line.split("step1_kernel")[1].split("(")[0] for line in symbols.splitlines() if "step1_kernel<" in line}
     assert kernels == {"<0>"}, kernels  # the step alone: the probe instances are the lab's

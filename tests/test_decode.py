@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton", reason="needs triton 3.6 (its CPU interpreter): pip install -e \".[test]\"")
 
 from megamoe.decode import DecodeBuffers, TileShape, checkpoint_from_decode, moe_decode_torch, prepare_decode_weights
-from megamoe.decode.layout import MAX_SCALE_SPREAD, decode_pair_torch, pack_words, unpack_words
+from megamoe.decode.layout import MAX_SCALE_SPREAD, pack_words, unpack_words
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1
 from megamoe.recipe import MEGAMOE_DECODE, get_recipe
 from megamoe.decode.layout import MAX_SCALE_BYTE
@@ -31,6 +31,18 @@ from decode_selfcheck import CPU_CASES, DecodeCase, interpreter_rows as run_inte
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     mag = torch.tensor(E2M1_MAGNITUDES)[codes.long() & 7]
     return torch.where(codes.long() >= 8, -mag, mag)
+
+
+def decode_pair_torch(words: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel's pair-p decode (``triton_gemv._pair``) computes: int32 words -> (lo, hi) float32 =
+    e2m1 * 2**-14."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    h = ((w << (3 * p)) & 0x0E000E00) | ((w << p) & 0x80008000)
+
+    def f16(v):  # 16 bits -> the fp16 they spell, as float32 (exact, subnormals included)
+        return (v - ((v >> 15) << 16)).to(torch.int16).view(torch.float16).float()
+
+    return f16(h & 0xFFFF), f16(h >> 16)
 
 
 def test_words_roundtrip_and_decode_every_code(gen):

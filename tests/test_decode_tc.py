@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton", reason="needs triton 3.6 (its CPU interpreter): pip install -e \".[test]\"")
 
 from megamoe.decode.layout_tc import (  # noqa: E402
-    checkpoint_from_tc, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
+    _expert_codes, e4m3_bytes, expert_operands, pack_pair, prepare_tc_weights, unpack_pair)
 from megamoe.formats import E2M1_MAGNITUDES, pack_e2m1, unpack_e2m1  # noqa: E402
 from megamoe.recipe import MEGAMOE_DECODE_TC, get_recipe  # noqa: E402
 from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
@@ -22,6 +22,12 @@ from megamoe.weights import MXFP4Weights  # noqa: E402
 
 from decode_selfcheck import DecodeCase, interpreter_rows as run_interpreted  # noqa: E402
 from decode_tc_selfcheck import CPU_CASES, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_tc, run_tc_case  # noqa: E402
+
+
+def checkpoint_from_tc(tw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All experts' codes and bytes back in checkpoint order (the inverse of prepare, after its canonical bytes):
+    (l1 codes [E, 2I, H], l1 bytes [E, 2I, H/32], l2 codes [E, H, I], l2 bytes [E, H, I/32])."""
+    return tuple(torch.stack(t) for t in zip(*(_expert_codes(tw, e) for e in range(tw.num_experts))))
 
 
 def test_every_code_decodes_to_e2m1_times_2_pow_minus_6():
@@ -166,7 +172,7 @@ def test_split_k_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="tc_split=2 needs tc_pack4=True.*tc_pack4=False"):
         _split(TW, Buf, 1, LaunchConfig(tc_split=2))
     TW.hidden = 256
-    with pytest.raises(ValueError, match="tc_split=4 must divide L1's 2 K blocks"):
+    with pytest.raises(ValueError, match="tc_split=4 must divide gate/up's 2 K blocks"):
         _split(TW, Buf, 1, LaunchConfig(tc_pack4=True, tc_split=4))
 
 
@@ -253,23 +259,3 @@ def test_split_k_on_the_gpu(case, split):
     the reference (which knows nothing of the split), stages equal to their twins, a relaunch identical."""
     row = run_tc_case(case, "cuda", True, split)
     assert passed_tc(row) and row["split"] == split, json.dumps(row, indent=1, default=str)
-
-
-def test_launchers_refuse_a_stamps_buffer_too_small_or_off_the_gpu():
-    from megamoe.decode.tc import _stamps
-
-    class Buf:
-        num_touched = torch.zeros(1)
-        interpret = False
-        stamps = None
-
-    assert _stamps(Buf, 0, (7, 64, 2)) == (Buf.num_touched, False)
-    Buf.stamps = torch.full((2, 895, 16), -1, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"stamps must be int64 \[2, >= 896, 16\] on a GPU \(launch 0's grid "
-                                         r"\(7, 64, 2\)\), got \(2, 895, 16\)"):
-        _stamps(Buf, 0, (7, 64, 2))
-    ptr, on = _stamps(Buf, 1, (6, 64))
-    assert on and ptr.shape == (895, 16)
-    Buf.interpret = True
-    with pytest.raises(ValueError, match="under the interpreter"):
-        _stamps(Buf, 1, (6, 64))

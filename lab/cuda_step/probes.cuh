@@ -193,7 +193,7 @@ __device__ __forceinline__ void prefetch_tile_l2(const Params& p, const Schedule
 __device__ __forceinline__ void l1_epilogue_ll(const Params& p, const float* ep, const Items& it, int item, int ct,
                                                int t, uint32_t flag) {
   float sf;
-  const uint32_t code = l1_epilogue(p, ep, it, item, ct, t, sf);
+  const uint32_t code = gate_up_epilogue(p, ep, it, item, ct, t, sf);
   const uint32_t word = code | __shfl_down_sync(0xFFFFFFFFu, code, 1) << 8 |
                         __shfl_down_sync(0xFFFFFFFFu, code, 2) << 16 |
                         __shfl_down_sync(0xFFFFFFFFu, code, 3) << 24;  // lanes 4j: channels 4j .. 4j + 3
@@ -236,7 +236,7 @@ __device__ __forceinline__ void ll_input_row(const Params& p, int item, int iw, 
 // from its LL words into shared memory (hs + item hrow, sf2 + item I/32), then one arrival on input_ready[item].
 __device__ __forceinline__ void ll_input_warp(const Params& p, const Schedule& sched, int iw, int lane, uint32_t flag,
                                               uint8_t* hs, int hrow, float* sf2, uint64_t* input_ready) {
-  for_each_l2_item(sched, [&](int item) {
+  for_each_down_item(sched, [&](int item) {
     ll_input_row(p, item, iw, lane, flag, hs + item * hrow, sf2 + item * (p.I / 32));
     fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
     __syncwarp();

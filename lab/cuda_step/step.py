@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from megamoe.decode import cuda_step  # noqa: E402
+from megamoe.nvcc import build_shared  # noqa: E402
 
 SOURCE = Path(__file__).with_name("probe_step.cu")
 STAMP_POINTS = ("set up", "last L1 block asked for", "last block asked for", "L1 done", "last L2 input in",
@@ -67,8 +68,11 @@ def sync_buffer(tw, device) -> torch.Tensor:
 
 
 def build(out_dir: str | os.PathLike | None = None) -> Path:
-    """Compile probe_step.cu (every instance) as the library builds its step: ``cuda_step.build``."""
-    return cuda_step.build(out_dir, source=SOURCE)
+    """Compile probe_step.cu (every instance) as the library builds its step (``cuda_step.build``: its flags, cached
+    by the hash of the sources, the library's headers and probes.cuh)."""
+    parts = {*cuda_step.SOURCE.parent.glob("cuda_step*.cuh"), *SOURCE.parent.glob("*.cuh")}
+    return build_shared(SOURCE.stem, SOURCE, parts, cuda_step.NVCC_FLAGS, out_dir, what="the CUDA step's probe "
+                        "instances", exe=cuda_step.nvcc())
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,8 +135,10 @@ def step(tw, buf, clamp: float, *, sync: torch.Tensor | None = None, stages: int
         raise ValueError(f"stamps must be int64 [{ctas}, 8], got {stamps.dtype} {tuple(stamps.shape)}")
     pointer = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
     stream = torch.cuda.current_stream(dev).cuda_stream
+    tensors = cuda_step.tensor_pointers(tw, buf)
+    tensors[len(tensors) - 1] = sync.data_ptr()  # Params' last: the counts (and the LL modes' words past them)
     err = lib.lab_step_launch(
-        cuda_step.tensor_pointers(tw, buf, sync), pointer(stamps), pointer(trace), ctypes.c_float(clamp), tw.hidden,
+        tensors, pointer(stamps), pointer(trace), ctypes.c_float(clamp), tw.hidden,
         tw.intermediate, buf.num_topk, buf.expert_lo, buf.num_local, stages, int(mode),
         INFLIGHT if inflight is None else inflight, LAG if lag is None else lag, ctas, smem, index,
         ctypes.c_void_p(stream))

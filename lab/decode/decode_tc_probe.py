@@ -97,20 +97,18 @@ def timeline_of(tw, buf, t: int, g, cfg, flush, replays: int = 5, raw_out: str |
     """The launch's timeline (lab.decode.timeline) over a few flushed graph replays with stamps on; the
     replay whose last L2 exit is the median one is printed. Its own clock too: stamping costs a few stores."""
     from megamoe.decode.tc import launch_grids
+    from lab.decode.stamps import stamped_step
     from lab.decode.timeline import stamp_buffer, summarize, table
 
-    buf.stamps = stamp_buffer(buf, max(math.prod(grid) for grid in launch_grids(tw, buf, t, cfg)))
-    try:
-        tm = time_replays(lambda: moe_decode(tw, buf, t, g.clamp, cfg), 0.2, flush)
-        gs, reps = tm.pop("graph"), []
-        for _ in range(replays):
-            buf.stamps.fill_(-1)
-            flush()
-            gs.replay(0)
-            torch.cuda.synchronize()
-            reps.append((summarize(buf.stamps), buf.stamps.clone()))
-    finally:
-        buf.stamps = None
+    stamps = stamp_buffer(buf, max(math.prod(grid) for grid in launch_grids(tw, buf, t, cfg)))
+    tm = time_replays(lambda: stamped_step(tw, buf, t, g.clamp, cfg, stamps), 0.2, flush)
+    gs, reps = tm.pop("graph"), []
+    for _ in range(replays):
+        stamps.fill_(-1)
+        flush()
+        gs.replay(0)
+        torch.cuda.synchronize()
+        reps.append((summarize(stamps), stamps.clone()))
     reps.sort(key=lambda r: r[0]["launches"]["l2"]["at_us"]["exit"]["max"])
     mid, raw = reps[len(reps) // 2]
     reps = [r[0] for r in reps]

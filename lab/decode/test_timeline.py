@@ -1,5 +1,5 @@
 """lab/decode/timeline.py: the summary of a launch's stamps (CPU, synthetic stamps whose answers are known by
-construction; on an SM90 GPU, a stamped launch of the backend's step)."""
+construction; on an SM90 GPU, a stamped launch of the backend's step: lab/decode/stamps.py)."""
 
 from __future__ import annotations
 
@@ -73,16 +73,31 @@ def test_loop_spread_separates_programs_from_their_sms(tmp_path, capsys):
 def test_summary_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match=r"stamps must be int64 \[2, P, 16\], got \(2, 4, 8\)"):
         summarize(torch.zeros(2, 4, 8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="no L1 program recorded a start"):
+    with pytest.raises(ValueError, match="no gate/up program recorded a start"):
         summarize(torch.full((2, 4, 16), -1, dtype=torch.int64))
+
+
+def test_stamp_buffers_are_checked_against_the_grid():
+    pytest.importorskip("triton", reason="lab/decode/stamps.py needs triton")
+    from lab.decode.stamps import check_stamps
+
+    stamps = torch.full((2, 895, 16), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"stamps must be int64 \[2, >= 896, 16\] on a GPU \(launch 0's grid "
+                                         r"\(7, 64, 2\)\), got \(2, 895, 16\)"):
+        check_stamps(stamps, 0, (7, 64, 2), False)
+    assert check_stamps(stamps, 1, (6, 64), False).shape == (895, 16)
+    with pytest.raises(ValueError, match="under the interpreter"):
+        check_stamps(stamps, 1, (6, 64), True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,skew", ((1, 0.0), (8, 0.0), (32, 3.0)), ids=("T1", "T8", "T32-skewed"))
 def test_timeline_on_the_gpu(tokens, skew):
-    """One stamped launch of the backend's step (route inside L1 and a split L1 at 1 token, a route launch at 8,
-    an expert with more than 4 rows, so passes of 16, at 32 skewed): every program records its points in order,
-    L2 passes its wait only after L1's last program has exited (PDL), and stamping changes no bit of y."""
+    """One stamped launch of the backend's step (``stamped_step``; route inside gate/up and a split gate/up at 1
+    token, a route launch at 8, an expert with more than 4 rows, so passes of 16, at 32 skewed): every program
+    records its points in order, down passes its wait only after gate/up's last program has exited (PDL), and
+    stamping changes no bit of y."""
+    from lab.decode.stamps import stamped_step
     from megamoe.decode import moe_decode
     from megamoe.decode.layout_tc import prepare_tc_weights
     from megamoe.decode.moe import DecodeBuffers
@@ -102,10 +117,10 @@ def test_timeline_on_the_gpu(tokens, skew):
     buf.poison_()
     y = moe_decode(tw, buf, tokens, g.clamp, cfg).clone()
     buf.poison_()
-    buf.stamps = stamp_buffer(buf, (buf.max_work(tokens) + 1) * 128)  # -1: a point no program reached
-    y_stamped = moe_decode(tw, buf, tokens, g.clamp, cfg).clone()
+    stamps = stamp_buffer(buf, (buf.max_work(tokens) + 1) * 128)  # -1: a point no program reached
+    y_stamped = stamped_step(tw, buf, tokens, g.clamp, cfg, stamps).clone()
     torch.cuda.synchronize()
-    s = buf.stamps.cpu()
+    s = stamps.cpu()
     assert torch.equal(y.view(torch.int16), y_stamped.view(torch.int16))
     split = cfg.tc_split
     l1_programs = (buf.max_work(tokens) + cfg.tc_route) * (g.intermediate // 32) * split
@@ -121,5 +136,5 @@ def test_timeline_on_the_gpu(tokens, skew):
     assert cfg.pdl and int(s[1, :l2_programs, 2].min()) >= int(s[0, :l1_programs, 5].max())  # L2 waits on all of L1
     if skew:  # the passes of 16 rows ran
         assert int(buf.seg_count[: int(buf.num_touched[0])].max()) > 4
-    summary = summarize(buf.stamps)
+    summary = summarize(stamps)
     assert summary["launches"]["l1"]["programs"] == l1_programs and summary["launches"]["l2"]["programs"] == l2_programs

@@ -1,25 +1,35 @@
 """Read the tensor-core decode launches' timeline: when each program of the gate/up and the down launch reached
-each point, on the GPU (the library's hook: megamoe/decode/stamps.py says what a stamp buffer holds).
+each point, on the GPU (lab/decode/stamps.py records it through the library kernels' PROBE hook).
 
-    buf.stamps = stamp_buffer(buf, programs)   # before capturing or launching; None turns it off again
-    moe_decode(tw, buf, T, clamp, cfg)        # each program stores its SM id and five points (``_stamp``)
-    summary = summarize(buf.stamps)            # microseconds from the gate/up launch's first start, per point
+    stamps = stamp_buffer(buf, programs)              # int64 [2, P, 16], -1 everywhere (a point no program reached)
+    stamped_step(tw, buf, T, clamp, cfg, stamps)      # lab.decode.stamps: each program stores its SM id and points
+    summary = summarize(stamps)                       # microseconds from the gate/up launch's first start, per point
 
     python3 lab/decode/timeline.py STAMPS.pt  # a saved replay's table, clocks and loop spread
+
+    stamps int64 [2, P, 16]   per launch (0 gate/up, 1 down) and program: the SM id in word 0; for each point k
+                              (``POINTS``) the GPU's %globaltimer (ns, one clock for every SM) in word k and the
+                              SM's %clock64 (cycles) in word 8 + k; -1 where a program never reached a point
+
+The points, in both launches: 1 start, 2 past ``griddepcontrol.wait``, 3 work item known (the gate/up launch: after
+its own route when it routes for itself), 4 K loop done, 5 exit; a program past the step's work items records 1, 2
+and 5 only.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-
-from megamoe.decode.stamps import LAUNCHES, POINTS, WORDS, stamp_buffer  # noqa: E402
+POINTS = {1: "start", 2: "waited", 3: "item", 4: "loop done", 5: "exit"}
+LAUNCHES = ("l1", "l2")  # the gate/up launch, the down launch (the names the saved summaries use)
+WORDS = 16  # int64 per program: SM id, 7 timer words, 8 clock words
 
 __all__ = ["LAUNCHES", "POINTS", "WORDS", "stamp_buffer", "summarize", "loop_spread", "table", "main"]
+
+
+def stamp_buffer(buf, programs: int) -> torch.Tensor:
+    """int64 [2, programs, 16] filled with -1 (a point no program reached stays -1), on the buffers' device."""
+    return torch.full((len(LAUNCHES), programs, WORDS), -1, dtype=torch.int64, device=buf.x_q.device)
 
 
 def _quantiles(v: torch.Tensor) -> dict:
@@ -41,7 +51,7 @@ def summarize(stamps: torch.Tensor) -> dict:
     s = stamps.cpu()
     ran = [s[i][s[i, :, 1] >= 0] for i in range(len(LAUNCHES))]
     if ran[0].numel() == 0:
-        raise ValueError("no L1 program recorded a start: was buf.stamps set before the launch?")
+        raise ValueError("no gate/up program recorded a start: did the launch stamp into this buffer?")
     t0 = int(ran[0][:, 1].min())
     out: dict = {"launches": {}}
     stamped = torch.cat([r[:, 1:6].reshape(-1) for r in ran])

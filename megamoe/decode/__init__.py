@@ -5,8 +5,9 @@ layout prepared once, in two variants that round differently:
     TCWeights (layout_tc.py, triton_tc.py)      an FP8 MMA per 32-K scale group          recipe megamoe-decode-tc
 
 ``moe_decode`` runs whichever weights it is given. Each Triton stage sits beside its torch twin (same name +
-``_torch``, same signature). Names: ``l1`` / ``L1`` is the gate/up GEMM (with SwiGLU, the routing weight and the
-FP8 requant), ``l2`` / ``L2`` the down GEMM; the L1 and L2 caches are always called caches. Design, napkin math and the H200 runs: docs/decode-kernel.md (CUDA cores) and
+``_torch``, same signature). Names: gate/up is the gate/up GEMM (with SwiGLU, the routing weight and the FP8
+requant) and down the down GEMM, ``l1_*`` / ``l2_*`` in the public names (fields, launchers, kernels); L1 and L2
+alone are the GPU's caches. Design, napkin math and the H200 runs: docs/decode-kernel.md (CUDA cores) and
 docs/decode-kernel-tc.md (tensor cores)."""
 
 from .gemv import LaunchConfig
@@ -14,7 +15,7 @@ from .layout import DecodeWeights, TileShape, checkpoint_from_decode, prepare_de
 from .layout_tc import TCWeights, prepare_tc_weights
 
 # moe.py imports the Triton kernels (routing.py) at its top; its names load on first use, so that the triton-free
-# helpers here and in the submodules (layouts, torch twins, timeline) import on a machine without triton.
+# helpers here and in the submodules (layouts, torch twins) import on a machine without triton.
 _FROM_MOE = ("MAX_TOKENS", "DecodeBuffers", "moe_decode", "moe_decode_torch")
 
 

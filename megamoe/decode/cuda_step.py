@@ -55,13 +55,11 @@ def nvcc() -> str | None:
     return find_nvcc()
 
 
-def build(out_dir: str | os.PathLike | None = None, *, source: Path = SOURCE) -> Path:
-    """Compile ``source`` into a shared library (once per source, the step's headers and flags) and return its path.
-    ``source``: ``cuda/cuda_step.cu``, the step; the lab compiles its probe instances over the same headers the same
-    way. Cached by hash under ``out_dir``, else ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``."""
-    source = Path(source)
-    parts = {*SOURCE.parent.glob("cuda_step*.cuh"), *source.parent.glob("*.cuh")}
-    return build_shared(source.stem, source, parts, NVCC_FLAGS, out_dir, what="the 1-token CUDA step", exe=nvcc())
+def build(out_dir: str | os.PathLike | None = None) -> Path:
+    """Compile ``cuda/cuda_step.cu`` into a shared library (once per source, headers and flags) and return its path.
+    Cached by hash under ``out_dir``, else ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``."""
+    parts = SOURCE.parent.glob("cuda_step*.cuh")
+    return build_shared(SOURCE.stem, SOURCE, parts, NVCC_FLAGS, out_dir, what="the 1-token CUDA step", exe=nvcc())
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +71,7 @@ def _library() -> ctypes.CDLL:
     lib.megamoe_cuda_step_fixed_smem.argtypes = [i, i]
     lib.megamoe_cuda_step_prepare.argtypes = [i, i]
     for name in ("megamoe_cuda_step_prepare", "megamoe_cuda_step_fixed_smem", "megamoe_cuda_step_stage_bytes",
-                 "megamoe_cuda_step_max_terms", "megamoe_cuda_step_threads", "megamoe_cuda_step_parts"):
+                 "megamoe_cuda_step_max_terms", "megamoe_cuda_step_parts"):
         getattr(lib, name).restype = i
     return lib
 
@@ -143,12 +141,10 @@ def launch_shape(device_index: int, hidden: int, intermediate: int) -> tuple[int
     return props.multi_processor_count, stages, smem
 
 
-def tensor_pointers(tw, buf, sync: torch.Tensor | None = None) -> ctypes.Array:
-    """The launch's tensors (``WEIGHT_TENSORS`` of ``tw``, ``BUFFER_TENSORS`` of ``buf``; ``sync`` in place of
-    ``buf.step_sync`` when given) as the kernel's Params takes them: a C array of their device pointers."""
+def tensor_pointers(tw, buf) -> ctypes.Array:
+    """The launch's tensors (``WEIGHT_TENSORS`` of ``tw``, ``BUFFER_TENSORS`` of ``buf``) as the kernel's Params takes
+    them: a C array of their device pointers."""
     tensors = [getattr(tw, n) for n in WEIGHT_TENSORS] + [getattr(buf, n) for n in BUFFER_TENSORS]
-    if sync is not None:
-        tensors[-1] = sync
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import dequantize_mxfp4
+from ..formats import dequantize_mxfp4, pack_e2m1
 from ..recipe import MEGAMOE_DECODE
 from ..reference.gemm import promoted_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from ..validate import as_int
 from .layout import DecodeWeights, _untile
-from ..formats import pack_e2m1
+
+
+COMBINE_BLOCK = 1024  # columns per combine program
 
 
 @dataclass(frozen=True)
@@ -32,32 +34,31 @@ class LaunchConfig:
     block_m: int = 1
     l1_warps: int = 4
     l2_warps: int = 4
-    combine_block: int = 1024
     store_l1: bool = False
-    # L1 / L2 load the next K-iteration's tile before this one's arithmetic (more registers, same bits)
+    # Gate/up and down load the next K-iteration's tile before this one's arithmetic (more registers, same bits)
     l1_prefetch: bool = False
     l2_prefetch: bool = False
     # The tensor-core kernels (triton_tc.py): software-pipeline stages of their K loops (Triton's num_stages);
-    # a register cap per L1 / L2 program (more resident programs; nothing spills inside the K loops), None for
+    # a register cap per gate/up and down program (more resident programs; nothing spills inside the K loops), None for
     # the compiler's choice
     tc_stages: int = 3
     tc_l1_maxnreg: int | None = 80
     tc_l2_maxnreg: int | None = 72
     # Programmatic dependent launch (Hopper, ``triton_pdl.py``): each launch after route waits
-    # (griddepcontrol.wait) before it reads what the previous one wrote, so it may be started early. Route and
-    # the combine let the next launch start at once; the tensor-core L1 and L2 once their K loops are done (at once
-    # made the 1-token step 10% slower on the H200: lab/decode/JOURNAL.md, run 15). No bit changes.
+    # (griddepcontrol.wait) before it reads what the previous one wrote, so it may be started early. Route and the
+    # combine let the next launch start at once; the tensor-core gate/up and down once their K loops are done (at
+    # once made the 1-token step 10% slower on the H200: lab/decode/JOURNAL.md, run 15). No bit changes.
     pdl: bool = False
-    # The tensor-core L1 / L2: an expert with at most 4 rows takes one packed pass, a 128-K block's four groups
-    # of up to 4 tokens in one MMA (triton_tc_ops._packed_mma). Same bits.
+    # The tensor-core gate/up and down: an expert with at most 4 rows takes one packed pass, a 128-K block's four
+    # groups of up to 4 tokens in one MMA (triton_tc_ops._packed_mma). Same bits.
     tc_pack4: bool = False
-    # The tensor-core L1, packed passes only: the K loop in tc_split parts run by as many programs; the last to
+    # The tensor-core gate/up, packed passes only: the K loop in tc_split parts run by as many programs; the last to
     # finish replays the promotion chain in ascending K from the others' stored terms (triton_tc._replay). Same
-    # bits; more programs where L1 waits on latency (1 token). Up to the buffers' ``split_tokens``.
+    # bits; more programs where gate/up waits on latency (1 token). Up to the buffers' ``split_tokens``.
     tc_split: int = 1
-    # The tensor-core L1 routes for itself: each program finds its work item from the staged top-k (one small sort),
-    # an extra program writes route's outputs for L2 and the combine, and there is no route launch. Same bits. Up
-    # to 64 slots (tokens x top-k).
+    # The tensor-core gate/up routes for itself: each program finds its work item from the staged top-k (one small
+    # sort), an extra program writes route's outputs for down and the combine, and there is no route launch. Same
+    # bits. Up to 64 slots (tokens x top-k).
     tc_route: bool = False
     # The tensor-core path at 1 token: the whole step in one persistent CUDA launch (``cuda_step.py``) where the
     # machine can build and run it (SM90, nvcc), else the Triton launches. Same bits; level with them on the H200,
@@ -72,9 +73,6 @@ class LaunchConfig:
             v = as_int(name, getattr(self, name), who=who)
             if v not in allowed:
                 raise ValueError(f"{who}: {name} must be one of {allowed}, got {v}")
-        cb = as_int("combine_block", self.combine_block, lo=1, who=who)
-        if cb & (cb - 1):
-            raise ValueError(f"{who}: combine_block must be a power of two (a Triton block), got {cb}")
         as_int("tc_stages", self.tc_stages, lo=1, hi=8, who=who)
         for name in ("tc_l1_maxnreg", "tc_l2_maxnreg"):
             if getattr(self, name) is not None:
@@ -127,7 +125,7 @@ def combine(buf, num_tokens: int, num_topk: int, cfg: LaunchConfig) -> None:
     if num_tokens == 0:
         return
     h = buf.y.shape[1]
-    bh = min(cfg.combine_block, h)
+    bh = min(COMBINE_BLOCK, h)
     combine_kernel[(num_tokens, -(-h // bh))](buf.slot_out, buf.slot_row, buf.y.view(torch.int16), num_tokens,
                                               H=h, K=num_topk, BH=bh, PDL=cfg.pdl and not buf.interpret,
                                               **_kw(4, buf.interpret, cfg.pdl))

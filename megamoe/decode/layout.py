@@ -13,13 +13,13 @@ layout does it with one shift per pair (an exhaustive search over the 4-bit plac
 Tile order (groups fastest: the lanes of a warp take consecutive groups of the same row, so that each
 lane keeps one group's x values for the several rows it owns):
 
-    L1 words   int32 [E, I/BN, H/BK, 2, 4, BN, G]     half 0 gate, 1 up; then word-in-group, row, group
-    L1 scales  uint8 [E, I/BN, H/BK, 2, BN, G]
-    L2 words   int32 [E, H/BN2, I/BK2, 4, BN2, G2]
-    L2 scales  uint8 [E, H/BN2, I/BK2, BN2, G2]
+    l1_words   int32 [E, I/BN, H/BK, 2, 4, BN, G]     gate/up: half 0 gate, 1 up; then word-in-group, row, group
+    l1_scales  uint8 [E, I/BN, H/BK, 2, BN, G]
+    l2_words   int32 [E, H/BN2, I/BK2, 4, BN2, G2]    down
+    l2_scales  uint8 [E, H/BN2, I/BK2, BN2, G2]
 
 with BK = 32 G (G groups of 32 K per K-iteration). Word (half, wig, r, g) of tile (t, i) holds row
-half * I + t * BN + r (L1), K = i * BK + g * 32 + wig * 8 + (0..7).
+half * I + t * BN + r (gate/up), K = i * BK + g * 32 + wig * 8 + (0..7).
 
 ``prepare_decode_weights`` refuses what the kernel cannot compute exactly: an E8M0 byte 0xFF (NaN) in a
 group with nonzero codes, and a 128-K block of one row whose nonzero groups' scale bytes span more than
@@ -45,7 +45,7 @@ MAX_SCALE_SPREAD = 24
 MAX_SCALE_BYTE = 252  # 6 * 2**(253 - 127) = 1.5 * 2**128 overflows float32 (the reference's dequantized weights)
 WORD_K = 8  # K values per 32-bit word
 WIG = 4  # words per 32-K scale group
-L1_BN = MEGAMOE_DECODE.l2_group  # L1's rows per program are one L2 requant group (the kernel requantizes them)
+GATE_UP_BN = MEGAMOE_DECODE.l2_group  # gate/up rows per program: one down requant group (the kernel requantizes it)
 MAGNITUDE_BITS = 0x0FFF0FFF  # the e2m1 magnitude bits of a word's 8 weights (a group is zero iff none is set)
 
 
@@ -79,17 +79,6 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=-1).reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
-def decode_pair_torch(words: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel's pair-p decode computes: int32 words -> (lo, hi) float32 = e2m1 * 2**-14."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    h = ((w << (3 * p)) & 0x0E000E00) | ((w << p) & 0x80008000)
-
-    def f16(v):  # 16 bits -> the fp16 they spell, as float32 (exact, subnormals included)
-        return (v - ((v >> 15) << 16)).to(torch.int16).view(torch.float16).float()
-
-    return f16(h & 0xFFFF), f16(h >> 16)
-
-
 @dataclass(frozen=True)
 class TileShape:
     """Rows per program (``bn``) and 32-K groups per K-iteration (``groups``) of one GEMM: powers of two (a
@@ -110,15 +99,15 @@ class TileShape:
 
 
 def check_tiles(hidden: int, intermediate: int, l1_tile: TileShape, l2_tile: TileShape, who: str) -> None:
-    """What the kernels take (``triton_gemv``): L1 rows per program = the L2 requant group (32), L1's groups
-    a whole number of 128-K promotion blocks, 1..16 of them, L2's groups 1..16 (its promotion block is one
-    group); each tile dividing its GEMM (L1: I rows of H; L2: H rows of I)."""
+    """What the kernels take (``triton_gemv``): gate/up rows per program = the down requant group (32), gate/up's groups
+    a whole number of 128-K promotion blocks, 1..16 of them, down's groups 1..16 (its promotion block is one
+    group); each tile dividing its GEMM (gate/up: I rows of H; down: H rows of I)."""
     for name, t in (("l1_tile", l1_tile), ("l2_tile", l2_tile)):
         if not isinstance(t, TileShape):
             raise TypeError(f"{who}: {name} must be a TileShape, got {type(t).__name__}")
-    if l1_tile.bn != L1_BN:
-        raise ValueError(f"{who}: l1_tile.bn must be {L1_BN} (L1's rows per program are one L2 requant group), "
-                         f"got {l1_tile.bn}")
+    if l1_tile.bn != GATE_UP_BN:
+        raise ValueError(f"{who}: l1_tile.bn must be {GATE_UP_BN} (gate/up's rows per program are one down requant "
+                         f"group), got {l1_tile.bn}")
     if not 4 <= l1_tile.groups <= 64:
         raise ValueError(f"{who}: l1_tile.groups must be 4..64 (1 to 16 promotion blocks of 128 K), got "
                          f"{l1_tile.groups}")
@@ -269,9 +258,9 @@ def _untile(words: torch.Tensor, scales: torch.Tensor, halves: int) -> tuple[tor
 
 
 def default_tiles(hidden: int, intermediate: int, bn1: int = 32, bn2: int = 64, groups: int = 16) -> tuple[TileShape, TileShape]:
-    """Tiles that fit the geometry: ``groups`` capped by the K of each GEMM (H for L1, I for L2). bn1 is the
-    L2 requant group (32); 64 L2 rows per program let each x value a thread loads serve 8 rows (5.05
-    instructions per weight in the L2 K loop for sm_90, against 5.76 with 32: scripts/decode_sass.py)."""
+    """Tiles that fit the geometry: ``groups`` capped by the K of each GEMM (H for gate/up, I for down). bn1 is the
+    down requant group (32); 64 down rows per program let each x value a thread loads serve 8 rows (5.05
+    instructions per weight in the down K loop for sm_90, against 5.76 with 32: scripts/decode_sass.py)."""
     return (TileShape(bn1, min(groups, hidden // 32)), TileShape(bn2, min(groups, intermediate // 32)))
 
 
@@ -294,8 +283,8 @@ def prepare_decode_weights(weights: MXFP4Weights, l1_tile: TileShape | None = No
         check_exact_scales(c1, c.l1_scale, "l1", lo)
         check_exact_scales(c2, c.l2_scale, "l2", lo)
         parts.append((*_tile(c1, c.l1_scale, 2, l1_tile), *_tile(c2, c.l2_scale, 1, l2_tile)))
-    l1w, l1s, l2w, l2s = (torch.cat(p) for p in zip(*parts))
-    return DecodeWeights(l1w, l1s, l2w, l2s, l1_tile, l2_tile, h, i)
+    words1, scales1, words2, scales2 = (torch.cat(p) for p in zip(*parts))
+    return DecodeWeights(words1, scales1, words2, scales2, l1_tile, l2_tile, h, i)
 
 
 def checkpoint_from_decode(d: DecodeWeights) -> MXFP4Weights:

@@ -2,10 +2,10 @@
 bytes, regrouped so that each (tile, 32-K group) a program reads is one contiguous block and each thread's
 share of it is 8 contiguous bytes, already in the order of the wgmma A-operand register fragment.
 
-    L1 codes   uint8 [E, I/32, H/32, 1024]    tile t's 64 MMA rows: gate channels 32t..32t+31, then up's
-    L1 scales  uint8 [E, I/32, H/128, 64, 4]  per 128-K block, row r's four group bytes in one 32-bit word
-    L2 codes   uint8 [E, H/64, I/32, 1024]    output rows 64t..64t+63
-    L2 scales  uint8 [E, H/64, I/128, 64, 4]
+    l1_codes   uint8 [E, I/32, H/32, 1024]    gate/up tile t's 64 MMA rows: gate channels 32t..32t+31, then up's
+    l1_scales  uint8 [E, I/32, H/128, 64, 4]  per 128-K block, row r's four group bytes in one 32-bit word
+    l2_codes   uint8 [E, H/64, I/32, 1024]    down tile t's rows: output rows 64t..64t+63
+    l2_scales  uint8 [E, H/64, I/128, 64, 4]
 
 A scale byte is stored as s + 6 (``FACTOR_BIAS``): the FP32 exponent field of the group's factor 2**(s - 121),
 so the kernel makes the factor with a shift and a mask.
@@ -33,8 +33,8 @@ from ..validate import as_int, expect_tensor
 from ..weights import MXFP4Weights
 from .layout import fold_global_scales
 
-L1_ROWS = 64  # MMA rows per L1 tile: 32 gate channels + the same 32 up channels (one requant group of 32)
-L2_ROWS = 64  # MMA rows per L2 tile
+GATE_UP_ROWS = 64  # MMA rows per gate/up tile: 32 gate channels + the same 32 up channels (one requant group of 32)
+DOWN_ROWS = 64  # MMA rows per down tile
 GROUP_BYTES = MXFP4_BLOCK // 2  # packed bytes of one row's 32-K group
 
 
@@ -66,9 +66,9 @@ class TCWeights:
         expect_tensor("l1_codes", self.l1_codes, who=who)
         e, dev = self.l1_codes.shape[0] if self.l1_codes.ndim else 0, self.l1_codes.device
         for name, shape in (("l1_codes", (e, i // 32, h // 32, 64 * GROUP_BYTES)),
-                            ("l1_scales", (e, i // 32, h // 128, L1_ROWS, 4)),
-                            ("l2_codes", (e, h // L2_ROWS, i // 32, 64 * GROUP_BYTES)),
-                            ("l2_scales", (e, h // L2_ROWS, i // 128, L2_ROWS, 4))):
+                            ("l1_scales", (e, i // 32, h // 128, GATE_UP_ROWS, 4)),
+                            ("l2_codes", (e, h // DOWN_ROWS, i // 32, 64 * GROUP_BYTES)),
+                            ("l2_scales", (e, h // DOWN_ROWS, i // 128, DOWN_ROWS, 4))):
             expect_tensor(name, getattr(self, name), shape, torch.uint8, dev, who, contiguous=True)
         if e < 1:
             raise ValueError(f"{who}: needs at least one expert, got l1_codes of shape {tuple(self.l1_codes.shape)}")
@@ -87,11 +87,11 @@ class TCWeights:
             bad = (s < lo) | (s > hi)
             if bool(bad.any()):
                 b, t, kb, r, j = bad.nonzero()[0].tolist()
-                if name == "l1_scales":  # tile t's rows: gate 32t..32t+31, then up's (``_l1_rows``)
+                if name == "l1_scales":  # tile t's rows: gate 32t..32t+31, then up's (``_gate_up_rows``)
                     row = (32 * t + r) if r < 32 else (i + 32 * t + r - 32)
                     what = f"l1 row {row} ({'gate' if r < 32 else 'up'})"
                 else:
-                    what = f"l2 row {L2_ROWS * t + r}"
+                    what = f"l2 row {DOWN_ROWS * t + r}"
                 byte = int(s[b, t, kb, r, j]) - FACTOR_BIAS
                 return (f"TCWeights.{name}: expert {ids[b]}, {what}, 32-K group {4 * kb + j} holds scale byte "
                         f"{byte % 256} (stored {byte + FACTOR_BIAS}; outside {lo - FACTOR_BIAS}..{hi - FACTOR_BIAS}, "
@@ -187,7 +187,7 @@ def _untile(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
             scales.permute(0, 2, 1, 3).reshape(nt * 64, g) - FACTOR_BIAS)
 
 
-def _l1_rows(t: torch.Tensor, i: int) -> torch.Tensor:
+def _gate_up_rows(t: torch.Tensor, i: int) -> torch.Tensor:
     """[E, 2I, ...] (gate rows, then up rows) -> [E, 2I, ...] in tile order: per 32 channels, gate then up."""
     e = t.shape[0]
     return t.view(e, 2, i // 32, 32, *t.shape[2:]).transpose(1, 2).reshape(t.shape)
@@ -206,15 +206,16 @@ def prepare_tc_weights(weights: MXFP4Weights, experts_per_chunk: int = 16) -> TC
         c = w.experts(lo, min(lo + experts_per_chunk, w.num_experts))
         s1 = check_and_canonicalize_scales(c.l1, c.l1_scale, "l1", lo)
         s2 = check_and_canonicalize_scales(c.l2, c.l2_scale, "l2", lo)
-        parts.append((code_blocks(_l1_rows(c.l1, i), L1_ROWS), scale_words(_l1_rows(s1, i), L1_ROWS),
-                      code_blocks(c.l2, L2_ROWS), scale_words(s2, L2_ROWS)))
-    l1c, l1s, l2c, l2s = (torch.cat(p) for p in zip(*parts))
-    return TCWeights(l1c, l1s, l2c, l2s, h, i)
+        parts.append((code_blocks(_gate_up_rows(c.l1, i), GATE_UP_ROWS),
+                      scale_words(_gate_up_rows(s1, i), GATE_UP_ROWS),
+                      code_blocks(c.l2, DOWN_ROWS), scale_words(s2, DOWN_ROWS)))
+    codes1, scales1, codes2, scales2 = (torch.cat(p) for p in zip(*parts))
+    return TCWeights(codes1, scales1, codes2, scales2, h, i)
 
 
 def _expert_codes(tw: TCWeights, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert e's codes and bytes in checkpoint order: (l1 codes [2I, H], bytes [2I, H/32], l2 codes [H, I],
-    bytes [H, I/32]); the inverse of prepare's tiling (``_untile``) and row order (``_l1_rows``)."""
+    bytes [H, I/32]); the inverse of prepare's tiling (``_untile``) and row order (``_gate_up_rows``)."""
     i = tw.intermediate
     c1, s1 = _untile(tw.l1_codes[e], tw.l1_scales[e])
     c1, s1 = (t.view(i // 32, 2, 32, -1).transpose(0, 1).reshape(2 * i, -1) for t in (c1, s1))  # gate, then up
@@ -227,10 +228,3 @@ def expert_operands(tw: TCWeights, e: int) -> tuple[torch.Tensor, torch.Tensor, 
     c1, s1, c2, s2 = _expert_codes(tw, e)
     vals = lambda codes: e4m3_bytes(codes).view(torch.float8_e4m3fn).float()  # noqa: E731
     return vals(c1), e8m0_to_float(s1) * 2.0**6, vals(c2), e8m0_to_float(s2) * 2.0**6
-
-
-def checkpoint_from_tc(tw: TCWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All experts' codes and bytes back in checkpoint order (the inverse of prepare, after its canonical
-    bytes): (l1 codes [E, 2I, H], l1 bytes [E, 2I, H/32], l2 codes [E, H, I], l2 bytes [E, H, I/32])."""
-    per_expert = [_expert_codes(tw, e) for e in range(tw.num_experts)]
-    return tuple(torch.stack(t) for t in zip(*per_expert))

@@ -1,5 +1,5 @@
 """The whole decode path on staged inputs: ``moe_decode`` (four Triton launches) beside ``moe_decode_torch``
-(the twins of the four stages). Given ``TCWeights`` (``layout_tc.py``) instead of ``DecodeWeights``, L1 and L2
+(the twins of the four stages). Given ``TCWeights`` (``layout_tc.py``) instead of ``DecodeWeights``, gate/up and down
 are the tensor-core GEMVs of ``tc.py`` (recipe megamoe-decode-tc). Both read a ``DecodeBuffers`` that ``stage``
 filled.
 
@@ -41,7 +41,7 @@ from .gemv import LaunchConfig
 from .layout import DecodeWeights
 from .layout_tc import TCWeights
 
-L2_GROUP = MEGAMOE_DECODE.l2_group  # L2's activation scale group (both decode recipes: 32)
+DOWN_GROUP = MEGAMOE_DECODE.l2_group  # the down GEMM's activation scale group (both decode recipes: 32)
 
 
 @dataclass
@@ -55,13 +55,11 @@ class DecodeBuffers:
         row_token int32 [S], row_weight fp32 [S], slot_row int32 [S]
         l1_out fp32 [S, 2I] (written when LaunchConfig.store_l1), l2_q uint8 [S, I], l2_x fp32 [S, I],
         l2_sf fp32 [S, I/32], slot_out int16 (bf16 bits) [S, H], y bf16 [C, H]
-        step_sync int32 [cuda_step.sync_words(H)]   the 1-token CUDA step's combine counts, L1 tiles done per
+        step_sync int32 [cuda_step.sync_words(H)]   the 1-token CUDA step's combine counts, gate/up tiles done per
                                            item (up to 8) and CTAs done
-        split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core L1's split K
+        split_terms fp32 [S', H/128, 2I], split_counts int32 [W' * I/32]   the tensor-core gate/up's split K
                                            (``LaunchConfig.tc_split``) for up to ``split_tokens`` tokens:
                                            S' = split_tokens * K pool rows, W' = min(E_l, S') work items
-        stamps int64 [2, P, 16] or None    set by a caller that wants the tensor-core L1's (0) and L2's (1)
-                                           timeline, P >= each launch's programs (``stamps.stamp_buffer``)
     """
 
     x_q: torch.Tensor
@@ -87,7 +85,6 @@ class DecodeBuffers:
     step_sync: torch.Tensor
     num_local: int = 0
     expert_lo: int = 0
-    stamps: torch.Tensor | None = None
     num_experts: int = 0  # the layer's E, that staged ids are checked against (0: expert_lo + num_local)
 
     def __post_init__(self) -> None:
@@ -102,64 +99,35 @@ class DecodeBuffers:
 
     @classmethod
     def allocate(cls, g: Geometry, capacity: int, device, *, num_local: int | None = None, expert_lo: int = 0,
-                 l2_group: int = L2_GROUP, split_tokens: int = 0) -> "DecodeBuffers":
+                 l2_group: int = DOWN_GROUP, split_tokens: int = 0) -> "DecodeBuffers":
         who = "DecodeBuffers.allocate"
         if not isinstance(g, Geometry):
             raise TypeError(f"{who}: g must be a Geometry, got {type(g).__name__}")
         capacity = as_int("capacity (tokens per rank)", capacity, lo=1, hi=MAX_TOKENS, who=who)
         num_local = as_int("num_local", g.num_experts if num_local is None else num_local, lo=1, hi=g.num_experts, who=who)
         expert_lo = as_int("expert_lo", expert_lo, lo=0, hi=g.num_experts - num_local, who=who)
-        as_int("l2_group", l2_group, lo=L2_GROUP, hi=L2_GROUP, who=who)
+        as_int("l2_group", l2_group, lo=DOWN_GROUP, hi=DOWN_GROUP, who=who)
         split_tokens = as_int("split_tokens", split_tokens, lo=0, hi=capacity, who=who)
-        if g.hidden % 128 or g.intermediate % L2_GROUP:
-            raise ValueError(f"{who}: the decode kernels need hidden % 128 == 0 and intermediate % {L2_GROUP} == 0, "
+        if g.hidden % 128 or g.intermediate % DOWN_GROUP:
+            raise ValueError(f"{who}: the decode kernels need hidden % 128 == 0 and intermediate % {DOWN_GROUP} == 0, "
                              f"got hidden={g.hidden}, intermediate={g.intermediate}")
-        h, i, k = g.hidden, g.intermediate, g.num_topk
-        el = num_local
-        s = capacity * k
-        w = min(el, s)
-        s_split = min(capacity, split_tokens) * k
-        f32, i32 = torch.float32, torch.int32
-
-        def e(*shape, dtype=f32):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        buf = cls(
-            x_q=e(capacity, h, dtype=torch.float8_e4m3fn), x_sf=e(capacity, h // 128),
-            topk_idx=torch.full((capacity, k), -1, dtype=torch.int64, device=device), topk_weights=e(capacity, k),
-            x32=e(capacity, h), num_touched=torch.zeros(1, dtype=i32, device=device), touched=e(w, dtype=i32),
-            seg_start=e(w, dtype=i32), seg_count=e(w, dtype=i32), row_token=e(s, dtype=i32), row_weight=e(s),
-            slot_row=e(s, dtype=i32), l1_out=e(s, 2 * i), l2_q=e(s, i, dtype=torch.uint8), l2_x=e(s, i),
-            l2_sf=e(s, i // l2_group), slot_out=e(s, h, dtype=torch.int16), y=e(capacity, h, dtype=torch.bfloat16),
-            split_terms=e(s_split, h // 128, 2 * i),
-            split_counts=torch.zeros(min(el, s_split) * (i // 32), dtype=i32, device=device),
-            step_sync=torch.zeros(cuda_step.sync_words(h), dtype=i32, device=device),
-            num_local=el, expert_lo=expert_lo, num_experts=g.num_experts,
-        )
+        table = _tensor_table(capacity, g.hidden, g.num_topk, g.intermediate, num_local,
+                              min(capacity, split_tokens) * g.num_topk)
+        zeroed = ("num_touched", "split_counts", "step_sync")  # counts the launches expect at zero
+        tensors = {n: (torch.zeros if n in zeroed else torch.empty)(shape, dtype=dt, device=device)
+                   for n, (shape, dt) in table.items()}
+        tensors["topk_idx"].fill_(-1)  # nothing staged: every slot masked
+        buf = cls(**tensors, num_local=num_local, expert_lo=expert_lo, num_experts=g.num_experts)
         from ..staging.stage import record_staged
 
         record_staged(buf.topk_idx, 0, g.num_experts, True)  # nothing staged yet: every id -1
         return buf
 
     def _expected(self) -> dict:
-        """name -> (shape, dtype) of every tensor, from the staged block's C, H, K, the L2 block's I and the
-        split scratch's rows (the docstring's table)."""
-        c, h = self.x_q.shape
-        k, i = self.topk_idx.shape[1], self.l2_q.shape[1]
-        s, el = c * k, self.num_local
-        w = min(el, s)
-        s_split = self.split_terms.shape[0]
-        f32, i32 = torch.float32, torch.int32
-        return {
-            "x_q": ((c, h), torch.float8_e4m3fn), "x_sf": ((c, h // 128), f32), "topk_idx": ((c, k), torch.int64),
-            "topk_weights": ((c, k), f32), "x32": ((c, h), f32), "num_touched": ((1,), i32), "touched": ((w,), i32),
-            "seg_start": ((w,), i32), "seg_count": ((w,), i32), "row_token": ((s,), i32), "row_weight": ((s,), f32),
-            "slot_row": ((s,), i32), "l1_out": ((s, 2 * i), f32), "l2_q": ((s, i), torch.uint8), "l2_x": ((s, i), f32),
-            "l2_sf": ((s, i // L2_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
-            "split_terms": ((s_split, h // 128, 2 * i), f32),
-            "split_counts": ((min(el, s_split) * (i // 32),), i32),
-            "step_sync": ((cuda_step.sync_words(h),), i32),
-        }
+        """name -> (shape, dtype) of every tensor, from the staged block's C, H, K, the down block's I and the
+        split scratch's rows (``_tensor_table``)."""
+        (c, h), k, i = self.x_q.shape, self.topk_idx.shape[1], self.l2_q.shape[1]
+        return _tensor_table(c, h, k, i, self.num_local, self.split_terms.shape[0])
 
     def check(self, who: str = "DecodeBuffers") -> None:
         """Every tensor's shape, dtype, device (x_q's) and contiguity against the table (the kernels take raw
@@ -174,9 +142,9 @@ class DecodeBuffers:
                 raise ValueError(f"{who}: {name} must be 2-D, got shape {tuple(getattr(self, name).shape)}")
         c, h = self.x_q.shape
         as_int("capacity (x_q's rows)", c, lo=1, hi=MAX_TOKENS, who=who)
-        if h % 128 or self.l2_q.shape[1] % L2_GROUP or not self.l2_q.shape[1]:
+        if h % 128 or self.l2_q.shape[1] % DOWN_GROUP or not self.l2_q.shape[1]:
             raise ValueError(f"{who}: H (x_q's columns) must be a multiple of 128 and I (l2_q's columns) of "
-                             f"{L2_GROUP}, got H={h}, I={self.l2_q.shape[1]}")
+                             f"{DOWN_GROUP}, got H={h}, I={self.l2_q.shape[1]}")
         as_int("num_local", self.num_local, lo=1, who=who)
         as_int("expert_lo", self.expert_lo, lo=0, who=who)
         as_int("num_experts", self.num_experts, lo=0, who=who)
@@ -189,10 +157,6 @@ class DecodeBuffers:
         dev = self.x_q.device
         for name, (shape, dtype) in self._expected().items():
             expect_tensor(name, getattr(self, name), shape, dtype, dev, who, contiguous=True)
-        if self.stamps is not None:
-            expect_tensor("stamps", self.stamps, None, torch.int64, dev, who, contiguous=True)
-            if self.stamps.ndim != 3 or self.stamps.shape[0] != 2 or self.stamps.shape[2] != 16:
-                raise ValueError(f"{who}: stamps must be int64 [2, P, 16], got shape {tuple(self.stamps.shape)}")
         self._checked_key = key
 
     @property
@@ -235,6 +199,24 @@ class DecodeBuffers:
                     t.fill_(float("nan"))
                 else:
                     t.view(torch.uint8).fill_(0x7F)
+
+
+def _tensor_table(c: int, h: int, k: int, i: int, num_local: int, s_split: int) -> dict:
+    """name -> (shape, dtype) of every tensor of ``DecodeBuffers`` (its docstring's table) for C tokens, H, top-k K,
+    I, E_l local experts and S' split scratch rows."""
+    s = c * k
+    w = min(num_local, s)
+    f32, i32 = torch.float32, torch.int32
+    return {
+        "x_q": ((c, h), torch.float8_e4m3fn), "x_sf": ((c, h // 128), f32), "topk_idx": ((c, k), torch.int64),
+        "topk_weights": ((c, k), f32), "x32": ((c, h), f32), "num_touched": ((1,), i32), "touched": ((w,), i32),
+        "seg_start": ((w,), i32), "seg_count": ((w,), i32), "row_token": ((s,), i32), "row_weight": ((s,), f32),
+        "slot_row": ((s,), i32), "l1_out": ((s, 2 * i), f32), "l2_q": ((s, i), torch.uint8), "l2_x": ((s, i), f32),
+        "l2_sf": ((s, i // DOWN_GROUP), f32), "slot_out": ((s, h), torch.int16), "y": ((c, h), torch.bfloat16),
+        "split_terms": ((s_split, h // 128, 2 * i), f32),
+        "split_counts": ((min(num_local, s_split) * (i // 32),), i32),
+        "step_sync": ((cuda_step.sync_words(h),), i32),
+    }
 
 
 _all_fields = operator.attrgetter(*(f.name for f in fields(DecodeBuffers)))  # every field's value, in one C call
@@ -296,7 +278,7 @@ def one_cuda_launch(tw: TCWeights, buf: DecodeBuffers, num_tokens: int, cfg: Lau
 
 def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: int, clamp: float,
                cfg: LaunchConfig = LaunchConfig()) -> torch.Tensor:
-    """The Triton launches (four; three when the tensor-core L1 routes for itself, ``LaunchConfig.tc_route``; one
+    """The Triton launches (four; three when the tensor-core gate/up routes for itself, ``LaunchConfig.tc_route``; one
     CUDA launch with ``LaunchConfig.tc_cuda_step1`` at 1 token where ``cuda_step`` can run, the same bits) on the
     first num_tokens staged tokens -> y [num_tokens, H] bf16 (a view of ``buf.y``). No host sync: the checks
     (``check_launch``) read only Python values."""
@@ -304,7 +286,7 @@ def moe_decode(dw: DecodeWeights | TCWeights, buf: DecodeBuffers, num_tokens: in
     tensor_cores = isinstance(dw, TCWeights)  # the tensor-core GEMVs (recipe megamoe-decode-tc) read x_q itself
     if tensor_cores and one_cuda_launch(dw, buf, num_tokens, cfg):
         return cuda_step.step(dw, buf, clamp)  # the whole 1-token step in one launch, the same bits
-    if not (tensor_cores and cfg.tc_route):  # (tc_route: L1 routes for itself)
+    if not (tensor_cores and cfg.tc_route):  # (tc_route: gate/up routes for itself)
         routing.route(buf.topk_idx, buf.topk_weights, buf.x_q, num_tokens, buf.expert_lo, buf.num_local, buf,
                       cfg.pdl, full=not tensor_cores)
     if tensor_cores:

@@ -75,7 +75,7 @@ def route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg
                row_weight_ptr, slot_row_ptr, T, expert_lo, num_local,
                K: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
     """Every output of the module docstring but x32, by one program (route's program 0, or the extra program of
-    a tensor-core L1 that routes for itself: ``triton_tc.l1_tc_kernel``'s ROUTE)."""
+    a tensor-core gate/up that routes for itself: ``triton_tc.l1_tc_kernel``'s ROUTE)."""
     s = tl.arange(0, S_PAD)
     in_step = s < T * K
     skey, valid, e = _sorted_slots(idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)

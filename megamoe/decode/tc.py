@@ -14,8 +14,6 @@ tensor cores' 13 fraction bits (the CPU tests' inputs are built so).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..recipe import MEGAMOE_DECODE_TC
@@ -23,10 +21,9 @@ from ..reference.gemm import group_scaled_gemm
 from ..reference.swiglu import requant_fp8, swiglu
 from .gemv import LaunchConfig, _kw, _work_items
 from .layout_tc import TCWeights, expert_operands
-from .stamps import WORDS
 
 
-MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each L1 program sorts the step's T K slots (an [S, S] comparison)
+MAX_ROUTE_SLOTS = 64  # LaunchConfig.tc_route: each gate/up program sorts the step's T K slots (an [S, S] comparison)
 ROUTE_SLOTS_FASTER = 24  # ... and gains up to this many (one H200, DeepSeek-V4-Flash: run 27)
 
 
@@ -36,18 +33,18 @@ def tc_launch_config(num_tokens: int, top_k: int) -> LaunchConfig:
 
     - packed passes always (experts with at most 4 rows: four groups per MMA): 55.8 -> 50.3 us at 1 token,
       252.1 -> 188.9 at 8, 988.0 -> 738.1 at 64 (run 17);
-    - programmatic dependent launch: 2.0 to 2.9 us less per step at 2..64 tokens (run 16); at 1 token, once L1
+    - programmatic dependent launch: 2.0 to 2.9 us less per step at 2..64 tokens (run 16); at 1 token, once gate/up
       routes for itself, 1.0 us less timed as `megamoe bench` times it (43.1 against 44.1), none by the probe's
       clock (run 28);
-    - L1's K in two parts at 1 token only: L1 27.8 -> 23.5-23.9 us of kernel time there, slower from 2 tokens on
-      (runs 20-21);
-    - (LaunchConfig's default) L2 capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: L2's
+    - gate/up's K in two parts at 1 token only: gate/up 27.8 -> 23.5-23.9 us of kernel time there, slower from 2
+      tokens on (runs 20-21);
+    - (LaunchConfig's default) down capped at 72 registers (7 programs per SM, no spill in its K loop), not 96: down's
       kernel time 21.3 -> 17.1 us at 2 tokens, 57.3 -> 55.6 at 8, 166.4 -> 154.3 at 32, unchanged at 1 (run 26);
-    - L1 capped at 72 registers from 16 tokens (80 below): L1 186.6 -> 182.3 us at 16 tokens, 313.5 -> 304.5 at
-      32, 446.4 -> 440.4 at 64; slower at 4 and 8 (run 26);
-    - L1 routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.0 / 4.7 / 3.6 us less
-      at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of L1's 3,072 programs made L1 12 us
-      slower (run 27);
+    - gate/up capped at 72 registers from 16 tokens (80 below): gate/up 186.6 -> 182.3 us at 16 tokens, 313.5 ->
+      304.5 at 32, 446.4 -> 440.4 at 64; slower at 4 and 8 (run 26);
+    - gate/up routing for itself up to 24 slots (tokens x top-k; no route launch): kernel time 3.0 / 4.7 / 3.6 us
+      less at 1 / 2 / 4 tokens of top-6; at 8 tokens (48 slots) the sort in each of gate/up's 3,072 programs made
+      gate/up 12 us slower (run 27);
     - not the whole 1-token step in one persistent CUDA launch (``cuda_step.py``, ``LaunchConfig.tc_cuda_step1``):
       the same bits, level with these three launches on the H200 and slower on the H100 (docs/decode-kernel-tc.md,
       "The 1-token CUDA step"), and it builds with nvcc on first use."""
@@ -66,54 +63,45 @@ def _opts(warps: int, stages: int, maxnreg: int | None, interpret: bool, pdl: bo
 
 
 def _split(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> int:
-    """L1's K parts (``LaunchConfig.tc_split``), checked against the packed passes, the buffers' split scratch and
-    L1's K loop (hidden/128 blocks, a multiple of the parts)."""
+    """The gate/up GEMM's K parts (``LaunchConfig.tc_split``), checked against the packed passes, the buffers' split
+    scratch and its K loop (hidden/128 blocks, a multiple of the parts)."""
     parts = cfg.tc_split
     if parts > 1 and (not cfg.tc_pack4 or num_tokens > buf.split_tokens):
         raise ValueError(f"LaunchConfig.tc_split={parts} needs tc_pack4=True and num_tokens <= the buffers' "
                          f"split_tokens ({buf.split_tokens}; DecodeBuffers.allocate(split_tokens=...)), got "
                          f"tc_pack4={cfg.tc_pack4}, num_tokens={num_tokens}")
     if (tw.hidden // 128) % parts:
-        raise ValueError(f"LaunchConfig.tc_split={parts} must divide L1's {tw.hidden // 128} K blocks (hidden/128)")
+        raise ValueError(f"LaunchConfig.tc_split={parts} must divide gate/up's {tw.hidden // 128} K blocks "
+                         "(hidden/128)")
     return parts
 
 
 def _route_slots(buf, num_tokens: int, cfg: LaunchConfig) -> int:
-    """The padded slot count L1 sorts when it routes for itself (``LaunchConfig.tc_route``), 0 when it does not."""
+    """The padded slot count gate/up sorts when it routes for itself (``LaunchConfig.tc_route``), 0 when it does
+    not."""
     if not cfg.tc_route:
         return 0
     slots = num_tokens * buf.num_topk
     if slots > MAX_ROUTE_SLOTS:
-        raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every L1 program: num_tokens * top-k must "
-                         f"be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
+        raise ValueError(f"LaunchConfig.tc_route sorts the step's slots in every gate/up program: num_tokens * top-k "
+                         f"must be <= {MAX_ROUTE_SLOTS}, got {num_tokens} * {buf.num_topk} = {slots}")
     from .routing import slot_pad
 
     return slot_pad(num_tokens, buf.num_topk)
 
 
-def _stamps(buf, launch: int, grid: tuple) -> tuple:
-    """(stamps pointer, STAMP) for a launch: ``buf.stamps[launch]`` when the caller set it (``stamps.py``), checked
-    against the grid; otherwise a stand-in tensor the kernel never touches and STAMP off."""
-    if buf.stamps is None:
-        return buf.num_touched, False
-    programs = math.prod(grid)
-    if buf.interpret or buf.stamps.dim() != 3 or buf.stamps.shape[1] < programs or buf.stamps.shape[2] != WORDS:
-        raise ValueError(f"DecodeBuffers.stamps must be int64 [2, >= {programs}, {WORDS}] on a GPU (launch {launch}'s "
-                         f"grid {grid}), got {tuple(buf.stamps.shape)}{' under the interpreter' * buf.interpret}")
-    return buf.stamps[launch], True
-
-
 def launch_grids(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> tuple[tuple, tuple]:
-    """The grids ``l1_tc`` and ``l2_tc`` launch for this step, after their checks: L1 (W work items, one more
-    when it routes for itself; I / 32 channel tiles; its K parts), L2 (W, H / 64). A timeline's stamp buffer
-    holds the larger (``stamps.stamp_buffer``)."""
+    """The grids ``l1_tc`` and ``l2_tc`` launch for this step, after their checks: gate/up (W work items, one more
+    when it routes for itself; I / 32 channel tiles; its K parts), down (W, H / 64)."""
     w = buf.max_work(num_tokens)
     route = bool(_route_slots(buf, num_tokens, cfg))
     return (w + route, tw.intermediate // 32, _split(tw, buf, num_tokens, cfg)), (w, tw.hidden // 64)
 
 
-def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) -> None:
-    """L1 (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route)."""
+def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig, probe: tuple | None = None) -> None:
+    """The gate/up GEMM (and, with ``cfg.tc_route``, route's work in the same launch: ``moe_decode`` then skips route).
+    ``probe``: (a Triton function, its tensor) for the kernel's PROBE hook (``triton_tc_ops.no_probe``), None for
+    none."""
     from .routing import route_pads
     from .triton_tc import l1_tc_kernel
 
@@ -122,31 +110,32 @@ def l1_tc(tw: TCWeights, buf, num_tokens: int, clamp: float, cfg: LaunchConfig) 
     grid, _ = launch_grids(tw, buf, num_tokens, cfg)
     split = grid[2]
     route = {}
-    if grid[0] > buf.max_work(num_tokens):  # L1 routes for itself: route's sort sizes, as route's launch has them
+    if grid[0] > buf.max_work(num_tokens):  # gate/up routes for itself: route's sort sizes, as route's launch has them
         route = dict(ROUTE=True, **route_pads(num_tokens, buf.num_topk, buf.num_local))
-    stamps, stamp = _stamps(buf, 0, grid)
+    hook, probe_ptr = probe or (None, buf.num_touched)
     l1_tc_kernel[grid](
         tw.l1_codes, tw.l1_scales.view(torch.int32), buf.x_q, buf.x_sf, buf.num_touched, buf.touched, buf.seg_start,
         buf.seg_count, buf.row_token, buf.row_weight, buf.l1_out, buf.l2_q, buf.l2_sf,
         buf.split_terms, buf.split_counts, buf.topk_idx, buf.topk_weights, buf.slot_row, num_tokens, buf.expert_lo,
-        buf.num_local, float(clamp), stamps, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
+        buf.num_local, float(clamp), probe_ptr, H=tw.hidden, I=tw.intermediate, STORE_L1=cfg.store_l1,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l1_maxnreg, buf.interpret, cfg.pdl),
-        PACK=cfg.tc_pack4, SPLIT=split, **route, STAMP=stamp,
+        PACK=cfg.tc_pack4, SPLIT=split, **route, **({"PROBE": hook} if hook else {}),
     )
 
 
-def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig) -> None:
+def l2_tc(tw: TCWeights, buf, num_tokens: int, cfg: LaunchConfig, probe: tuple | None = None) -> None:
+    """The down GEMM; ``probe`` as in ``l1_tc``."""
     from .triton_tc import l2_tc_kernel
 
     if num_tokens == 0:
         return
     _, grid = launch_grids(tw, buf, num_tokens, cfg)
-    stamps, stamp = _stamps(buf, 1, grid)
+    hook, probe_ptr = probe or (None, buf.num_touched)
     l2_tc_kernel[grid](
         tw.l2_codes, tw.l2_scales.view(torch.int32), buf.l2_q.view(torch.float8_e4m3fn), buf.l2_sf, buf.num_touched,
-        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, stamps, H=tw.hidden, I=tw.intermediate,
+        buf.touched, buf.seg_start, buf.seg_count, buf.slot_out, probe_ptr, H=tw.hidden, I=tw.intermediate,
         ASM=not buf.interpret, **_opts(4, cfg.tc_stages, cfg.tc_l2_maxnreg, buf.interpret, cfg.pdl),
-        PACK=cfg.tc_pack4, STAMP=stamp,
+        PACK=cfg.tc_pack4, **({"PROBE": hook} if hook else {}),
     )
 
 

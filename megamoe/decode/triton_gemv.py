@@ -2,7 +2,7 @@
 
     l1_kernel   grid (W, I / BN):  work item j (a touched expert e, its M rows), channels [t BN, (t+1) BN)
                 of gate and of up over all H; then SwiGLU, the routing weight, the FP8 requant of those
-                BN = l2_group channels, written as codes, scale and float32 values for L2
+                BN = l2_group channels, written as codes, scale and float32 values for down
     l2_kernel   grid (W, H / BN2): the same expert's rows of [t BN2, (t+1) BN2) over all I -> bf16 per
                 (token, slot)
 
@@ -15,7 +15,7 @@ Numerics (all exact until the noted roundings; any summation order gives the sam
                 2**-24 grid and |sum| < 0.66 < 2**24 * 2**-24, so every partial sum is exact
     group sum   those 4-term sums in float64 over the 32 K of one scale group, exact; then times
                 2**(s - 127 + 14), a power of two (the E8M0 scale and the decode's 2**-14 undone)
-    block sum   float64 over the groups of one promotion block (4 for L1's 128 K, 1 for L2's 32 K),
+    block sum   float64 over the groups of one promotion block (4 for gate/up's 128 K, 1 for down's 32 K),
                 exact when the block's scale bytes span <= 24 binades (checked at prepare)
     promote     acc = fl32(fl64(acc + fl64(x_sf) * fl64(fl32(block)))), blocks in ascending K: the
                 reference's emulated FMA (megamoe.reference.gemm), bit for bit
@@ -201,8 +201,8 @@ def _tile_words(base, widx, G: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _l1_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
-    """K-iteration i of L1 tile (e, t): the gate and up words (4 blocks each) and their scale bytes."""
+def _gate_up_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
+    """K-iteration i of gate/up tile (e, t): the gate and up words (4 blocks each) and their scale bytes."""
     base = w_ptr + ((e * NT + t) * NK + i) * (2 * 4 * G * BN)
     sbase = s_ptr + ((e * NT + t) * NK + i) * (2 * G * BN)
     gw0, gw1, gw2, gw3 = _tile_words(base, widx, G, BN)
@@ -211,8 +211,8 @@ def _l1_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G:
 
 
 @triton.jit
-def _l2_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
-    """K-iteration i of L2 tile (e, t): 4 word blocks and their scale bytes."""
+def _down_tile(w_ptr, s_ptr, e, t, i, widx, NT: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, BN: tl.constexpr):
+    """K-iteration i of down tile (e, t): 4 word blocks and their scale bytes."""
     w0, w1, w2, w3 = _tile_words(w_ptr + ((e * NT + t) * NK + i) * (4 * G * BN), widx, G, BN)
     return w0, w1, w2, w3, tl.load(s_ptr + ((e * NT + t) * NK + i) * (G * BN) + widx)
 
@@ -225,8 +225,8 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _l1_epilogue(gate, up, row, weight, clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr,
-                 I: tl.constexpr, BN: tl.constexpr, STORE_L1: tl.constexpr):
+def _gate_up_epilogue(gate, up, row, weight, clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr,
+                      I: tl.constexpr, BN: tl.constexpr, STORE_L1: tl.constexpr):
     """SwiGLU (clamp, sigmoid through a float64 exp rounded once), routing weight, FP8 requant of the
     tile's BN channels (one l2 group): amax -> sf = max(amax, fl32(1e-10)) * fl32(1/448) -> e4m3 RTNE."""
     n = t * BN + tl.arange(0, BN)
@@ -251,7 +251,7 @@ def _l1_epilogue(gate, up, row, weight, clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr
 
 
 @triton.jit
-def l1_program(
+def gate_up_program(
     j, t,  # work item (touched expert), channel tile
     w_ptr, s_ptr,  # int32 / uint8 tiles (layout.py)
     x_ptr, xsf_ptr,  # fp32 [C, H] (x32), fp32 [C, H/128]
@@ -261,7 +261,7 @@ def l1_program(
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
-    """One L1 program: gate and up rows [t BN, (t+1) BN) of work item j's expert, all its rows.
+    """One gate/up program: gate and up rows [t BN, (t+1) BN) of work item j's expert, all its rows.
     PREFETCH: load K-iteration i + 1's tile before the arithmetic of iteration i (registers; same bits)."""
     if j < tl.load(num_touched_ptr):
         NT: tl.constexpr = I // BN
@@ -284,15 +284,17 @@ def l1_program(
             u2 = tl.zeros([BN], tl.float32)
             u3 = tl.zeros([BN], tl.float32)
             if PREFETCH:
-                nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _l1_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
+                nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _gate_up_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G,
+                                                                                 BN)
             for i in range(NK):
                 if PREFETCH:  # this iteration's tile was loaded by the previous one; load the next (the last
                     # iteration reloads its own: no read past the expert)
                     gw0, gw1, gw2, gw3, uw0, uw1, uw2, uw3, gs, us = nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1
-                    nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _l1_tile(
+                    nw0, nw1, nw2, nw3, nw4, nw5, nw6, nw7, ns0, ns1 = _gate_up_tile(
                         w_ptr, s_ptr, e, t, tl.minimum(i + 1, NK - 1), widx, NT, NK, G, BN)
                 else:
-                    gw0, gw1, gw2, gw3, uw0, uw1, uw2, uw3, gs, us = _l1_tile(w_ptr, s_ptr, e, t, i, widx, NT, NK, G, BN)
+                    gw0, gw1, gw2, gw3, uw0, uw1, uw2, uw3, gs, us = _gate_up_tile(w_ptr, s_ptr, e, t, i, widx, NT,
+                                                                                   NK, G, BN)
                 k0 = i * (32 * G) + gi * 32  # [1, G] first K of each group
                 xp0 = x_ptr + t0 * H + k0
                 xp1 = x_ptr + t1 * H + k0
@@ -307,34 +309,34 @@ def l1_program(
                                             sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM)
                 u0, u1, u2, u3 = _half_step(uw0, uw1, uw2, uw3, us, xp0, xp1, xp2, xp3, u0, u1, u2, u3,
                                             sfp0, sfp1, sfp2, sfp3, G, BN, PG, BLOCK_M, ASM)
-            _l1_epilogue(g0, u0, r0, tl.load(row_weight_ptr + r0), clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr,
-                         I, BN, STORE_L1)
+            _gate_up_epilogue(g0, u0, r0, tl.load(row_weight_ptr + r0), clamp, t, l1_ptr, q_ptr, x2_ptr, sf2_ptr,
+                              I, BN, STORE_L1)
             if BLOCK_M > 1:
                 if m0 + 1 < count:
-                    _l1_epilogue(g1, u1, r1, tl.load(row_weight_ptr + r1), clamp, t, l1_ptr, q_ptr, x2_ptr,
-                                 sf2_ptr, I, BN, STORE_L1)
+                    _gate_up_epilogue(g1, u1, r1, tl.load(row_weight_ptr + r1), clamp, t, l1_ptr, q_ptr, x2_ptr,
+                                      sf2_ptr, I, BN, STORE_L1)
             if BLOCK_M > 2:
                 if m0 + 2 < count:
-                    _l1_epilogue(g2, u2, r2, tl.load(row_weight_ptr + r2), clamp, t, l1_ptr, q_ptr, x2_ptr,
-                                 sf2_ptr, I, BN, STORE_L1)
+                    _gate_up_epilogue(g2, u2, r2, tl.load(row_weight_ptr + r2), clamp, t, l1_ptr, q_ptr, x2_ptr,
+                                      sf2_ptr, I, BN, STORE_L1)
                 if m0 + 3 < count:
-                    _l1_epilogue(g3, u3, r3, tl.load(row_weight_ptr + r3), clamp, t, l1_ptr, q_ptr, x2_ptr,
-                                 sf2_ptr, I, BN, STORE_L1)
+                    _gate_up_epilogue(g3, u3, r3, tl.load(row_weight_ptr + r3), clamp, t, l1_ptr, q_ptr, x2_ptr,
+                                      sf2_ptr, I, BN, STORE_L1)
             m0 += BLOCK_M
 
 
 @triton.jit
-def l2_program(
+def down_program(
     j, t,  # work item (touched expert), output-row tile
     w_ptr, s_ptr,  # int32 / uint8 tiles (layout.py)
-    x2_ptr, sf2_ptr,  # fp32 [S, I] (the L2 input's e4m3 values), fp32 [S, I/32]
+    x2_ptr, sf2_ptr,  # fp32 [S, I] (the down input's e4m3 values), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, L2_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
-    """One L2 program: output rows [t BN, (t+1) BN) of work item j's expert, all its rows -> bf16.
-    PREFETCH as in ``l1_program``."""
+    """One down program: output rows [t BN, (t+1) BN) of work item j's expert, all its rows -> bf16.
+    PREFETCH as in ``gate_up_program``."""
     if j < tl.load(num_touched_ptr):
         NT: tl.constexpr = H // BN
         NK: tl.constexpr = I // (32 * G)
@@ -349,13 +351,14 @@ def l2_program(
             a2 = tl.zeros([BN], tl.float32)
             a3 = tl.zeros([BN], tl.float32)
             if PREFETCH:
-                nw0, nw1, nw2, nw3, ns = _l2_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
+                nw0, nw1, nw2, nw3, ns = _down_tile(w_ptr, s_ptr, e, t, 0, widx, NT, NK, G, BN)
             for i in range(NK):
                 if PREFETCH:
                     w0, w1, w2, w3, sb = nw0, nw1, nw2, nw3, ns
-                    nw0, nw1, nw2, nw3, ns = _l2_tile(w_ptr, s_ptr, e, t, tl.minimum(i + 1, NK - 1), widx, NT, NK, G, BN)
+                    nw0, nw1, nw2, nw3, ns = _down_tile(w_ptr, s_ptr, e, t, tl.minimum(i + 1, NK - 1), widx, NT, NK,
+                                                        G, BN)
                 else:
-                    w0, w1, w2, w3, sb = _l2_tile(w_ptr, s_ptr, e, t, i, widx, NT, NK, G, BN)
+                    w0, w1, w2, w3, sb = _down_tile(w_ptr, s_ptr, e, t, i, widx, NT, NK, G, BN)
                 k0 = i * (32 * G) + gi * 32
                 sg = i * (G // PG)
                 a0, a1, a2, a3 = _half_step(
@@ -380,16 +383,16 @@ def l1_kernel(w_ptr, s_ptr, x_ptr, xsf_ptr, num_touched_ptr, touched_ptr, seg_st
               row_token_ptr, row_weight_ptr, l1_ptr, q_ptr, x2_ptr, sf2_ptr, clamp,
               H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
               BLOCK_M: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
-    """grid (W, I / BN): ``l1_program`` (j, t) = (program_id 0, program_id 1)."""
-    l1_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x_ptr, xsf_ptr, num_touched_ptr, touched_ptr,
-               seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr, l1_ptr, q_ptr, x2_ptr, sf2_ptr, clamp,
-               H, I, BN, G, BLOCK_M, STORE_L1, ASM, PREFETCH)
+    """grid (W, I / BN): ``gate_up_program`` (j, t) = (program_id 0, program_id 1)."""
+    gate_up_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x_ptr, xsf_ptr, num_touched_ptr, touched_ptr,
+                    seg_start_ptr, seg_count_ptr, row_token_ptr, row_weight_ptr, l1_ptr, q_ptr, x2_ptr, sf2_ptr, clamp,
+                    H, I, BN, G, BLOCK_M, STORE_L1, ASM, PREFETCH)
 
 
 @triton.jit
 def l2_kernel(w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, out_ptr,
               H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, L2_GROUP: tl.constexpr,
               BLOCK_M: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
-    """grid (W, H / BN): ``l2_program`` (j, t) = (program_id 0, program_id 1)."""
-    l2_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr,
-               seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, PREFETCH)
+    """grid (W, H / BN): ``down_program`` (j, t) = (program_id 0, program_id 1)."""
+    down_program(tl.program_id(0), tl.program_id(1), w_ptr, s_ptr, x2_ptr, sf2_ptr, num_touched_ptr, touched_ptr,
+                 seg_start_ptr, seg_count_ptr, out_ptr, H, I, BN, G, L2_GROUP, BLOCK_M, ASM, PREFETCH)

@@ -5,8 +5,8 @@ program of that launch has either called ``griddepcontrol.launch_dependents`` (`
 ``griddepcontrol.wait`` (``pdl_wait``) then blocks until the previous launch has finished and its writes are
 visible. So each kernel calls ``pdl_wait`` before it reads anything an earlier launch wrote, and ``pdl_release``
 where the next launch's early start costs it nothing: route and the combine at once (``pdl_enter``), the
-tensor-core L1 and L2 after their K loops (a program of the next launch that waits occupies a slot and, on
-the H200, slowed L1 when it sat there for all of L1: lab/decode/JOURNAL.md). A program of the
+tensor-core gate/up and down after their K loops (a program of the next launch that waits occupies a slot and, on
+the H200, slowed gate/up when it sat there for all of gate/up: lab/decode/JOURNAL.md). A program of the
 next launch therefore never reads before every program of this one has passed its own wait. Both
 instructions are no-ops in a kernel launched without the attribute; under the interpreter nothing is emitted
 (``PDL`` False).

@@ -7,16 +7,16 @@ tokens as N = 16 columns); their twins are ``tc.l1_tc_torch`` / ``tc.l2_tc_torch
                   routing weight and the FP8 requant of those 32 channels
     l2_tc_kernel  grid (W, H / 64):  the same expert's output rows [64 t, 64 t + 64) over all I -> bf16
 
-With ROUTE (``LaunchConfig.tc_route``) L1 runs route's work itself: each program finds work item j from the staged
-top-k (``routing.route_item``), and one extra program (j = W) writes route's outputs for L2 and the combine.
+With ROUTE (``LaunchConfig.tc_route``) gate/up runs route's work itself: each program finds work item j from the staged
+top-k (``routing.route_item``), and one extra program (j = W) writes route's outputs for down and the combine.
 
 A program exits at once when j >= num_touched. Its tokens go in passes of 16 (the expert's pool rows), or,
 with PACK and at most 4 rows, in one packed pass: a 128-K block's four groups of up to 4 tokens in the 16
-columns of one MMA (``_packed_mma``; the same bits). Each loop iteration takes four groups (L1: one 128-K
-block; L2: four promotion blocks), their four code blocks in one load (``_load4``): Triton software-pipelines
+columns of one MMA (``_packed_mma``; the same bits). Each loop iteration takes four groups (gate/up: one 128-K
+block; down: four promotion blocks), their four code blocks in one load (``_load4``): Triton software-pipelines
 the code and x tiles, and the scale words and activation scales are loaded one iteration ahead by hand.
 
-Split K (L1's packed passes, SPLIT > 1): part 0 keeps the running sum of its blocks, the other parts store each
+Split K (gate/up's packed passes, SPLIT > 1): part 0 keeps the running sum of its blocks, the other parts store each
 block's term fl32(x_sf * blk); the last part to finish (a self-resetting counter) replays the chain, the same
 FP32 additions in the same order (``_replay``), and runs the epilogue. Same bits as SPLIT = 1.
 
@@ -25,7 +25,7 @@ Numerics (recipe ``megamoe-decode-tc``; ``megamoe.reference.gemm.group_scaled_ge
     d_g     tl.dot of the group's [64, 32] weights and [32, 16] x codes, a fresh accumulator: the tensor
             cores' own k32 sum (modelled bit for bit by ``sm90-fp8-tc-operands``)
     d'_g    d_g * 2**(s - 121) in FP32 (exact for scale bytes 20..236, checked at prepare)
-    blk     L1: the FP32 sum of the 4 groups of a 128-K block in ascending K; L2: the group itself
+    blk     gate/up: the FP32 sum of the 4 groups of a 128-K block in ascending K; down: the group itself
     acc     fl32(acc + fl32(x_sf * blk)), blocks in ascending K (two FP32 roundings, no FMA)
 """
 
@@ -39,7 +39,7 @@ from .triton_gemv import _bf16_bits
 from .routing import route_item, route_meta, route_rows
 from .triton_pdl import pdl_release, pdl_wait
 from .triton_tc_ops import (NTOK, _block_sum, _blocks4, _factors4, _mma, _mul_rn, _packed_columns, _packed_mma,
-                            _stamp, _x_group)
+                            _x_group, no_probe)
 
 
 @triton.jit
@@ -64,19 +64,19 @@ def l1_tc_kernel(
     l1_ptr, q_ptr, sf2_ptr,  # fp32 [S, 2I] (STORE_L1), uint8 [S, I], fp32 [S, I/32]
     terms_ptr, cnt_ptr,  # SPLIT > 1: fp32 [S', H/128, 2I], int32 [>= W' * I/32] (moe.DecodeBuffers.split_*)
     idx_ptr, tw_ptr, slot_row_ptr, T, expert_lo, num_local,  # ROUTE: the staged routing; route's other output
-    clamp, stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
+    clamp, probe_ptr,  # PROBE's (``triton_tc_ops.no_probe``)
     H: tl.constexpr, I: tl.constexpr, STORE_L1: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr = False, PACK: tl.constexpr = False, SPLIT: tl.constexpr = 1,
     ROUTE: tl.constexpr = False, K: tl.constexpr = 1, S_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-    STAMP: tl.constexpr = False,
+    PROBE: tl.constexpr = no_probe,
 ):
-    _stamp(stamps_ptr, 1, STAMP)
+    PROBE(probe_ptr, 1)
     pdl_wait(PDL)
-    _stamp(stamps_ptr, 2, STAMP)
+    PROBE(probe_ptr, 2)
     j = tl.program_id(0)
     t = tl.program_id(1)
     part = tl.program_id(2)
-    if ROUTE:  # each program finds its work item itself; the extra last j writes route's outputs for L2, combine
+    if ROUTE:  # each program finds its work item itself; the extra last j writes route's outputs for down, combine
         n_items, e, start, count, skey = route_item(j, idx_ptr, T, expert_lo, num_local, K, S_PAD, E_PAD)
         if (j == tl.num_programs(0) - 1) & (t == 0) & (part == 0):
             route_meta(idx_ptr, tw_ptr, num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr, row_token_ptr,
@@ -87,7 +87,7 @@ def l1_tc_kernel(
         skey = 0
     if j < n_items:
         NB: tl.constexpr = H // 128
-        _stamp(stamps_ptr, 3, STAMP)
+        PROBE(probe_ptr, 3)
         tile = e * (I // 32) + t
         sp = s_ptr + tile * NB * 64
         wp = w_ptr + tile * NB * 4096
@@ -98,38 +98,39 @@ def l1_tc_kernel(
             cols = _packed_columns(tok, count)
             zero = tl.zeros([64, 4], tl.float32)
             if SPLIT == 1:
-                acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True, False)
-                _stamp(stamps_ptr, 4, STAMP)
+                acc = _gate_up_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NB, None, 1, H, ASM, True,
+                                      False)
+                PROBE(probe_ptr, 4)
                 pdl_release(PDL)
-                _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
+                _gate_up_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
             else:
                 NBP: tl.constexpr = NB // SPLIT
                 slots = _slots(terms_ptr, rows, t, NB, 2 * I)
                 if part == 0:  # the running sum of the first blocks, kept in slot 0
-                    acc = _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NBP, slots, 2 * I, H, ASM,
-                                     True, False)
+                    acc = _gate_up_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, 0, NBP, slots, 2 * I, H, ASM,
+                                          True, False)
                     tl.store(slots, acc, mask=valid[None, :])
                 else:  # each block's term in its own slot
-                    _l1_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
-                               ASM, True, True)
-                _stamp(stamps_ptr, 4, STAMP)
+                    _gate_up_blocks(zero, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, part * NBP, NBP, slots, 2 * I, H,
+                                    ASM, True, True)
+                PROBE(probe_ptr, 4)
                 pdl_release(PDL)
                 if _arrive_last(cnt_ptr + j * (I // 32) + t, SPLIT):  # the last part to finish: replay, epilogue
                     acc = _replay(slots, valid, NBP, NB, 2 * I)
-                    _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
+                    _gate_up_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, 4)
         elif part == 0:  # passes of 16 rows, never split
             m0 = 0
             while m0 < count:  # a while loop: the interpreter cannot range() over a loaded scalar
                 rows, valid = _pass(start, m0, count)
                 tok, weight = _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, m0, count, tw_ptr,
                                          ROUTE, K, S_PAD, NTOK)
-                acc = _l1_blocks(tl.zeros([64, NTOK], tl.float32), valid, None, wp, sp, x_ptr, xsf_ptr, tok, 0, NB,
-                                 None, 1, H, ASM, False, False)
-                _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
-                pdl_release(PDL)  # L2 may start once every program has streamed its weights (later calls: no effect)
-                _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
+                acc = _gate_up_blocks(tl.zeros([64, NTOK], tl.float32), valid, None, wp, sp, x_ptr, xsf_ptr, tok, 0, NB,
+                                      None, 1, H, ASM, False, False)
+                PROBE(probe_ptr, 4)  # (each pass: the last one's stays)
+                pdl_release(PDL)  # down may start once every program has streamed its weights (later calls: no effect)
+                _gate_up_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I, STORE_L1, NTOK)
                 m0 += NTOK
-    _stamp(stamps_ptr, 5, STAMP)
+    PROBE(probe_ptr, 5)
 
 
 @triton.jit
@@ -145,10 +146,10 @@ def _pass_rows(rows, valid, row_token_ptr, row_weight_ptr, skey, start, m0, coun
 
 
 @triton.jit
-def _l1_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexpr, slots,
-               STRIDE: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
-    """L1's K loop for one pass (its tokens tok [W]) over the N 128-K blocks from block lo: acc fp32 [64, W]
-    promoted block by block in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a
+def _gate_up_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexpr, slots, STRIDE: tl.constexpr,
+                    H: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TERMS: tl.constexpr):
+    """The gate/up GEMM's K loop for one pass (its tokens tok [W]) over the N 128-K blocks from block lo: acc fp32
+    [64, W] promoted block by block in ascending K (or, TERMS, each block's term stored in its slot: ``_take``), a
     block's four groups per iteration (one packed MMA over ``cols``, or four), each block's scale words and x_sf
     loaded one block ahead. The scale words and x_sf are plain loads (only the code and x tiles are
     software-pipelined by Triton): loaded ahead, no group waits on global memory for them."""
@@ -172,8 +173,8 @@ def _l1_blocks(acc, valid, cols, wp, sp, x_ptr, xsf_ptr, tok, lo, N: tl.constexp
 
 
 @triton.jit
-def _l1_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I: tl.constexpr,
-                 STORE_L1: tl.constexpr, W: tl.constexpr):
+def _gate_up_epilogue(acc, rows, valid, t, weight, l1_ptr, q_ptr, sf2_ptr, clamp, I: tl.constexpr,
+                      STORE_L1: tl.constexpr, W: tl.constexpr):
     """acc fp32 [64, W] (gate rows 0..31, up rows 32..63 of channel tile t) -> SwiGLU, the routing weight and the
     FP8 requant of the tile's 32 channels, stored for the pass's W pool rows (routing weights weight [W])."""
     n = t * 32 + tl.arange(0, 32)
@@ -200,45 +201,45 @@ def l2_tc_kernel(
     q_ptr, sf2_ptr,  # e4m3 [S, I] (the l2_q codes), fp32 [S, I/32]
     num_touched_ptr, touched_ptr, seg_start_ptr, seg_count_ptr,
     out_ptr,  # int16 (bf16 bits) [S, H]
-    stamps_ptr,  # int64 [programs, 16] (STAMP: the launch's timeline, ``_stamp``)
+    probe_ptr,  # PROBE's (``triton_tc_ops.no_probe``)
     H: tl.constexpr, I: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PACK: tl.constexpr = False,
-    STAMP: tl.constexpr = False,
+    PROBE: tl.constexpr = no_probe,
 ):
     j = tl.program_id(0)
     t = tl.program_id(1)
-    _stamp(stamps_ptr, 1, STAMP)
+    PROBE(probe_ptr, 1)
     pdl_wait(PDL)
-    _stamp(stamps_ptr, 2, STAMP)
+    PROBE(probe_ptr, 2)
     n_items = tl.load(num_touched_ptr)
-    e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as L1's)
+    e, start, count = _item(j, touched_ptr, seg_start_ptr, seg_count_ptr)  # beside the count (as gate/up's)
     if j < n_items:
-        _stamp(stamps_ptr, 3, STAMP)
+        PROBE(probe_ptr, 3)
         tile = (e * (H // 64) + t) * (I // 32)
         n = t * 64 + tl.arange(0, 64)
-        if PACK and count <= 4:  # one packed pass (as L1's)
+        if PACK and count <= 4:  # one packed pass (as gate/up's)
             rows, valid = _pass(start, 0, count, 4)
-            acc = _l2_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
-                             w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
-            _stamp(stamps_ptr, 4, STAMP)
+            acc = _down_groups(tl.zeros([64, 4], tl.float32), rows, valid, _packed_columns(rows, count),
+                               w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I, ASM, True)
+            PROBE(probe_ptr, 4)
             pdl_release(PDL)
             tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
         else:
             m0 = 0
             while m0 < count:
                 rows, valid = _pass(start, m0, count)
-                acc = _l2_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
-                                 tile, I, ASM, False)
-                _stamp(stamps_ptr, 4, STAMP)  # (each pass: the last one's stays)
-                pdl_release(PDL)  # the combine may start (as in L1)
+                acc = _down_groups(tl.zeros([64, NTOK], tl.float32), rows, valid, None, w_ptr, s_ptr, sf2_ptr, q_ptr,
+                                   tile, I, ASM, False)
+                PROBE(probe_ptr, 4)  # (each pass: the last one's stays)
+                pdl_release(PDL)  # the combine may start (as in gate/up)
                 tl.store(out_ptr + rows[None, :] * H + n[:, None], _bf16_bits(acc), mask=valid[None, :])
                 m0 += NTOK
-    _stamp(stamps_ptr, 5, STAMP)
+    PROBE(probe_ptr, 5)
 
 
 @triton.jit
-def _l2_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
-               ASM: tl.constexpr, PACKED: tl.constexpr):
-    """L2's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
+def _down_groups(acc, rows, valid, cols, w_ptr, s_ptr, sf2_ptr, q_ptr, tile, I: tl.constexpr,
+                 ASM: tl.constexpr, PACKED: tl.constexpr):
+    """The down GEMM's K loop for one pass: acc fp32 [64, W] promoted group by group in ascending K, four groups per
     iteration (one packed MMA over ``cols``, or four), each group's scales loaded one iteration ahead."""
     NG: tl.constexpr = I // 32
     sp = s_ptr + tile * 16  # tile counts groups: its first 128-K block's 64 words

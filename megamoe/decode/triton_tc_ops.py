@@ -8,27 +8,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .stamps import WORDS
-
 NTOK = tl.constexpr(16)  # tokens per pass: the MMA's N
-STAMP_WORDS = tl.constexpr(WORDS)  # int64 per program in a launch's timeline (``_stamp``): SM id, timer / clock
 
 
 @triton.jit
-def _stamp(stamps_ptr, k: tl.constexpr, STAMP: tl.constexpr):
-    """A launch's timeline (``DecodeBuffers.stamps``; off unless STAMP): point k (1..7) of this program, the
-    GPU's nanosecond %globaltimer in word k and its SM's %clock64 in word 8 + k of the program's 16; point 1
-    also stores the SM id in word 0. GPU only (inline PTX)."""
-    if STAMP:
-        pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        base = stamps_ptr + pid.to(tl.int64) * STAMP_WORDS
-        if k == 1:
-            tl.store(base, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False,
-                                                     pack=1).to(tl.int64))
-        tl.store(base + k, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                                     is_pure=False, pack=1))
-        tl.store(base + 8 + k, tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
-                                                         is_pure=False, pack=1))
+def no_probe(probe_ptr, point: tl.constexpr):
+    """The kernels' PROBE hook unless a caller passes its own: nothing. Each program calls PROBE(probe_ptr, point) at
+    point 1 its start, 2 past ``griddepcontrol.wait``, 3 its work item known, 4 its K loop done, 5 its exit (past the
+    step's work items: 1, 2 and 5); the lab's timeline (lab/decode/stamps.py) stores when each was reached."""
+    pass
 
 
 @triton.jit
@@ -79,7 +67,7 @@ def _blocks4(wp):
     thread into shared memory, and each thread's registers then hold bytes [8 i, 8 i + 8) of each block (its
     fragment share); the group split is in registers. Offsets written as a 5-D tensor in the block's own
     order hid that contiguity: the copies walked a block 256 bytes apart per lane (~28 sectors per warp
-    request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 the
+    request, 5.7 bank-conflicted wavefronts per copy, Nsight Compute on the H200) and made the L1 cache the
     bottleneck."""
     p = tl.reshape(_load4(wp), (2, 2, 4, 8, 4, 2, 4))
     p = tl.permute(p, (2, 3, 4, 5, 6, 0, 1))  # [..., g // 2, g % 2]
@@ -107,7 +95,7 @@ def _factors4(sp):
 
 @triton.jit
 def _block_sum(wp, f0, f1, f2, f3, xp, tok, valid, k0, LD: tl.constexpr, ASM: tl.constexpr):
-    """L1: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
+    """Gate/up GEMM: one 128-K block = four groups from the code blocks at wp, K [k0, k0 + 128) -> their d' summed in
     FP32 in ascending K [64, NTOK]."""
     p0, p1, p2, p3 = _blocks4(wp)
     blk = _mma(p0, f0, _x_group(xp, tok, valid, k0, LD), ASM)
@@ -149,7 +137,7 @@ def _decode4(wp, ASM: tl.constexpr):
 def _packed_columns(xrow4, count):
     """The 16 MMA columns of a packed pass (up to 4 tokens, all four groups of a 128-K block in one MMA): column
     c = 8 gh + 2 n + gl is token n at group g = 2 gh + gl. xrow4 [4]: x's row of each of the pass's rows (the
-    pool row's token in L1, the pool row in L2) -> (x's row of each column [16]; its group [16]; whether n is in
+    pool row's token in gate/up, the pool row in down) -> (x's row of each column [16]; its group [16]; whether n is in
     the pass [16]). With this order the accumulator columns each thread holds (2q, 2q + 1, 8 + 2q, 9 + 2q) are
     the four groups of one token. Computed once per pass, outside the K loop."""
     c = tl.arange(0, 16)

@@ -20,8 +20,6 @@ int megamoe_cuda_step_stage_bytes() { return kStageBytes + 16; }  // a stage and
 
 int megamoe_cuda_step_max_terms() { return kMaxTerms; }
 
-int megamoe_cuda_step_threads() { return kThreads; }
-
 int megamoe_cuda_step_parts() { return kParts; }
 
 // The kernel's dynamic shared memory limit and a check of its register count; once, before the first launch (and

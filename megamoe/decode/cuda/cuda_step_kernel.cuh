@@ -28,7 +28,7 @@
 // weights decoded in registers as the A operand, the token's codes as column 0 of B); d'_g = d_g * 2**(s - 121)
 // (exact); gate/up: blk = ((d'_0 + d'_1) + d'_2) + d'_3, acc = fl32(acc + fl32(x_sf * blk)) per 128-K block; down:
 // acc = fl32(acc + fl32(d'_g * sf2_g)) per group. The gate/up epilogue (SwiGLU, routing weight, FP8 requant per 32
-// channels) and the combine (slot-ordered FP32 sum, one bf16 rounding) are triton_tc._l1_epilogue's and
+// channels) and the combine (slot-ordered FP32 sum, one bf16 rounding) are triton_tc._gate_up_epilogue's and
 // triton_combine.combine_tile's, operation for operation.
 //
 // B operand without a zero-filled tile: column 0 is all that is read back, so B is the token's codes themselves
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   uint64_t* input_ready = bars + 2 * p.stages;  // per item: its down-GEMM input row is in shared memory (one phase)
   Items& it = *reinterpret_cast<Items*>(input_ready + kMaxTopK);
   uint32_t& epilogues = *reinterpret_cast<uint32_t*>(&it + 1);  // gate/up epilogues warpgroup 0 has stored
-  uint32_t* l1_done = p.sync + tpe2;            // per item: its gate/up tiles whose outputs are stored (all CTAs)
+  uint32_t* gate_up_done = p.sync + tpe2;       // per item: its gate/up tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
   constexpr bool kLL = kProbe & kModeLL, kLLCombine = kProbe & kModeLLCombine, kAnyLL = kLL || kLLCombine;
@@ -120,9 +120,9 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     // while the weights stream.
     if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's down input row, once it is complete ----
       const int lane = tid % 32;
-      for_each_l2_item(sched, [&](int item) {
+      for_each_down_item(sched, [&](int item) {
         if constexpr (!(kProbe & kModeNoWait))
-          if (lane == 0) wait_count(l1_done + item, uint32_t(tpe1));
+          if (lane == 0) wait_count(gate_up_done + item, uint32_t(tpe1));
         __syncwarp();
         const size_t src = size_t(it.row[item]);
         for (int c = lane; c < I / 16; c += 32)
@@ -140,14 +140,14 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     if (tid >= kComputeThreads + 32) {  // ---- the release warp: each gate/up tile's outputs to every CTA ----
       if (tid % 32 == 0) {
-        uint32_t l1_tiles = 0;
+        uint32_t gate_up_tiles = 0;
         sched.for_each(
             [&](int tile, bool) {
-              wait_count_cta(&epilogues, ++l1_tiles);  // warpgroup 0's epilogue stored the tile's outputs
+              wait_count_cta(&epilogues, ++gate_up_tiles);  // warpgroup 0's epilogue stored the tile's outputs
               if constexpr (kProbe == kModeRelaxed)
-                Hooks::add_relaxed(l1_done + tile / tpe1, 1);
+                Hooks::add_relaxed(gate_up_done + tile / tpe1, 1);
               else
-                add_release(l1_done + tile / tpe1, 1);
+                add_release(gate_up_done + tile / tpe1, 1);
             },
             [](int) {});
       }
@@ -199,16 +199,16 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       // Probe mode prefetch: once its last gate/up block is asked for, the CTA's down weights not yet asked for are
       // asked of the L2 cache, so that DRAM streams them while the ring waits for down-GEMM inputs. It delays the last
       // gate/up tiles more than it saves (run 36), so the step leaves it off.
-      int next_l2 = blockIdx.x;
+      int next_down = blockIdx.x;
       sched.for_each(
           [&](int tile, bool last) {
             if constexpr (kProbe == kModeAhead)
-              Hooks::prefetch_tile_l2(p, sched, it.expert, last ? next_l2 : tile + gridDim.x, !last);
+              Hooks::prefetch_tile_l2(p, sched, it.expert, last ? next_down : tile + gridDim.x, !last);
             if constexpr (!(kProbe & kModeRegsL1)) issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
             if (!last) return;
             stamp(p, 1);  // the last gate/up block asked for
             if (!(p.mode & kModePrefetch)) return;
-            for (int k = next_l2; k < sched.n2; k += gridDim.x) {
+            for (int k = next_down; k < sched.n2; k += gridDim.x) {
               const size_t base = weight_tile(it.expert, k, tpe2);
               bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
               bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
           [&](int tile) {
             if constexpr (kProbe == kModeAhead) Hooks::prefetch_tile_l2(p, sched, it.expert, tile + gridDim.x, false);
             issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
-            next_l2 = tile + gridDim.x;
+            next_down = tile + gridDim.x;
           });
       stamp(p, 2);  // the last block asked for
       return;
@@ -249,11 +249,11 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     stage_sums_of(s, desc, dg, bare, [] {});
   };
   int tiles_done = 0;
-  uint32_t l1_tiles = 0;  // this CTA's gate/up epilogues done (warpgroup 0)
-  int mine = 0;           // this CTA's down tiles
-  uint32_t inputs = 0;    // items whose down-GEMM input row this warpgroup has seen arrive
+  uint32_t gate_up_tiles = 0;  // this CTA's gate/up epilogues done (warpgroup 0)
+  int mine = 0;                // this CTA's down tiles
+  uint32_t inputs = 0;         // items whose down-GEMM input row this warpgroup has seen arrive
 
-  auto l1_tile = [&](int tile, bool last) {
+  auto gate_up_tile = [&](int tile, bool last) {
     const int item = tile / tpe1, ct = tile % tpe1;
     float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
@@ -296,15 +296,15 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         Hooks::l1_epilogue_ll(p, ep, it, item, ct, t, uint32_t(flag[1]));
       } else {
         float sf;
-        l1_epilogue(p, ep, it, item, ct, t, sf);
+        gate_up_epilogue(p, ep, it, item, ct, t, sf);
       }
       __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
-      if (t == 0) store_release_cta(&epilogues, ++l1_tiles);
+      if (t == 0) store_release_cta(&epilogues, ++gate_up_tiles);
     }
     if (last && t == 0) stamp(p, 3);  // this CTA's gate/up done
   };
 
-  auto l2_tile = [&](int tile) {
+  auto down_tile = [&](int tile) {
     const int item = tile / tpe2, ot = tile % tpe2;
     ++mine;
     if (!(inputs >> item & 1)) {  // the item's input row, read in by the input warp
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
   };
 
-  sched.for_each(l1_tile, l2_tile);
+  sched.for_each(gate_up_tile, down_tile);
 
   if constexpr (!kLLCombine)
     if (wg == 0) combine_tiles(p, it, mine, flag, t);
@@ -362,9 +362,9 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   // waits by then.
   named_sync(3, kComputeThreads + kSignalThreads);  // with the signal warps
   if (tid == 0) {
-    uint32_t* finished = l1_done + kMaxTopK;
+    uint32_t* finished = gate_up_done + kMaxTopK;
     if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
-      for (int i = 0; i < kMaxTopK; ++i) l1_done[i] = 0;
+      for (int i = 0; i < kMaxTopK; ++i) gate_up_done[i] = 0;
       *finished = 0;
     }
     stamp(p, 5);  // this CTA done

@@ -189,7 +189,7 @@ struct StageRegs {
 
 // ... from a stage's codes (kBlocks x 4,096 bytes) and scale words (kBlocks x 256 bytes): in a ring slot (kGlobal
 // false: codes = the slot, scales = the slot + kCodeBytes), or straight from the weights (the lab's probe mode regs,
-// no ring: streaming loads that leave no line in L1)
+// no ring: streaming loads that leave no line in the L1 cache)
 template <bool kGlobal>
 __device__ __forceinline__ void stage_read(const uint8_t* codes, const uint8_t* scales, int tid, StageRegs& s) {
   const int r0 = 16 * (tid / 32) + (tid % 32) / 4;

@@ -62,25 +62,25 @@ struct Items {  // the step's valid slots in slot order (T = 1: one row each); i
 struct Schedule {
   int n1, n2, tpe1, tpe2, lag;  // gate/up / down tiles of the step, per item
 
-  template <class L1, class L2>
-  __device__ void for_each(L1 l1, L2 l2) const {  // l1(tile, this CTA's last gate/up tile?), l2(tile)
-    walk(blockIdx.x, gridDim.x, l1, l2);
+  template <class GateUp, class Down>  // gate_up(tile, this CTA's last gate/up tile?), down(tile)
+  __device__ void for_each(GateUp gate_up, Down down) const {
+    walk(blockIdx.x, gridDim.x, gate_up, down);
   }
 
   // CTA `cta` of `G`'s tiles; on the host too, for tests/cuda/schedule_check.cu.
 #pragma nv_exec_check_disable
-  template <class L1, class L2>
-  __host__ __device__ void walk(int cta, int G, L1 l1, L2 l2) const {
+  template <class GateUp, class Down>
+  __host__ __device__ void walk(int cta, int G, GateUp gate_up, Down down) const {
     const int rounds = (n1 + G - 1) / G;
     int k = cta;
     for (int r = 0; r < rounds; ++r) {
       const int j = cta + r * G;
-      if (j < n1) l1(j, j + G >= n1);
+      if (j < n1) gate_up(j, j + G >= n1);
       for (; k < n2; k += G) {
         const int last_round = ((k / tpe2 + 1) * tpe1 - 1) / G;  // of the item's gate/up tiles
         const int ready = last_round + lag < rounds - 1 ? last_round + lag : rounds - 1;
         if (ready > r) break;
-        l2(k);
+        down(k);
       }
     }
   }
@@ -94,7 +94,7 @@ __device__ __forceinline__ size_t weight_tile(const int* expert, int tile, int t
 
 // Each item the CTA's down tiles need, once, in the order its down tiles come: fn(item).
 template <class Fn>
-__device__ __forceinline__ void for_each_l2_item(const Schedule& sched, Fn fn) {
+__device__ __forceinline__ void for_each_down_item(const Schedule& sched, Fn fn) {
   uint32_t have = 0;
   sched.for_each([](int, bool) {}, [&](int tile) {
     const int item = tile / sched.tpe2;
@@ -136,9 +136,9 @@ __device__ void route_items(const Params& p, Items& it) {
 }
 
 // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31 of item `item` (one warp, lane t;
-// gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._l1_epilogue, operation for operation.
-__device__ __forceinline__ uint32_t l1_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct,
-                                                int t, float& sf_out) {  // -> lane t's code, and the scale
+// gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._gate_up_epilogue, operation for operation.
+__device__ __forceinline__ uint32_t gate_up_epilogue(const Params& p, const float* ep, const Items& it, int item,
+                                                     int ct, int t, float& sf_out) {  // -> lane t's code, the scale
   const float g = fminf(ep[t], p.clamp);
   const float uu = fminf(fmaxf(ep[32 + t], -p.clamp), p.clamp);
   const float e = static_cast<float>(exp(-static_cast<double>(g)));
