@@ -206,22 +206,22 @@ def passed(row: dict) -> bool:
 # ``interpreter_rows`` then collects the process already running. The limit is far from what a run takes (about
 # 4 minutes for the tensor-core check on a busy 2-core machine): a slower CI machine must not fail on time.
 INTERPRETER_TIMEOUT_S = 1800.0
-_STARTED: dict = {}  # script -> (its running self-check, its stdout file, its stderr file)
+_STARTED: dict = {}  # (script, *args) -> (its running self-check, its stdout file, its stderr file)
 
 
-def start_interpreter_rows(script: Path) -> None:
-    """Start ``script --device cpu`` under Triton's interpreter now, in the background (once), on the megamoe this
-    process imported (TRITON_INTERPRET must be set before triton is imported: hence a subprocess)."""
+def start_interpreter_rows(script: Path, args: tuple[str, ...] = ()) -> None:
+    """Start ``script --device cpu *args`` under Triton's interpreter now, in the background (once), on the megamoe
+    this process imported (TRITON_INTERPRET must be set before triton is imported: hence a subprocess)."""
     import tempfile
 
-    key = str(Path(script).resolve())
+    key = (str(Path(script).resolve()), *args)
     if key not in _STARTED:
         root = str(Path(megamoe.__file__).resolve().parents[1])
         env = dict(os.environ, TRITON_INTERPRET="1",
                    PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
         # Files, not pipes: nobody reads while it runs, and a full pipe would stall it.
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, key, "--device", "cpu"], env=env, stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, key[0], "--device", "cpu", *args], env=env, stdout=out, stderr=err)
         _STARTED[key] = (proc, out, err)
 
 
@@ -234,11 +234,11 @@ def stop_interpreter_rows() -> None:
         out_file.close(), err_file.close()
 
 
-def interpreter_rows(script: Path, timeout: float = INTERPRETER_TIMEOUT_S) -> dict:
-    """Collect ``script --device cpu`` run under Triton's interpreter (started here if conftest did not start it)
-    -> its JSON rows (the last line of its output) by ``case``."""
-    start_interpreter_rows(script)
-    proc, out_file, err_file = _STARTED.pop(str(Path(script).resolve()))
+def interpreter_rows(script: Path, timeout: float = INTERPRETER_TIMEOUT_S, args: tuple[str, ...] = ()) -> dict:
+    """Collect ``script --device cpu *args`` run under Triton's interpreter (started here if conftest did not start
+    it) -> its JSON rows (the last line of its output) by ``case``."""
+    start_interpreter_rows(script, args)
+    proc, out_file, err_file = _STARTED.pop((str(Path(script).resolve()), *args))
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
