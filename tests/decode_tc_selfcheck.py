@@ -25,16 +25,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 
 import torch
 
-from decode_selfcheck import STAGE_FIELDS, DecodeCase, case_weights, copy_staged, geometry_of, written
+from decode_selfcheck import (ORDER_A as A, ORDER_GEOMETRY, ORDER_SF, STAGE_FIELDS, DecodeCase, case_weights, copy_staged,
+                             geometry_of, order_buffers, order_by_hand, order_l2_inputs, order_weights, passed_order,
+                             written)
 from megamoe.decode import routing, tc
 from megamoe.decode.layout_tc import prepare_tc_weights
+from megamoe.decode.gemv import LaunchConfig
 from megamoe.decode.moe import DecodeBuffers, moe_decode
-from megamoe.geometry import Geometry
 from megamoe.inputs import make_inputs
 from megamoe.recipe import MEGAMOE_DECODE_TC
 from megamoe.testing import calc_diff, first_mismatch
@@ -161,13 +162,8 @@ def passed_tc(row: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------ the order of the K groups
-# Inputs on which the order of the FP32 additions shows, the interpreter included: every 32-K group holds one
-# nonzero product (a sum exact in any matmul) worth A = 2**24, 1 or -A. In FP32 (A + 1) - A is 0 (A + 1 rounds to
-# A, ties to even) and (-A + 1) + A is 1; so a row whose groups are A, 1, -A in ascending K is 0 when they are
-# added in ascending K and 1 in any order that adds -A before A + 1 (the reverse among them), and its mirror
-# -A, 1, A the other way round. Each pattern is one weight row: {32-K group: its value}.
-ORDER_GEOMETRY = Geometry("decode-order", num_experts=2, num_topk=1, hidden=512, intermediate=256)
-A = 2.0**24
+# The patterns (decode_selfcheck.py, "the order of the K blocks"): a row of groups A, 1, -A is 0 in ascending K
+# and 1 added in reverse. Here a 128-K block is the FP32 sum of its groups, so the order shows inside a block too.
 L1_ORDER_ROWS = (  # L1: H = 512, four 128-K blocks of four groups (the split parts: blocks {0, 1}, {2, 3} or one each)
     ({0: A, 1: 1.0, 2: -A}, 0.0),  # groups of block 0
     ({1: A, 2: 1.0, 3: -A}, 0.0),  # ... the last three (pairs (0 + 1) + (2 + 3) give 1 too)
@@ -184,97 +180,33 @@ L2_ORDER_ROWS = (  # L2: I = 256, eight groups, four per K iteration
     ({2: A, 5: 1.0, 7: -A}, 0.0),
     ({3: -A, 4: 1.0, 5: A}, 1.0),  # the mirror
 )
-ORDER_EXPERT = 1  # every token's one slot
-ORDER_X_SF = (1.0, 0.5)  # per token: L1's x_sf (every block), L2's l2_sf (every group); a power of two keeps the
-#                         pattern (the term is fl32(sf * block), exact)
-
-
-def order_channels(n: int, rows: int, stride: int) -> list[int]:
-    """Row k of n patterns: k * stride (one per tile of the kernel's 32 or 64 rows, as far as they go)."""
-    return [(k * stride) % rows for k in range(n)]
-
-
-def _order_weights():
-    """Zero codes except the patterns: value v at group g of a row is the code of +-1.0 at K 32 g, scale byte
-    127 + log2 |v|. L1: the patterns on gate channels 0, 33, 66, ... and the same on the up channels one further."""
-    from megamoe.formats import pack_e2m1
-    from megamoe.weights import MXFP4Weights
-
-    g = ORDER_GEOMETRY
-    e, h, i = g.num_experts, g.hidden, g.intermediate
-    c1, s1 = torch.zeros(e, 2 * i, h, dtype=torch.uint8), torch.full((e, 2 * i, h // 32), 127, dtype=torch.uint8)
-    c2, s2 = torch.zeros(e, h, i, dtype=torch.uint8), torch.full((e, h, i // 32), 127, dtype=torch.uint8)
-
-    def put(codes, scales, row, pattern):
-        for grp, v in pattern.items():
-            codes[ORDER_EXPERT, row, 32 * grp] = 2 if v > 0 else 10  # e2m1 +1.0 / -1.0
-            scales[ORDER_EXPERT, row, grp] = 127 + int(math.log2(abs(v)))
-
-    for (pattern, _), c in zip(L1_ORDER_ROWS, order_channels(len(L1_ORDER_ROWS), i, 33)):
-        put(c1, s1, c, pattern)  # gate
-        put(c1, s1, i + (c + 1) % i, pattern)  # up
-    for (pattern, _), r in zip(L2_ORDER_ROWS, order_channels(len(L2_ORDER_ROWS), h, 65)):
-        put(c2, s2, r, pattern)
-    return MXFP4Weights(pack_e2m1(c1), s1, pack_e2m1(c2), s2)
+ORDER_CONFIGS = ((False, 1), (True, 1), (True, 2), (True, 4))  # (packed passes, L1's K parts)
 
 
 def run_order_case(device="cpu", pack: bool = True, split: int = 1) -> dict:
     """The tensor-core L1 and L2 on the order patterns (two tokens, one expert), each against its twin (the
-    recipe's group_scaled_gemm, ``exact-block`` on the interpreter) bit for bit and against the values written by
-    hand in the pattern tables (ascending K). '' where they agree, else the first mismatch."""
-    from megamoe.staging import stage_into
-
+    recipe's group_scaled_gemm, ``exact-block`` under the interpreter) bit for bit and against the values the
+    tables give (``order_by_hand``). '' where they agree, else the first mismatch."""
     t0 = time.time()
     g = ORDER_GEOMETRY
-    t, i = len(ORDER_X_SF), g.intermediate
-    tw = prepare_tc_weights(_order_weights().to(device))
+    t = len(ORDER_SF)
+    tw = prepare_tc_weights(order_weights(L1_ORDER_ROWS, L2_ORDER_ROWS).to(device))
     interp = torch.device(device).type == "cpu"
-    mma = "exact-block" if interp else MEGAMOE_DECODE_TC.mma
-    cfg = dataclasses.replace(tc.tc_launch_config(t, g.num_topk), store_l1=True, tc_pack4=pack, tc_split=split)
-    bufs = []
-    for _ in range(2):  # the kernel's, the twin's
-        buf = DecodeBuffers.allocate(g, t, device, split_tokens=t)
-        idx = torch.full((t, 1), ORDER_EXPERT, dtype=torch.int64, device=device)
-        stage_into(torch.ones(t, g.hidden, dtype=torch.bfloat16, device=device), idx, torch.ones(t, 1, device=device),
-                   buf.x_q, buf.x_sf, buf.topk_idx, buf.topk_weights, t, num_experts=g.num_experts, backend="torch")
-        buf.poison_()
-        buf.x_q[:t] = 1.0  # every K: the weight row's pattern alone makes the sum
-        buf.x_sf[:t] = torch.tensor(ORDER_X_SF, device=device)[:, None]
-        routing.route_torch(buf.topk_idx, buf.topk_weights, buf.x_q, t, buf.expert_lo, buf.num_local, buf)
-        bufs.append(buf)
-    buf, twin = bufs
+    mma = "exact-block" if interp else MEGAMOE_DECODE_TC.mma  # one product per group: exact in both
+    cfg = LaunchConfig(store_l1=True, tc_pack4=pack, tc_split=split)  # route: route_torch's (order_buffers)
+    buf, twin = order_buffers(device, split_tokens=t)
     row = {"case": f"order-pack{int(pack)}-split{split}", "pack": pack, "split": split, "interpreter": interp}
-    tc.l1_tc(tw, buf, t, g.clamp, dataclasses.replace(cfg, tc_route=False))
+    tc.l1_tc(tw, buf, t, g.clamp, cfg)
     tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=mma)
     row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
                           if (m := first_mismatch(written(buf, f, t), written(twin, f, t))))
-    sf = torch.tensor(ORDER_X_SF, device=device)[:, None]
-    chans = order_channels(len(L1_ORDER_ROWS), i, 33)
-    sf = sf[buf.row_token[:t].long()]  # pool rows 0, 1 -> their tokens' scales
-    want = sf * torch.tensor([v for _, v in L1_ORDER_ROWS], device=device)[None, :]
-    cols = torch.tensor(chans + [i + (c + 1) % i for c in chans], device=device)
-    row["l1_by_hand"] = "; ".join(f"{who}: {m}" for who, b in (("kernel", buf), ("twin", twin))
-                                  if (m := first_mismatch(b.l1_out[:t, cols], torch.cat([want, want], 1))))
-    # L2 from its own inputs: x = 1.0 everywhere, l2_sf a power of two per token, the same in both
-    for b in bufs:
-        b.l2_q[:t] = 0x38  # e4m3 1.0
-        b.l2_sf[:t] = sf
+    order_l2_inputs(buf, twin)
     tc.l2_tc(tw, buf, t, cfg)
     tc.l2_tc_torch(tw, twin, t, cfg, mma=mma)
     row["l2"] = first_mismatch(written(buf, "slot_out", t), written(twin, "slot_out", t))
-    rows2 = torch.tensor(order_channels(len(L2_ORDER_ROWS), g.hidden, 65), device=device)
-    want2 = (sf * torch.tensor([v for _, v in L2_ORDER_ROWS], device=device)[None, :]).to(torch.bfloat16)
-    row["l2_by_hand"] = "; ".join(f"{who}: {m}" for who, b in (("kernel", buf), ("twin", twin))
-                                  if (m := first_mismatch(b.slot_out[:t, rows2].view(torch.bfloat16), want2)))
+    row.update(order_by_hand(buf, twin, L1_ORDER_ROWS, L2_ORDER_ROWS))
     row["seconds"] = round(time.time() - t0, 2)
     return row
-
-
-def passed_order(row: dict) -> bool:
-    return not (row["l1"] or row["l1_by_hand"] or row["l2"] or row["l2_by_hand"])
-
-
-ORDER_CONFIGS = ((False, 1), (True, 1), (True, 2), (True, 4))  # (packed passes, L1's K parts)
 
 
 def main(argv=None) -> int:
