@@ -25,9 +25,9 @@ each (expert, sublayer)'s E8M0 bytes into a window of 12 (``megamoe.layouts.humm
 refused, or accepted and rewritten exactly as the kernel rewrites them with ``accept_lossy_scales=True``.
 
 The tuning configuration (tile, stages, MMA) comes from ``humming.tune.get_heuristics_config``, as a list of
-row intervals; ``plan(m)`` names the configs the launch of m tokens uses for both GEMMs. ``force_block_m``
-picks, for both GEMMs, the config of their lists whose block M it is (the tiles Humming itself would run at
-another size), so the matrix can run every tile Humming can be given.
+row intervals; ``plan(m)`` names the configs the launch of m tokens uses for both GEMMs. A ``block_m`` asked of
+``plan`` / ``build`` / ``launch`` picks, for both GEMMs, the config of their lists whose block M it is (the tiles
+Humming itself would run at another size), so the matrix can run every tile Humming can be given.
 """
 
 from __future__ import annotations
@@ -163,22 +163,24 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         return _geometry_tuning(self.name, self.g.num_experts, self.g.hidden, self.g.intermediate,
                                 json.dumps(self.input_config))
 
-    def set_force_block_m(self, block_m: int | None) -> None:
-        if block_m is not None and not self.legal_block_ms():
-            raise ValueError(f"{self.name}: force_block_m needs Humming's tuning list (a Hopper GPU and humming-kernels)")
-        super().set_force_block_m(block_m)
+    @property
+    def fixed_tile(self) -> str:
+        """Why no block_m can be chosen when the tuning lists are unknown (legal_block_ms() is then empty)."""
+        return "the tiles come from Humming's tuning list, which needs a Hopper GPU and humming-kernels"
 
-    def _configs(self, num_tokens: int) -> tuple[int, dict, dict]:
+    def _configs(self, num_tokens: int, block_m: int | None = None) -> tuple[int, dict, dict]:
         """(align block, gate/up config, down config) of a launch of num_tokens, as vLLM picks them: the
-        interval of each list that holds n = num_tokens * K rows; under force_block_m, the first config of
+        interval of each list that holds n = num_tokens * K rows; at a ``block_m``, the first config of
         each list with that block M."""
         n = int(num_tokens) * self.g.num_topk
 
         def pick(lst):
-            if self.force_block_m is not None:
+            if block_m is not None:
                 for _, _, c in lst:
-                    if int(c["block_shape"][0]) == self.force_block_m:
+                    if int(c["block_shape"][0]) == block_m:
                         return c
+                raise ValueError(f"{self.name}: block_m must be one of {self.legal_block_ms()}, got {block_m}: no "
+                                 "config of this tuning list has it")
             for lo, hi, c in lst:
                 if lo < n <= hi:
                     return c
@@ -187,19 +189,19 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         c13, c2 = pick(self.tuning13), pick(self.tuning2)
         return int(c13["block_shape"][0]), c13, c2
 
-    def plan(self, num_tokens: int) -> Plan:
+    def plan(self, num_tokens: int, block_m: int | None = None) -> Plan:
         if not hasattr(self, "tuning13"):
             return Plan(block_m=0, detail={"source": "humming.tune heuristics (not yet prepared)"})
-        bm, c13, c2 = self._configs(num_tokens)
+        bm, c13, c2 = self._configs(num_tokens, block_m)
         detail = {"source": "humming.tune.get_heuristics_config", "tiles": f"gate/up {_config_summary(c13)}; "
                   f"down {_config_summary(c2)}", "gate_up_config": c13, "down_config": c2}
         if self.decode_loss:
             detail["decode_loss"] = self.decode_loss["summary"]
-        return Plan(block_m=bm, forced=self.force_block_m is not None, detail=detail)
+        return Plan(block_m=bm, forced=block_m is not None, detail=detail)
 
-    def _tuning_arg(self, lst, cfg) -> str:
-        """The tuning list handed to humming_forward: the whole list (vLLM), or the forced config alone."""
-        if self.force_block_m is None:
+    def _tuning_arg(self, lst, cfg, block_m: int | None) -> str:
+        """The tuning list handed to humming_forward: the whole list (vLLM), or the config of ``block_m`` alone."""
+        if block_m is None:
             return json.dumps(lst)
         return json.dumps([[0, 1 << 30, cfg]])
 
@@ -238,13 +240,13 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         self.topk_weights[:t].copy_(inputs.topk_weights)
         self.topk_weights[t:m].zero_()
 
-    def _build_job(self, num_tokens: int):
-        bm, c13, c2 = self._configs(num_tokens)
+    def _build_job(self, num_tokens: int, block_m: int | None = None):
+        bm, c13, c2 = self._configs(num_tokens, block_m)
 
         def warm():  # Humming JIT-compiles every config of the tuning list a GEMM is handed, at its first call
             self._stage(self._padding_inputs(), num_tokens)
             self._staged = num_tokens
-            self.launch(num_tokens)
+            self.launch(num_tokens, block_m)
             torch.cuda.synchronize()
 
         return ("humming", bm, json.dumps([c13, c2], sort_keys=True, default=str)), warm
@@ -257,8 +259,9 @@ class _Humming(LossyScalesOptIn, FusedBackend):
             return x, None
         return may_quant_input(meta, x, quanted_input=out)
 
-    def launch(self, num_tokens: int) -> torch.Tensor:
-        """The whole chain on what ``stage`` wrote -> y [num_tokens, H] bf16 (a view of the output buffer)."""
+    def launch(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
+        """The whole chain on what ``stage`` wrote, at ``block_m`` -> y [num_tokens, H] bf16 (a view of the output
+        buffer)."""
         from humming.forward import humming_forward
 
         from .humming_glue import align_block_size, combine_into, swiglu_into
@@ -272,7 +275,7 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         y = self.y[:m]
         if m == 0:
             return y
-        bm, c13, c2 = self._configs(m)
+        bm, c13, c2 = self._configs(m, block_m)
         idx = self.topk_idx[:m]
         align_block_size(idx, g.num_experts, bm, sorted_ids=self.sorted_ids, expert_ids=self.expert_ids,
                          num_padded=self.num_padded, counts=self.counts, cursor=self.cursor)
@@ -281,12 +284,12 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         xq, xs = self._quant(self.meta13, self.x[:m], None if self.x_q is None else self.x_q[:m])
         humming_forward(self.meta13, xq, self.w13["weight"], weight_scale=self.w13.get("weight_scale"),
                         weight_scale_2=self.w13.get("weight_scale_2"), outputs=self.gate_up[:n], input_scale=xs,
-                        top_k=k, tuning_config=self._tuning_arg(self.tuning13, c13), **common)
+                        top_k=k, tuning_config=self._tuning_arg(self.tuning13, c13, block_m), **common)
         swiglu_into(self.gate_up[:n], self.act[:n], float(g.clamp))
         aq, as_ = self._quant(self.meta2, self.act[:n], None if self.act_q is None else self.act_q[:n])
         humming_forward(self.meta2, aq, self.w2["weight"], weight_scale=self.w2.get("weight_scale"),
                         weight_scale_2=self.w2.get("weight_scale_2"), outputs=self.down[:n], input_scale=as_,
-                        top_k=1, tuning_config=self._tuning_arg(self.tuning2, c2), **common)
+                        top_k=1, tuning_config=self._tuning_arg(self.tuning2, c2, block_m), **common)
         combine_into(self.down[:n].view(m, k, g.hidden), self.topk_weights[:m], idx, y)
         return y
 
