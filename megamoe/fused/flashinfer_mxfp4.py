@@ -66,7 +66,7 @@ class FlashInferMXFP4(FusedBackend):
         from ..layouts.ranges import repair_ranges
 
         self.kernel_weights = repair_ranges(weights, self.recipe)  # canonical form of what the kernel reads
-        p = prepare_flashinfer_sm90(weights)
+        p = prepare_flashinfer_sm90(self.kernel_weights)  # repaired already: its repair and check find one analysis
         self.l1, self.l2 = p.l1.contiguous(), p.l2.contiguous()
         self.gs1, self.gs2 = p.l1_global_scales.contiguous(), p.l2_global_scales.contiguous()
 
