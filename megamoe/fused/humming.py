@@ -249,7 +249,9 @@ class _Humming(LossyScalesOptIn, FusedBackend):
             self.launch(num_tokens, block_m)
             torch.cuda.synchronize()
 
-        return ("humming", bm, json.dumps([c13, c2], sort_keys=True, default=str)), warm
+        # block_m in the key too: a launch at one hands Humming that config alone, the plan's own the whole list, and
+        # each JIT-compiles what it is handed
+        return ("humming", bm, block_m, json.dumps([c13, c2], sort_keys=True, default=str)), warm
 
     # ------------------------------------------------------------------ run
     def _quant(self, meta, x: torch.Tensor, out: torch.Tensor | None):
