@@ -191,7 +191,9 @@ def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
     # the prefetch measured faster: L1 at every count, L2 up to 8 tokens (megamoe_decode.default_launch_config)
     assert [(be.launch_config(t).l1_prefetch, be.launch_config(t).l2_prefetch) for t in (1, 8, 9, 64)] == \
         [(True, True), (True, True), (True, False), (True, False)]
-    be.set_force_block_m(4)
-    assert be.plan(1).block_m == 4 and be.plan(1).forced and be.launch_config(1).l2_prefetch
+    assert be.plan(1, 4).block_m == 4 and be.plan(1, 4).forced and be.launch_config(1, 4).l2_prefetch
+    assert not be.plan(1).forced and be.launch_config(1).block_m == 1  # nothing pinned by the calls above
+    be = MegaMoEDecode("dsv4-flash", capacity=64, force_block_m=4)  # the instance's default for calls that pass none
+    assert be.plan(1).block_m == 4 and be.plan(1).forced and be.launch_config(1).block_m == 4
     cases = default_cases("megamoe-decode", be.legal_block_ms(), True, max_tokens=MegaMoEDecode.max_tokens_per_rank)
     assert cases and max(c.launch_tokens for c in cases) == 64

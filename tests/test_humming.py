@@ -275,10 +275,10 @@ def test_the_down_gemm_always_reads_the_slots_in_the_aligned_block(rows, down_lo
 def test_forced_block_m_and_configs_missing_from_a_list_are_named():
     from megamoe.fused.humming import pick_configs
 
-    bm, c13, c2, note = pick_configs(_GATE_UP, _DOWN, 6, force_block_m=56)
+    bm, c13, c2, note = pick_configs(_GATE_UP, _DOWN, 6, block_m=56)
     assert (bm, c13, c2, note) == (56, _GATE_UP[2][2], _DOWN[4][2], None)
     with pytest.raises(ValueError, match="block_m=72 is in no gate/up tuning config"):
-        pick_configs(_GATE_UP, _DOWN, 6, force_block_m=72)
+        pick_configs(_GATE_UP, _DOWN, 6, block_m=72)
     with pytest.raises(ValueError, match="no config of block M 40"):
         pick_configs(_GATE_UP, [[0, 1 << 30, _cfg(48)]], 6)
 

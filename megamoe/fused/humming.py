@@ -25,12 +25,13 @@ each (expert, sublayer)'s E8M0 bytes into a window of 12 (``megamoe.layouts.humm
 refused, or accepted and rewritten exactly as the kernel rewrites them with ``accept_lossy_scales=True``.
 
 The tuning configuration (tile, stages, MMA) comes from ``humming.tune.get_heuristics_config``, as a list of
-row intervals; ``plan(m)`` names the configs the launch of m tokens uses for both GEMMs. ``force_block_m``
-picks, for both GEMMs, the config of their lists whose block M it is (the tiles Humming itself would run at
-another size), so the matrix can run every tile Humming can be given. Two departures from vLLM's call, both
-named in the plan: where the down list's pick for m * K rows has another block M than the slots' alignment
-(vLLM would run it and read a misaligned index; ``pick_configs``), the down GEMM gets its list's config of the
-aligned block M; and ``VLLM_BATCH_INVARIANT=1`` is honoured as vLLM honours it (tuning lists without stream-K).
+row intervals; ``plan(m)`` names the configs the launch of m tokens uses for both GEMMs. A ``block_m`` asked of
+``plan`` / ``build`` / ``launch`` picks, for both GEMMs, the config of their lists whose block M it is (the tiles
+Humming itself would run at another size), so the matrix can run every tile Humming can be given. Two departures from vLLM's
+call, both named in the plan: where the down list's pick for m * K rows has another block M than the slots'
+alignment (vLLM would run it and read a misaligned index; ``pick_configs``), the down GEMM gets its list's config
+of the aligned block M; and ``VLLM_BATCH_INVARIANT=1`` is honoured as vLLM honours it (tuning lists without
+stream-K).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _interval_pick(lst, n: int):
     return None
 
 
-def pick_configs(tuning13, tuning2, n: int, force_block_m: int | None = None, who: str = "humming"):
+def pick_configs(tuning13, tuning2, n: int, block_m: int | None = None, who: str = "humming"):
     """(align block M, gate/up config, down config, re-pick note or None) for a launch of n = tokens * K slots.
 
     vLLM (``HummingIndexedExperts``) aligns the slots to the block M of the gate/up config that holds n rows and
@@ -74,15 +75,15 @@ def pick_configs(tuning13, tuning2, n: int, force_block_m: int | None = None, wh
     ``sorted_ids`` / ``expert_ids`` in blocks of its own block M, so where the down list's pick has another
     block M than the align, the down GEMM reads a misaligned index and computes wrong rows (measured: calc_diff
     0.89 at the small geometry's 300 tokens, lists 40 against 56). Here the down GEMM then gets the config of
-    its list with the align's block M whose row interval lies nearest n, and the plan says so. Under
-    ``force_block_m`` both GEMMs take the first config of their list with that block M."""
-    if force_block_m is not None:
+    its list with the align's block M whose row interval lies nearest n, and the plan says so. At
+    a ``block_m`` asked, both GEMMs take the first config of their list with that block M."""
+    if block_m is not None:
         def first(lst, which):
             for _, _, c in lst:
-                if int(c["block_shape"][0]) == force_block_m:
+                if int(c["block_shape"][0]) == block_m:
                     return c
-            raise ValueError(f"{who}: block_m={force_block_m} is in no {which} tuning config")
-        return force_block_m, first(tuning13, "gate/up"), first(tuning2, "down"), None
+            raise ValueError(f"{who}: block_m={block_m} is in no {which} tuning config")
+        return block_m, first(tuning13, "gate/up"), first(tuning2, "down"), None
     c13 = _interval_pick(tuning13, n)
     c2 = _interval_pick(tuning2, n)
     if c13 is None or c2 is None:
@@ -220,22 +221,23 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         return _geometry_tuning(self.name, self.g.num_experts, self.g.hidden, self.g.intermediate,
                                 json.dumps(self.input_config), batch_invariant_from_env())
 
-    def set_force_block_m(self, block_m: int | None) -> None:
-        if block_m is not None and not self.legal_block_ms():
-            raise ValueError(f"{self.name}: force_block_m needs Humming's tuning list (a Hopper GPU and humming-kernels)")
-        super().set_force_block_m(block_m)
+    @property
+    def fixed_tile(self) -> str:
+        """Why no block_m can be chosen when the tuning lists are unknown (legal_block_ms() is then empty)."""
+        return "the tiles come from Humming's tuning list, which needs a Hopper GPU and humming-kernels"
 
-    def _configs(self, num_tokens: int) -> tuple[int, dict, dict]:
-        """(align block, gate/up config, down config) of a launch of num_tokens (see ``pick_configs``)."""
-        bm, c13, c2, _ = pick_configs(self.tuning13, self.tuning2, int(num_tokens) * self.g.num_topk,
-                                      self.force_block_m, who=self.name)
+    def _configs(self, num_tokens: int, block_m: int | None = None) -> tuple[int, dict, dict]:
+        """(align block, gate/up config, down config) of a launch of num_tokens (``pick_configs``; ``block_m``
+        already checked against ``legal_block_ms``)."""
+        bm, c13, c2, _ = pick_configs(self.tuning13, self.tuning2, int(num_tokens) * self.g.num_topk, block_m,
+                                      who=self.name)
         return bm, c13, c2
 
-    def plan(self, num_tokens: int) -> Plan:
+    def plan(self, num_tokens: int, block_m: int | None = None) -> Plan:
         if not hasattr(self, "tuning13"):
             return Plan(block_m=0, detail={"source": "humming.tune heuristics (not yet prepared)"})
         bm, c13, c2, repicked = pick_configs(self.tuning13, self.tuning2, int(num_tokens) * self.g.num_topk,
-                                             self.force_block_m, who=self.name)
+                                             block_m, who=self.name)
         detail = {"source": "humming.tune.get_heuristics_config", "tiles": f"gate/up {_config_summary(c13)}; "
                   f"down {_config_summary(c2)}", "gate_up_config": c13, "down_config": c2}
         if self.batch_invariant:
@@ -244,12 +246,12 @@ class _Humming(LossyScalesOptIn, FusedBackend):
             detail["down_repicked"] = repicked
         if self.decode_loss:
             detail["decode_loss"] = self.decode_loss["summary"]
-        return Plan(block_m=bm, forced=self.force_block_m is not None, detail=detail)
+        return Plan(block_m=bm, forced=block_m is not None, detail=detail)
 
-    def _tuning_arg(self, lst, cfg, n: int) -> str:
+    def _tuning_arg(self, lst, cfg, n: int, block_m: int | None) -> str:
         """The tuning list handed to humming_forward: the whole list, as vLLM hands it, when Humming's own pick
-        from it for n rows is cfg; otherwise (a forced block M, a re-picked down config) cfg alone."""
-        if self.force_block_m is None and _interval_pick(lst, n) is cfg:
+        from it for n rows is cfg; otherwise (a ``block_m`` asked, a re-picked down config) cfg alone."""
+        if block_m is None and _interval_pick(lst, n) is cfg:
             return json.dumps(lst)
         return json.dumps([[0, 1 << 30, cfg]])
 
@@ -288,16 +290,18 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         self.topk_weights[:t].copy_(inputs.topk_weights)
         self.topk_weights[t:m].zero_()
 
-    def _build_job(self, num_tokens: int):
-        bm, c13, c2 = self._configs(num_tokens)
+    def _build_job(self, num_tokens: int, block_m: int | None = None):
+        bm, c13, c2 = self._configs(num_tokens, block_m)
 
         def warm():  # Humming JIT-compiles every config of the tuning list a GEMM is handed, at its first call
             self._stage(self._padding_inputs(), num_tokens)
             self._staged = num_tokens
-            self.launch(num_tokens)
+            self.launch(num_tokens, block_m)
             torch.cuda.synchronize()
 
-        return ("humming", bm, json.dumps([c13, c2], sort_keys=True, default=str)), warm
+        # block_m in the key too: a launch at one hands Humming that config alone, the plan's own the whole list, and
+        # each JIT-compiles what it is handed
+        return ("humming", bm, block_m, json.dumps([c13, c2], sort_keys=True, default=str)), warm
 
     # ------------------------------------------------------------------ run
     def _quant(self, meta, x: torch.Tensor, out: torch.Tensor | None):
@@ -307,8 +311,9 @@ class _Humming(LossyScalesOptIn, FusedBackend):
             return x, None
         return may_quant_input(meta, x, quanted_input=out)
 
-    def launch(self, num_tokens: int) -> torch.Tensor:
-        """The whole chain on what ``stage`` wrote -> y [num_tokens, H] bf16 (a view of the output buffer)."""
+    def launch(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
+        """The whole chain on what ``stage`` wrote, at ``block_m`` -> y [num_tokens, H] bf16 (a view of the output
+        buffer)."""
         from humming.forward import humming_forward
 
         from .humming_glue import align_block_size, combine_into, swiglu_into
@@ -322,7 +327,7 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         y = self.y[:m]
         if m == 0:
             return y
-        bm, c13, c2 = self._configs(m)
+        bm, c13, c2 = self._configs(m, block_m)
         idx = self.topk_idx[:m]
         align_block_size(idx, g.num_experts, bm, sorted_ids=self.sorted_ids, expert_ids=self.expert_ids,
                          num_padded=self.num_padded, counts=self.counts, cursor=self.cursor)
@@ -331,12 +336,12 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         xq, xs = self._quant(self.meta13, self.x[:m], None if self.x_q is None else self.x_q[:m])
         humming_forward(self.meta13, xq, self.w13["weight"], weight_scale=self.w13.get("weight_scale"),
                         weight_scale_2=self.w13.get("weight_scale_2"), outputs=self.gate_up[:n], input_scale=xs,
-                        top_k=k, tuning_config=self._tuning_arg(self.tuning13, c13, n), **common)
+                        top_k=k, tuning_config=self._tuning_arg(self.tuning13, c13, n, block_m), **common)
         swiglu_into(self.gate_up[:n], self.act[:n], float(g.clamp))
         aq, as_ = self._quant(self.meta2, self.act[:n], None if self.act_q is None else self.act_q[:n])
         humming_forward(self.meta2, aq, self.w2["weight"], weight_scale=self.w2.get("weight_scale"),
                         weight_scale_2=self.w2.get("weight_scale_2"), outputs=self.down[:n], input_scale=as_,
-                        top_k=1, tuning_config=self._tuning_arg(self.tuning2, c2, n), **common)
+                        top_k=1, tuning_config=self._tuning_arg(self.tuning2, c2, n, block_m), **common)
         combine_into(self.down[:n].view(m, k, g.hidden), self.topk_weights[:m], idx, y)
         return y
 
