@@ -40,6 +40,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import os
 
 import torch
 
@@ -49,13 +50,12 @@ from .base import FusedBackend, LossyScalesOptIn, Plan, cuda_hopper_reason
 
 REQUIRED = ("forward", "transform", "schema", "tune", "layer")
 COMPUTE_CONFIG = {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"}  # vLLM's default
+W4A8_INPUT = {"dtype": "float8e4m3", "input_scale_group_size": 128}
 
 
 def batch_invariant_from_env() -> bool:
     """vLLM's ``VLLM_BATCH_INVARIANT`` (an integer, 0 by default), read the way vLLM reads it: with it set,
     Humming's tuning lists hold no stream-K configs and every row's K reduction runs in one CTA."""
-    import os
-
     return bool(int(os.environ.get("VLLM_BATCH_INVARIANT", "0")))
 
 
@@ -73,10 +73,10 @@ def pick_configs(tuning13, tuning2, n: int, block_m: int | None = None, who: str
     vLLM (``HummingIndexedExperts``) aligns the slots to the block M of the gate/up config that holds n rows and
     hands the down GEMM its own list, from which Humming picks by the same rule. The indexed kernel reads
     ``sorted_ids`` / ``expert_ids`` in blocks of its own block M, so where the down list's pick has another
-    block M than the align, the down GEMM reads a misaligned index and computes wrong rows (measured: calc_diff
-    0.89 at the small geometry's 300 tokens, lists 40 against 56). Here the down GEMM then gets the config of
-    its list with the align's block M whose row interval lies nearest n, and the plan says so. At
-    a ``block_m`` asked, both GEMMs take the first config of their list with that block M."""
+    block M than the align, the down GEMM reads a misaligned index and computes wrong rows
+    (docs/kernel-numerics.md, Humming). Here the down GEMM then gets the config of its list with the align's
+    block M whose row interval lies nearest n, and the plan says so. At a ``block_m`` asked, both GEMMs take the
+    first config of their list with that block M."""
     if block_m is not None:
         def first(lst, which):
             for _, _, c in lst:
@@ -100,7 +100,6 @@ def pick_configs(tuning13, tuning2, n: int, block_m: int | None = None, who: str
             f"the slots are aligned to {bm} (the gate/up config's), so the config of block M {bm} for rows "
             f"({lo}, {hi}] runs instead")
     return bm, c13, c2_new, note
-W4A8_INPUT = {"dtype": "float8e4m3", "input_scale_group_size": 128}
 
 
 def _import():
