@@ -33,12 +33,17 @@ def _pyproject() -> dict:
 
 
 def _git_files() -> set[str]:
-    """Tracked files plus untracked ones git does not ignore (a new file before its commit)."""
+    """Tracked files plus untracked ones git does not ignore (a new file before its commit), less any virtual
+    environment a user made inside the checkout under a name .gitignore does not know (``python3 -m venv v``)."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout (e.g. an unpacked sdist): nothing to compare the sdist with")
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
-                         check=True, capture_output=True).stdout.decode()
-    return {p for p in out.split("\0") if p and (REPO / p).is_file()}
+    tracked = subprocess.run(["git", "ls-files", "--cached", "-z"], cwd=REPO, check=True,
+                             capture_output=True).stdout.decode().split("\0")
+    untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                               capture_output=True).stdout.decode().split("\0")
+    venvs = {str(p.parent.relative_to(REPO)) + "/" for p in REPO.glob("*/pyvenv.cfg")}
+    untracked = [p for p in untracked if not p.startswith(tuple(venvs))] if venvs else untracked
+    return {p for p in tracked + untracked if p and (REPO / p).is_file()}
 
 
 @pytest.fixture(scope="module")
