@@ -9,11 +9,11 @@ process 1's figure. Only rows whose output matched their recipe before timing co
 
 from __future__ import annotations
 
-import gzip
 import json
 import statistics
 import sys
-from pathlib import Path
+
+from megamoe.bench.tables import load_results
 
 ORDER = ("flashinfer-mxfp4", "deepgemm-sm90-fp8", "deepgemm-sm90-fp4", "megamoe-decode-tc", "humming-w4a8",
          "humming-w4a16", "deepgemm-staged-fp8", "megamoe-decode", "reference")
@@ -71,14 +71,5 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def load(folder: Path) -> dict:
-    """A results folder's results.json, or results.json.gz where the committed copy is kept compressed."""
-    plain, packed = folder / "results.json", folder / "results.json.gz"
-    if plain.is_file():
-        return json.loads(plain.read_text())
-    with gzip.open(packed, "rt") as f:
-        return json.load(f)
-
-
 if __name__ == "__main__":
-    print(table(load(Path(sys.argv[1]))))
+    print(table(load_results(sys.argv[1])))

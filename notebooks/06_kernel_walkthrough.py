@@ -38,6 +38,7 @@ import matplotlib.pyplot as plt
 from megamoe import get_geometry
 from megamoe.bench.ceilings import Ceilings
 from megamoe.bench.roofline import BYTES_PER_WEIGHT, step_floor
+from megamoe.bench.tables import load_results
 from megamoe.layouts.plans import (
     H20_NUM_SMS, H200_NUM_SMS, flashinfer_legal_block_ms, flashinfer_mxfp4_plan, padding_waste,
 )
@@ -160,7 +161,7 @@ figs.save(fig, "bytes_flops_per_stage")
 
 # %%
 SWEEP = cited("sweep")
-sweep = json.loads((SWEEP / "results.json").read_text())
+sweep = load_results(SWEEP)  # results.json, or .json.gz as committed
 c = sweep["ceilings"]
 H200 = Ceilings(device=f"{c['device']} (measured in {SWEEP.name})", copy_gbps=c["copy_gbps"],
                 fp8_tflops=c["fp8_tflops"], bf16_tflops=c["bf16_tflops"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megamoe import PRESETS, Geometry, get_geometry
+from megamoe.bench.tables import load_results
 
 # The MoE keys of a DeepSeek-V4-Flash-style config.json (the values of the dsv4-flash preset); the dense
 # MLP's intermediate_size is there too and must not be read as the expert width.
@@ -48,7 +49,7 @@ def test_a_geometry_dict_round_trips(preset):
 def test_the_geometry_a_results_file_records_reads_back():
     res = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-12-02-h200-dg-probe.json"
     cited = json.loads((res.parent / "CITED.json").read_text())["sweep"]
-    meta = json.loads((res.parent / cited / "results.json").read_text())["meta"]
+    meta = load_results(res.parent / cited)["meta"]
     assert Geometry.from_config(meta["geometry"]) == PRESETS[meta["geometry"]["name"]]
 
 

@@ -12,13 +12,14 @@ import torch
 
 from megamoe import get_geometry
 from megamoe.teaching.anatomy import deepgemm_fp4_anatomy, deepgemm_fp8_anatomy, fits, flashinfer_anatomy
+from megamoe.bench.tables import load_results
 from megamoe.teaching.anatomy import recorded_plans
 from megamoe.layouts.deepgemm_configs import SM90_SMEM_CAPACITY, deepgemm_sm90_fp4_config, deepgemm_sm90_fp8_config
 from megamoe.teaching.plans_viz import L1, L2, interleaved_schedule, pipeline_events, static_schedule
 from megamoe.inputs import make_routing
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
-SWEEP = json.loads((RESULTS / json.loads((RESULTS / "CITED.json").read_text())["sweep"] / "results.json").read_text())
+SWEEP = load_results(RESULTS / json.loads((RESULTS / "CITED.json").read_text())["sweep"])
 PLANS = recorded_plans(SWEEP)
 COMPARED = ("block_m", "block_n", "num_experts_per_wave", "num_stages", "smem_size", "num_dispatch_threads",
             "num_non_epilogue_threads", "num_epilogue_threads")

@@ -50,3 +50,19 @@ def test_no_traces_and_under_budget():
     assert not [p for p in files if p.suffix == ".pt"], "traces (.pt) belong in git history, not in bench/results"
     total = sum(p.stat().st_size for p in files)
     assert total < MAX_BYTES, f"bench/results holds {total / 2**20:.1f} MiB, over {MAX_BYTES / 2**20:.0f}"
+
+
+def test_the_readme_table_is_the_cited_sweeps():
+    """The README's results table is ``bench/readme_table.py`` on the sweep CITED.json names, line for line."""
+    import importlib.util
+
+    from megamoe.bench.tables import load_results
+
+    spec = importlib.util.spec_from_file_location("readme_table", REPO / "bench" / "readme_table.py")
+    readme_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_table)
+    made = readme_table.table(load_results(RESULTS / _cited()["sweep"])).splitlines()
+    readme = (REPO / "README.md").read_text().splitlines()
+    assert made[0] in readme, "the README holds no table with the header bench/readme_table.py writes"
+    at = readme.index(made[0])
+    assert readme[at:at + len(made)] == made

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -130,12 +131,16 @@ def merge_results(prev: dict, cur: dict) -> dict:
     return out
 
 
-def load_results(folder: str) -> dict:
+def load_results(folder: str | os.PathLike) -> dict:
+    """A results folder's ``results.json``, or its ``results.json.gz`` (how committed sweeps are kept)."""
     path = os.path.join(folder, "results.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"--append: {folder!r} holds no results.json of an earlier megamoe bench run")
-    with open(path) as f:
-        return json.load(f)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    if os.path.isfile(path + ".gz"):
+        with gzip.open(path + ".gz", "rt") as f:
+            return json.load(f)
+    raise ValueError(f"{str(folder)!r} holds no results.json (or results.json.gz) of a megamoe bench run")
 
 
 def check_appendable(prev: dict, cfg: object, meta: dict) -> None:
