@@ -1,7 +1,7 @@
 """The README's sweep table from a results folder: per token count, the floor and both reads, every backend's
 median (us, with its BLOCK_M), the fastest backend, and the Mega MoE (DeepGEMM FP4) over Humming W4A8.
 
-    python3 bench/readme_table.py bench/results/<folder>            # Markdown on stdout
+    python3 bench/readme_table.py bench/results/<folder>            # Markdown on stdout (results.json[.gz])
 
 Rows are the median of the passes of each (backend, tokens); a backend timed by two processes (the anchor) shows
 process 1's figure. Only rows whose output matched their recipe before timing count for "fastest".
@@ -9,6 +9,7 @@ process 1's figure. Only rows whose output matched their recipe before timing co
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 import sys
@@ -70,6 +71,14 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def load(folder: Path) -> dict:
+    """A results folder's results.json, or results.json.gz where the committed copy is kept compressed."""
+    plain, packed = folder / "results.json", folder / "results.json.gz"
+    if plain.is_file():
+        return json.loads(plain.read_text())
+    with gzip.open(packed, "rt") as f:
+        return json.load(f)
+
+
 if __name__ == "__main__":
-    folder = Path(sys.argv[1])
-    print(table(json.loads((folder / "results.json").read_text())))
+    print(table(load(Path(sys.argv[1]))))

@@ -280,6 +280,18 @@ def _repair_after(kind):
     return repair_ranges(w, "flashinfer-mxfp4")
 
 
+def _window_check_after(kind):
+    """A range check passes (answered by the scale bytes alone), then a byte above the window is written into a
+    nonzero group of expert 6's l2: the next check refuses it, whether or not the write moved torch's version counter
+    (a check that kept its first answer per object or version would pass it)."""
+    from megamoe.layouts.ranges import check_ranges, repair_ranges
+
+    w = repair_ranges(dataclasses.replace(W_TINY, l2_scale=W_TINY.l2_scale.clone()), "flashinfer-mxfp4")
+    check_ranges(w, "flashinfer-mxfp4")
+    _write(kind, w.l2_scale, (6, 1, 0), 140)
+    return check_ranges(w, "flashinfer-mxfp4")
+
+
 def _unread_expert_untouched():
     """A 0xFF in an expert this step does not read: the step is computed (what it reads is right), and equals the
     step on the clean weights bit for bit."""
@@ -300,6 +312,11 @@ IN_PLACE = [
     *(Case("in-place", f"0xFF written by {k}, range repair", lambda wf, k=k: _repair_after(k),
            Refused(ValueError, rf"scale ranges for flashinfer-mxfp4: weights.l2_scale holds 1 {NAN_BYTE} \(first at "
                                r"\[6, 1, 0\]\)"), "1") for k in WRITES),
+    *(Case("in-place", f"byte above the window written by {k} after a range check passed",
+           lambda wf, k=k: _window_check_after(k),
+           Refused(ValueError, r"1 expert tensor\(s\) out of range for flashinfer-mxfp4; first without an exact repair: "
+                               r"expert 6 l2: 0 scale groups below byte 122 and 1 above byte 133 \(offending bytes "
+                               r"\[140\]")) for k in WRITES),
     Case("in-place", "0xFF in an expert the step does not read", lambda wf: _unread_expert_untouched(),
          Correct(lambda r: torch.equal(*r) or pytest.fail("y changed"))),
 ]

@@ -86,6 +86,27 @@ BACKEND = [
          Refused(TypeError, r"capacity \(max tokens per rank\) must be an int, got str '8'")),
     Case("backend", "force_block_m 8.0", lambda wf: _backend(capacity=8, force_block_m=8.0),
          Refused(TypeError, r"force_block_m must be an int, got float 8.0")),
+    # BLOCK_M is an argument of each call; one the backend cannot honour is refused before anything runs (the
+    # backends here are neither prepared nor allocated: any other outcome would be another error)
+    Case("backend", "block_m 48, FlashInfer plan", lambda wf: _backend(capacity=8).plan(1, 48),
+         Refused(ValueError, r"flashinfer-mxfp4: block_m must be one of \(8, 24, 64\) \(or None\), got 48")),
+    Case("backend", "block_m 16, decode-tc launch (fixed tile)", lambda wf: _backend("megamoe-decode-tc", capacity=8)
+         .launch(1, 16), Refused(ValueError, r"megamoe-decode-tc: block_m must be None, its tile is fixed \(16 tokens "
+                                             r"per MMA pass, the N of its tensor-core tile\): legal values \(\), got 16")),
+    Case("backend", "block_m 64, DeepGEMM FP8 build", lambda wf: _backend("deepgemm-sm90-fp8", capacity=8)
+         .build([64], block_m=64), Refused(ValueError, r"deepgemm-sm90-fp8: block_m must be None, its tile is fixed "
+                                                       r"\(sgl-deep-gemm 0.1.5.post1 picks BLOCK_M in C\+\+.*got 64")),
+    Case("backend", "block_m 8, DeepGEMM FP4 run", lambda wf: _backend("deepgemm-sm90-fp4", capacity=8)
+         .run(inputs(2), block_m=8), Refused(ValueError, r"deepgemm-sm90-fp4: block_m must be None, its tile is fixed "
+                                                         r"\(DeepGEMM picks .*\): legal values \(\), got 8")),
+    Case("backend", "block_m 8.0, megamoe-decode run", lambda wf: _backend("megamoe-decode", capacity=8)
+         .run(inputs(2), block_m=8.0), Refused(TypeError, r"megamoe-decode: block_m must be an int, got float 8.0")),
+    Case("backend", "block_m 3, megamoe-decode build_jobs", lambda wf: _backend("megamoe-decode", capacity=8)
+         .build_jobs([1, 2], 3), Refused(ValueError, r"megamoe-decode: block_m must be one of \(1, 2, 4\) \(or None\), "
+                                                      r"got 3")),
+    Case("backend", "force_block_m re-pinned after construction", lambda wf: setattr(
+         _backend(capacity=8), "force_block_m", 24), Refused(AttributeError, r"force_block_m is fixed at construction.*"
+                                                                               r"pass block_m= to plan, build, launch")),
     Case("backend", "num_tokens 6.9, check_inputs", lambda wf: _cpu().check_inputs(inputs(6), 6.9),
          Refused(TypeError, r"flashinfer-mxfp4: num_tokens must be an int, got float 6.9"), "also-int"),
     Case("backend", "num_tokens True, check_inputs", lambda wf: _cpu().check_inputs(inputs(1), True),

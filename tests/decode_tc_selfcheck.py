@@ -5,6 +5,8 @@ Triton's interpreter:
     whole    moe_decode (TCWeights) against the eager reference (recipe megamoe-decode-tc): calc_diff and the
              bitwise agreement of y; rows past the step still poisoned; a second launch bit-identical
     broken   a scale byte off by one must be caught by the reference comparison
+    order    l1_tc and l2_tc on weights whose K groups hold 2**24, 1, -2**24: the FP32 sum is 0 in ascending K and
+             1 in the reverse, so a wrong order of the K groups (or 128-K blocks) fails here too (``run_order_case``)
 
 On the GPU the twins and the reference use the recipe's tensor-core model and real inputs. Under the
 interpreter ``tl.dot`` is a float32 matmul, so the inputs are built so that every group sum is exact (x codes
@@ -15,6 +17,7 @@ interpreter rounds, and is held to calc_diff < 1e-6 instead of bit equality.
 A support module of the tests (``test_decode_tc.py``) and of the lab's decode probes, like ``decode_selfcheck.py``:
 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 tests/decode_tc_selfcheck.py --device cpu    -> JSON rows
+    ... --order: only the order patterns (``run_order_case``: inputs on which the order of the K groups shows)
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import time
 
 import torch
 
-from decode_selfcheck import STAGE_FIELDS, DecodeCase, case_weights, copy_staged, geometry_of, written
+from decode_selfcheck import (ORDER_A as A, ORDER_GEOMETRY, ORDER_SF, STAGE_FIELDS, DecodeCase, case_weights,
+                              copy_staged, geometry_of, order_buffers, order_by_hand, order_l2_inputs, order_weights,
+                              passed_order, written)
 from megamoe.decode import routing, tc
 from megamoe.decode.layout_tc import prepare_tc_weights
+from megamoe.decode.gemv import LaunchConfig
 from megamoe.decode.moe import DecodeBuffers, moe_decode
 from megamoe.inputs import make_inputs
 from megamoe.recipe import MEGAMOE_DECODE_TC
@@ -155,10 +161,63 @@ def passed_tc(row: dict) -> bool:
     return stages and whole and row["repeat_identical"] and row["poison_kept"] and not row["nan"]
 
 
+# ------------------------------------------------------------------------------------ the order of the K groups
+# The patterns (decode_selfcheck.py, "the order of the K blocks"): a row of groups A, 1, -A is 0 in ascending K
+# and 1 added in reverse. Here a 128-K block is the FP32 sum of its groups, so the order shows inside a block too.
+L1_ORDER_ROWS = (  # L1: H = 512, four 128-K blocks of four groups (the split parts: blocks {0, 1}, {2, 3} or one each)
+    ({0: A, 1: 1.0, 2: -A}, 0.0),  # groups of block 0
+    ({1: A, 2: 1.0, 3: -A}, 0.0),  # ... the last three (pairs (0 + 1) + (2 + 3) give 1 too)
+    ({0: -A, 1: 1.0, 2: A}, 1.0),  # the mirror
+    ({0: A, 4: 1.0, 8: -A}, 0.0),  # blocks 0, 1, 2
+    ({4: A, 8: 1.0, 12: -A}, 0.0),  # blocks 1, 2, 3: across the split parts
+    ({4: -A, 8: 1.0, 12: A}, 1.0),  # the mirror
+)
+L2_ORDER_ROWS = (  # L2: I = 256, eight groups, four per K iteration
+    ({0: A, 1: 1.0, 2: -A}, 0.0),  # in iteration 0
+    ({1: A, 2: 1.0, 3: -A}, 0.0),
+    ({1: -A, 2: 1.0, 3: A}, 1.0),  # the mirror
+    ({3: A, 4: 1.0, 5: -A}, 0.0),  # across iterations 0 and 1
+    ({2: A, 5: 1.0, 7: -A}, 0.0),
+    ({3: -A, 4: 1.0, 5: A}, 1.0),  # the mirror
+)
+ORDER_CONFIGS = ((False, 1), (True, 1), (True, 2), (True, 4))  # (packed passes, L1's K parts)
+
+
+def run_order_case(device="cpu", pack: bool = True, split: int = 1) -> dict:
+    """The tensor-core L1 and L2 on the order patterns (two tokens, one expert), each against its twin (the
+    recipe's group_scaled_gemm, ``exact-block`` under the interpreter) bit for bit and against the values the
+    tables give (``order_by_hand``). '' where they agree, else the first mismatch."""
+    t0 = time.time()
+    g = ORDER_GEOMETRY
+    t = len(ORDER_SF)
+    tw = prepare_tc_weights(order_weights(L1_ORDER_ROWS, L2_ORDER_ROWS).to(device))
+    interp = torch.device(device).type == "cpu"
+    mma = "exact-block" if interp else MEGAMOE_DECODE_TC.mma  # one product per group: exact in both
+    cfg = LaunchConfig(store_l1=True, tc_pack4=pack, tc_split=split)  # route: route_torch's (order_buffers)
+    buf, twin = order_buffers(device, split_tokens=t)
+    row = {"case": f"order-pack{int(pack)}-split{split}", "pack": pack, "split": split, "interpreter": interp}
+    tc.l1_tc(tw, buf, t, g.clamp, cfg)
+    tc.l1_tc_torch(tw, twin, t, g.clamp, cfg, mma=mma)
+    row["l1"] = "; ".join(f"{f}: {m}" for f in ("l1_out", "l2_q", "l2_sf")
+                          if (m := first_mismatch(written(buf, f, t), written(twin, f, t))))
+    order_l2_inputs(buf, twin)
+    tc.l2_tc(tw, buf, t, cfg)
+    tc.l2_tc_torch(tw, twin, t, cfg, mma=mma)
+    row["l2"] = first_mismatch(written(buf, "slot_out", t), written(twin, "slot_out", t))
+    row.update(order_by_hand(buf, twin, L1_ORDER_ROWS, L2_ORDER_ROWS))
+    row["seconds"] = round(time.time() - t0, 2)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--order", action="store_true", help="only the order patterns (run_order_case), seconds")
     args = ap.parse_args(argv)
+    if args.order:
+        rows = [run_order_case(args.device, pack, split) for pack, split in ORDER_CONFIGS]
+        print(json.dumps(rows))
+        return 0 if all(passed_order(r) for r in rows) else 1
     rows = [run_tc_case(c, args.device, pack) for c in CPU_CASES for pack in (False, True)]
     rows += [run_tc_case(c, args.device, True, split) for c in SPLIT_CASES for split in (2, 4)]
     rows += [run_tc_case(c, args.device, True, route=flipped_route(c)) for c in ROUTE_CASES]

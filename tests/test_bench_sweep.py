@@ -43,7 +43,7 @@ class FakeKernel(FusedBackend):
 
     def __init__(self, geometry, *, capacity, force_block_m=None, group=None):
         super().__init__(geometry, capacity=capacity, force_block_m=force_block_m, group=group or OneRank())
-        self.built, self.launches, self.synthetic = [], 0, False
+        self.built, self.launches, self.launched_block_ms, self.synthetic = [], 0, [], False
 
     @classmethod
     def availability(cls):
@@ -62,9 +62,8 @@ class FakeKernel(FusedBackend):
     def legal_block_ms(self):
         return (8, 24)
 
-    def plan(self, num_tokens):
-        bm = self.force_block_m or (8 if num_tokens <= 4 else 24)
-        return Plan(bm, forced=self.force_block_m is not None)
+    def plan(self, num_tokens, block_m=None):
+        return Plan(block_m or (8 if num_tokens <= 4 else 24), forced=block_m is not None)
 
     def _prepare(self, weights):
         self.kernel_weights = weights
@@ -72,8 +71,8 @@ class FakeKernel(FusedBackend):
     def _allocate(self):
         pass
 
-    def _build_job(self, num_tokens):
-        bm = self.plan(num_tokens).block_m
+    def _build_job(self, num_tokens, block_m=None):
+        bm = self.plan(num_tokens, block_m).block_m
         return (bm,), (lambda: self.built.append(bm))
 
     _ys: dict = {}
@@ -86,8 +85,9 @@ class FakeKernel(FusedBackend):
             self._ys[key] = (inputs, moe_forward(pad_inputs(inputs, m), self.kernel_weights, self.recipe, self.g) * self.wrong)
         self.y = self._ys[key][1]
 
-    def launch(self, num_tokens):
+    def launch(self, num_tokens, block_m=None):
         self.launches += 1
+        self.launched_block_ms.append(block_m)
         return self.y[:num_tokens]
 
 
@@ -339,14 +339,15 @@ def test_a_forced_block_m_is_a_view_of_the_prepared_backend(tiny, fakes):
     b.prepare(w)
     assert b.obj.kernel_weights is not w  # handed cls.synthetic_weights(w), not w
     jobs = b.build_jobs([1, 2, 8, 64], 24)
-    assert {k[1] for k in jobs} == {(24,)} and b.obj.force_block_m is None  # built at the forced BM, unpinned after
+    assert {k[1] for k in jobs} == {(24,)} and b.obj.force_block_m is None  # built at the forced BM, nothing pinned
     v = b.with_block_m(8)
     assert v.obj is b.obj and v.plan(64)["block_m"] == 8 and v.plan(64)["forced"] is True
-    assert b.plan(64)["block_m"] == 24 and b.plan(64)["forced"] is False  # the base pins the plan's own choice
-    with pytest.raises(ValueError, match="force_block_m must be one of"):
+    assert b.plan(64)["block_m"] == 24 and b.plan(64)["forced"] is False  # the base asks for the plan's own choice
+    with pytest.raises(ValueError, match=r"block_m must be one of \(8, 24\) \(or None\), got 7"):
         b.with_block_m(7)
     v.close()
     assert b.obj.launches == 0 and b.owner and not v.owner
     fn, args = v.timer([make_inputs(g, 3, seed=1)])
     fn()
-    assert args is None and b.obj.launches == 1 and b.obj.force_block_m == 8
+    b.timer([make_inputs(g, 3, seed=1)])[0]()  # the base after the view: its own plan, whatever the view ran
+    assert args is None and b.obj.launched_block_ms == [8, None] and b.obj.force_block_m is None

@@ -178,8 +178,11 @@ def test_big_presets_on_a_cpu_say_how_long_before_they_start(monkeypatch, capsys
 
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # The child gets SIGINT's default disposition: under a parent that ignores it (a job started with & by a
+    # non-interactive shell), Python would not install its KeyboardInterrupt handler and the test could not see one.
     p = subprocess.Popen([sys.executable, "-m", "megamoe", "bench", "--preset", "small", "--tokens", "1", "2", "4",
-                          "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and not os.listdir(tmp_path):  # the run has begun: its folder exists
         time.sleep(0.2)

@@ -25,7 +25,8 @@ from megamoe.testing import assert_bitwise_equal
 from megamoe.inputs import make_inputs
 from megamoe.weights import MXFP4Weights
 
-from decode_selfcheck import CPU_CASES, DecodeCase, interpreter_rows as run_interpreted, passed, run_case
+from decode_selfcheck import (CPU_CASES, ORDER_CONFIGS, DecodeCase, interpreter_rows as run_interpreted, passed,
+                              order_id, passed_order, run_case)
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -153,6 +154,29 @@ def test_on_the_gpu(case):
     assert passed(row), json.dumps(row, indent=1, default=str)
 
 
+@pytest.fixture(scope="module")
+def order_rows():  # seconds: its own small run (the name below does not start with test_triton_interpreter, so
+    # conftest does not start the self-check above for it)
+    return run_interpreted(Path(__file__).with_name("decode_selfcheck.py"), args=("--order",))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("config", ORDER_CONFIGS, ids=lambda c: order_id(*c))
+def test_k_block_order_under_the_interpreter(order_rows, config):
+    """The order of the promotion blocks, made visible by construction, in seconds (the slow self-check above
+    sees it only where its random inputs happen to round differently). x = 1.0 at every K, and each nonzero 32-K
+    group of a weight row holds one product (a code of +-1.0: exact in any order) worth A = 2**24, 1 or -A
+    through its scale byte. In FP32 (A + 1) - A = 0 but (-A + 1) + A = 1, so a row with A, 1, -A in three blocks
+    (L1's 128 K, L2's 32 K) is 0 in ascending K and 1 if the promotions run in reverse, its mirror -A, 1, A the
+    other way round (``decode_selfcheck.L1_ORDER_ROWS``, ``L2_ORDER_ROWS``). A, 1, -A inside one 128-K block is
+    1: this path sums a block's groups exactly (float64), so their order is invisible by design. l1_out and
+    slot_out must equal their twins (the recipe's ``promoted_gemm``) bit for bit and the tables' values; blocks
+    within one K iteration (16 and 8 groups per iteration) and across iterations (4 groups, with the prefetch
+    and two tokens per pass). Reversing the blocks in the kernel or in the recipe fails it."""
+    row = order_rows[order_id(*config)]
+    assert passed_order(row), json.dumps(row, indent=1)
+
+
 def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
     from megamoe.check.matrix import default_cases
     from megamoe.fused.megamoe_decode import MegaMoEDecode, default_block_m
@@ -167,7 +191,9 @@ def test_backend_registered_refuses_large_steps_and_plans_tokens_per_pass():
     # the prefetch measured faster: L1 at every count, L2 up to 8 tokens (megamoe_decode.default_launch_config)
     assert [(be.launch_config(t).l1_prefetch, be.launch_config(t).l2_prefetch) for t in (1, 8, 9, 64)] == \
         [(True, True), (True, True), (True, False), (True, False)]
-    be.set_force_block_m(4)
-    assert be.plan(1).block_m == 4 and be.plan(1).forced and be.launch_config(1).l2_prefetch
+    assert be.plan(1, 4).block_m == 4 and be.plan(1, 4).forced and be.launch_config(1, 4).l2_prefetch
+    assert not be.plan(1).forced and be.launch_config(1).block_m == 1  # nothing pinned by the calls above
+    be = MegaMoEDecode("dsv4-flash", capacity=64, force_block_m=4)  # the instance's default for calls that pass none
+    assert be.plan(1).block_m == 4 and be.plan(1).forced and be.launch_config(1).block_m == 4
     cases = default_cases("megamoe-decode", be.legal_block_ms(), True, max_tokens=MegaMoEDecode.max_tokens_per_rank)
     assert cases and max(c.launch_tokens for c in cases) == 64

@@ -21,7 +21,8 @@ from megamoe.staging import triton_available  # noqa: E402
 from megamoe.weights import MXFP4Weights  # noqa: E402
 
 from decode_selfcheck import DecodeCase, interpreter_rows as run_interpreted  # noqa: E402
-from decode_tc_selfcheck import CPU_CASES, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_tc, run_tc_case  # noqa: E402
+from decode_tc_selfcheck import (  # noqa: E402
+    CPU_CASES, ORDER_CONFIGS, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_order, passed_tc, run_tc_case)
 
 
 def checkpoint_from_tc(tw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,7 +218,7 @@ def test_triton_interpreter_split_k(interpreter_rows, case, split):
     """L1's packed K loop in 2 and 4 parts, the last part replaying the promotion chain from the others' terms:
     the same checks as unsplit (the twins know nothing of the split), poison kept, repeatable (the parts'
     counters reset themselves). Under the interpreter the sums are exact, so this checks which terms are added,
-    not their order; the GPU test checks the order."""
+    not their order; test_k_group_order_under_the_interpreter checks the order, and the GPU test on real inputs."""
     row = interpreter_rows[f"{case.id}-pack1-split{split}"]
     assert row["split"] == split and passed_tc(row), json.dumps(row, indent=1)
 
@@ -233,6 +234,32 @@ def test_triton_interpreter_route_either_way(interpreter_rows, case_id):
     zeroed) gives route_torch's metadata. Packed passes, passes of 16 rows (the skewed case), L1 split in two."""
     row = interpreter_rows[case_id]
     assert row["route_in_l1"] == case_id.endswith("route1") and passed_tc(row), json.dumps(row, indent=1)
+
+
+ORDER_IDS = [f"pack{int(pack)}-split{split}" for pack, split in ORDER_CONFIGS]
+
+
+@pytest.fixture(scope="module")
+def order_rows():  # seconds: its own small run, not the self-check above (the test's name does not start with
+    # test_triton_interpreter, so conftest does not start that one for it)
+    return run_interpreted(Path(__file__).with_name("decode_tc_selfcheck.py"), args=("--order",))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("pack,split", ORDER_CONFIGS, ids=ORDER_IDS)
+def test_k_group_order_under_the_interpreter(order_rows, pack, split):
+    """The order of the K groups, which the exact-sum inputs above hide by design, made visible: every 32-K group
+    of a weight row holds one product (x = 1.0 and a code of +-1.0, so the group sum is exact in any matmul, the
+    interpreter's included) worth A = 2**24, 1 or -A through its scale byte. In FP32 (A + 1) - A = 0 (A + 1 rounds
+    to A) but (-A + 1) + A = 1, so a row whose groups hold A, 1, -A in ascending K is 0 in the recipe's order
+    and 1 if they are added in reverse; its mirror -A, 1, A the other way round. Rows hold the three in one
+    128-K block (L1's group order within a block), in three blocks (L1's promotion order, across the split K's
+    parts) and in L2's groups within and across its K iterations (``decode_tc_selfcheck.L1_ORDER_ROWS``,
+    ``L2_ORDER_ROWS``). l1_out and slot_out must equal their twins (the recipe's ``group_scaled_gemm``) bit for
+    bit and the values the tables give for ascending K; unpacked and packed passes, L1's K in 1, 2 and 4 parts.
+    Reversing the groups in the kernel or in the recipe fails it."""
+    row = order_rows[f"order-pack{int(pack)}-split{split}"]
+    assert passed_order(row), json.dumps(row, indent=1)
 
 
 # On the GPU: the interpreter's cases with real inputs (bit equality, the recipe's tensor-core model), plus

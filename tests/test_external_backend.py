@@ -98,8 +98,8 @@ def test_a_subclass_registered_as_a_decorator_runs_through_the_matrix(registered
         def legal_block_ms(self, num_tokens=None):
             return (8, 16)
 
-        def plan(self, num_tokens):
-            return Plan(block_m=self.force_block_m or 8, forced=self.force_block_m is not None)
+        def plan(self, num_tokens, block_m=None):
+            return Plan(block_m=block_m or 8, forced=block_m is not None)
 
         def _prepare(self, weights):
             self.kernel_weights = weights
@@ -110,14 +110,18 @@ def test_a_subclass_registered_as_a_decorator_runs_through_the_matrix(registered
         def _stage(self, inputs, m):
             self.staged = inputs
 
-        def launch(self, num_tokens):
-            return moe_forward(self.staged, self.kernel_weights, self.recipe, self.g)
+        def launch(self, num_tokens, block_m=None):
+            self.launched.append(block_m)
+            return moe_forward(self.staged, self.kernel_weights, self.recipe, self.g)  # no tile: the same bits at any
 
     assert registered(HalfBlockToy) is HalfBlockToy
     assert get_backend_class("toy-subclass") is HalfBlockToy
-    rows = run_matrix("toy-subclass", [Case("tiny", 11, seed=6), Case("tiny", 11, block_m=16, seed=6)], log=_quiet)
+    HalfBlockToy.launched = []
+    rows = run_matrix("toy-subclass", [Case("tiny", 11, seed=6), Case("tiny", 11, block_m=16, seed=6)], log=_quiet,
+                      repeats=1)
     assert [r["status"] for r in rows] == ["pass", "pass"], rows
     assert rows[1]["plan"] == "BLOCK_M 16 (forced)"
+    assert HalfBlockToy.launched == [None, None, 16, 16]  # each case's launch and relaunch ran its own BLOCK_M
 
 
 def test_registration_refuses_what_it_cannot_run(registered):

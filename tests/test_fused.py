@@ -57,11 +57,10 @@ def test_unknown_backend_and_bad_capacity():
 
 
 def test_force_block_m_is_checked():
-    be = BACKENDS["flashinfer-mxfp4"]("small", capacity=64)
-    be.set_force_block_m(24)
-    with pytest.raises(ValueError, match="force_block_m must be one of"):
-        be.set_force_block_m(48)
-    with pytest.raises(ValueError, match="force_block_m"):
+    assert BACKENDS["flashinfer-mxfp4"]("small", capacity=64, force_block_m=24).force_block_m == 24
+    with pytest.raises(ValueError, match=r"force_block_m must be one of \(8, 24, 64\) \(or None\), got 48"):
+        BACKENDS["flashinfer-mxfp4"]("small", capacity=64, force_block_m=48)
+    with pytest.raises(ValueError, match=r"force_block_m must be None, its tile is fixed \(sgl-deep-gemm .* got 64"):
         BACKENDS["deepgemm-sm90-fp8"]("small", capacity=64, force_block_m=64)
 
 
@@ -272,7 +271,7 @@ def test_repeat_check_counts_and_describes_differing_relaunches():
     t, h = 6, 16
     good = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     topk = torch.tensor([[0, 1], [2, -1], [-1, -1], [3, 4], [5, 6], [7, -1]])
-    calls = {"n": 0}
+    calls = {"n": 0, "block_m": set()}
 
     class Fake:
         y = torch.empty(t, h, dtype=torch.bfloat16)
@@ -280,8 +279,9 @@ def test_repeat_check_counts_and_describes_differing_relaunches():
         def stage(self, inp, m):
             pass
 
-        def launch(self, m):
+        def launch(self, m, block_m=None):
             calls["n"] += 1
+            calls["block_m"].add(block_m)
             if calls["n"] == 3:  # rows 1 and 4: one never written, one off in one element
                 self.y[[0, 2, 3, 5]] = good[[0, 2, 3, 5]]
                 self.y[4] = good[4]
@@ -290,7 +290,8 @@ def test_repeat_check_counts_and_describes_differing_relaunches():
                 self.y.copy_(good)
             return self.y
 
-    out = _repeat_check(Fake(), SimpleNamespace(topk_idx=topk), t, good.clone(), 5, t)
+    out = _repeat_check(Fake(), SimpleNamespace(topk_idx=topk), t, 24, good.clone(), 5, t)
+    assert calls["block_m"] == {24}  # every relaunch runs the case's BLOCK_M, not the plan's own
     assert out["repeats"] == 5 and out["repeats_differing"] == 1 and out["repeat_rows_differing_max"] == 2
     seen = {r["token"]: r for r in out["repeat_rows_seen"]}
     assert set(seen) == {1, 4} and all(r["relaunch"] == 2 for r in seen.values())

@@ -241,3 +241,54 @@ def test_backend_refuses_with_every_reason():
         be = make_backend(name, "tiny", capacity=4)
         with pytest.raises(BackendUnavailable, match=name):
             be.prepare(random_mxfp4_weights(get_geometry("tiny"), seed=0))
+
+
+def _cfg(block_m: int, stream_k: bool = True) -> dict:
+    return {"block_shape": [block_m, 128, 128], "use_stream_k": stream_k}
+
+
+# The shape of Humming 0.1.20's W4A8 lists at the small geometry on an H100 (lab/humming/tuning_lists.py prints
+# them): the gate/up list holds block M 40 up to 2304 rows, the down list changes block M several times below it.
+_GATE_UP = [[0, 2304, _cfg(40)], [2304, 2784, _cfg(48)], [2784, 1 << 30, _cfg(56)]]
+_DOWN = [[0, 984, _cfg(40)], [984, 1008, _cfg(48)], [1008, 1016, _cfg(40)], [1016, 1136, _cfg(48)],
+         [1136, 1152, _cfg(56)], [1152, 1168, _cfg(48)], [1168, 1344, _cfg(56)], [1344, 2304, _cfg(64)],
+         [2304, 2784, _cfg(48)], [2784, 1 << 30, _cfg(56)]]
+
+
+@pytest.mark.parametrize("rows, down_lo", [(256, None), (984, None), (1200, 1008), (2048, 1008), (2400, None)])
+def test_the_down_gemm_always_reads_the_slots_in_the_aligned_block(rows, down_lo):
+    """vLLM aligns the slots to the gate/up config's block M and hands the down GEMM its own list; where that list's
+    pick has another block M (1200 rows: 56 against 40), the kernel would read a misaligned index. pick_configs then
+    gives the down GEMM its list's config of the aligned block M nearest the row count, and says so."""
+    from megamoe.fused.humming import pick_configs
+
+    bm, c13, c2, note = pick_configs(_GATE_UP, _DOWN, rows)
+    assert int(c2["block_shape"][0]) == bm == int(c13["block_shape"][0])
+    if down_lo is None:
+        assert note is None
+        assert next(c for lo, hi, c in _DOWN if lo < rows <= hi) is c2  # vLLM's own pick, untouched
+    else:
+        assert note is not None and f"rows ({down_lo}," in note and "re-picked" in note
+        assert next(c for lo, hi, c in _DOWN if lo == down_lo) is c2
+
+
+def test_forced_block_m_and_configs_missing_from_a_list_are_named():
+    from megamoe.fused.humming import pick_configs
+
+    bm, c13, c2, note = pick_configs(_GATE_UP, _DOWN, 6, block_m=56)
+    assert (bm, c13, c2, note) == (56, _GATE_UP[2][2], _DOWN[4][2], None)
+    with pytest.raises(ValueError, match="block_m=72 is in no gate/up tuning config"):
+        pick_configs(_GATE_UP, _DOWN, 6, block_m=72)
+    with pytest.raises(ValueError, match="no config of block M 40"):
+        pick_configs(_GATE_UP, [[0, 1 << 30, _cfg(48)]], 6)
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
+def test_batch_invariance_is_read_as_vllm_reads_it(monkeypatch, value, expected):
+    from megamoe.fused.humming import batch_invariant_from_env
+
+    if value is None:
+        monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", value)
+    assert batch_invariant_from_env() is expected

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -134,3 +136,64 @@ def test_bad_arguments():
         analyze_ranges("weights", "flashinfer-mxfp4")
     with pytest.raises(ValueError, match="unknown recipe"):
         analyze_ranges(random_mxfp4_bytes(G, seed=55, num_experts=1), "nope")
+
+
+# ------------------------------------------------------------------------------------ one analysis per (weights, recipe)
+def _count_analyses(monkeypatch) -> list:
+    """Every expert tensor the per-expert range analysis scans, recorded (two per expert per analysis)."""
+    import megamoe.layouts.ranges as ranges
+
+    scanned, real = [], ranges._tensor_range
+    monkeypatch.setattr(ranges, "_tensor_range", lambda e, name, *a: scanned.append((e, name)) or real(e, name, *a))
+    return scanned
+
+
+def _on_cpu(cls):
+    """A backend class whose prepare runs here: the CPU is its device, and it says it is available."""
+    return type(f"CPU{cls.__name__}", (cls,), {"device": property(lambda self: torch.device("cpu")),
+                                              "availability": classmethod(lambda c: (True, ""))})
+
+
+@pytest.mark.parametrize("name", ["flashinfer-mxfp4", "deepgemm-sm90-fp4"])
+def test_the_matrix_path_analyses_its_weights_once_per_recipe(monkeypatch, name):
+    """What the differential matrix does with a backend: synthetic_weights, then prepare (FlashInfer: its repair, the
+    converter's repair and check; DeepGEMM FP4: its window check). One per-expert analysis, of the raw weights;
+    every later ask finds the weights in the window by their scale bytes. It was four for FlashInfer."""
+    from megamoe.fused.external import OneRank
+    from megamoe.fused.registry import BACKENDS
+
+    cls = _on_cpu(BACKENDS[name])
+    w = random_mxfp4_weights(G, seed=52)
+    scanned = _count_analyses(monkeypatch)
+    synthetic = cls.synthetic_weights(w)
+    be = cls(G, capacity=8, group=OneRank())
+    be.prepare(synthetic)
+    assert_same_values(be.kernel_weights, synthetic)
+    if name == "flashinfer-mxfp4":
+        assert repair_ranges(synthetic, name) is synthetic  # nothing to move: handed back, not rebuilt
+    assert len(scanned) == 2 * G.num_experts, scanned
+    if name == "flashinfer-mxfp4":
+        want = prepare_flashinfer_sm90(w)  # the converter on the raw weights, as prepare called it before
+        for got, ref, what in ((be.l1, want.l1, "l1"), (be.l2, want.l2, "l2"), (be.gs1, want.l1_global_scales, "gs1"),
+                               (be.gs2, want.l2_global_scales, "gs2")):
+            assert_bitwise_equal(got, ref, what)
+
+
+def test_the_scale_byte_answer_only_clears_what_the_analysis_would(monkeypatch, realistic):
+    """All bytes in the window: answered without the analysis. One all-zero group's byte outside it: the analysis
+    runs and passes (an all-zero group decodes to 0 at any scale); the same byte in a nonzero group: refused."""
+    w = repair_ranges(realistic, "flashinfer-mxfp4")
+    scanned = _count_analyses(monkeypatch)
+    check_ranges(w, "flashinfer-mxfp4")
+    assert repair_ranges(w, "flashinfer-mxfp4") is w and not scanned
+    l2 = w.l2.clone()
+    l2[1, 2, 0:16] = 0  # group 0 of expert 1's row 2: all-zero codes
+    quiet_scale, loud_scale = w.l2_scale.clone(), w.l2_scale.clone()
+    quiet_scale[1, 2, 0] = 140
+    check_ranges(dataclasses.replace(w, l2=l2, l2_scale=quiet_scale), "flashinfer-mxfp4")
+    assert len(scanned) == 2 * G.num_experts
+    assert nonzero_groups(w.l2)[1, 2, 0]
+    loud_scale[1, 2, 0] = 140  # the same byte where the codes are not all zero
+    with pytest.raises(ValueError, match=r"out of range for flashinfer-mxfp4.*expert 1 l2: 0 scale groups below byte "
+                                         r"122 and 1 above byte 133 \(offending bytes \[140\]"):
+        check_ranges(dataclasses.replace(w, l2_scale=loud_scale), "flashinfer-mxfp4")

@@ -40,23 +40,31 @@ EXTRA=${EXTRA:-}                 # extra `megamoe bench` flags for both processe
 EXTRA1=${EXTRA1:-}               # ... for process 1 only (e.g. --studies overhead staging)
 EXTRA2=${EXTRA2:-}               # ... for process 2 only
 BEFORE2=${BEFORE2:-}             # a command run before process 2 (e.g. wait for a build, then compile its kernels)
+PROCESSES=${PROCESSES:-1 2}      # "1", then "2" later on the same machine and OUT: process 2 appends to the folder
+                                 # named in $OUT/log-1.txt
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export MEGAMOE_COMMIT=${MEGAMOE_COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
 smi() { nvidia-smi --query-gpu=name,uuid,serial,pci.bus_id,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used --format=csv 2>&1 || true; }
-{ date -u +"%Y-%m-%dT%H:%M:%SZ"; smi; } > "$OUT/nvidia-smi.txt"
+{ date -u +"%Y-%m-%dT%H:%M:%SZ processes $PROCESSES"; smi; } >> "$OUT/nvidia-smi.txt"
 start=$SECONDS
 
-# shellcheck disable=SC2086  # TOKENS, BACKENDS and EXTRA are lists
-timeout -k 10 "$((TOTAL_S - 20))" "$PY" -m megamoe bench --preset "$PRESET" --tokens $TOKENS --device "$DEVICE" \
-  --backends $BACKENDS1 --passes 2 --deadline-s "$P1_DEADLINE_S" --out "$OUT" $EXTRA $EXTRA1 2>&1 | tee "$OUT/log-1.txt"
-rc1=${PIPESTATUS[0]}
-dir=$(sed -n 's/^results written to //p' "$OUT/log-1.txt" | tail -n 1)
-echo "[run_sweep] process 1: exit $rc1 after $((SECONDS - start)) s; results in ${dir:-(none)}"
+rc1=0
+case " $PROCESSES " in *" 1 "*)
+  # shellcheck disable=SC2086  # TOKENS, BACKENDS and EXTRA are lists
+  timeout -k 10 "$((TOTAL_S - 20))" "$PY" -m megamoe bench --preset "$PRESET" --tokens $TOKENS --device "$DEVICE" \
+    --backends $BACKENDS1 --passes 2 --deadline-s "$P1_DEADLINE_S" --out "$OUT" $EXTRA $EXTRA1 2>&1 | tee "$OUT/log-1.txt"
+  rc1=${PIPESTATUS[0]}
+  echo "[run_sweep] process 1: exit $rc1 after $((SECONDS - start)) s";;
+esac
+dir=$(sed -n 's/^results written to //p' "$OUT/log-1.txt" 2>/dev/null | tail -n 1)
+echo "[run_sweep] process 1's results: ${dir:-(none)}"
 
 rc2=0
 left=$((TOTAL_S - (SECONDS - start)))
-if [ -z "${DEEPGEMM_FP4_PATH:-}" ]; then
+if [[ " $PROCESSES " != *" 2 "* ]]; then
+  echo "[run_sweep] process 2 not asked for (PROCESSES=$PROCESSES)"
+elif [ -z "${DEEPGEMM_FP4_PATH:-}" ]; then
   echo "[run_sweep] process 2 skipped: DEEPGEMM_FP4_PATH is not set (the DeepGEMM PR #323 build for deepgemm-sm90-fp4)"
 elif [ -z "$dir" ] || [ ! -f "$dir/results.json" ]; then
   echo "[run_sweep] process 2 skipped: process 1 left no results folder to append to"

@@ -10,8 +10,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=200
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 git rev-parse --short=10 HEAD > "$OUT/commit.txt" 2>/dev/null
 start=$SECONDS
-timeout -k 5 "${PROBE_S:-200}" python3 lab/humming/probe.py --out "$OUT" > "$OUT/probe.log" 2>&1
-echo "[humming] probe exit $? at $((SECONDS - start)) s"; grep -E "^\[probe\]" "$OUT/probe.log" | cut -c1-700
+if [ "${PROBE_S:-200}" -gt 0 ]; then  # PROBE_S=0 skips the probe
+  timeout -k 5 "${PROBE_S:-200}" python3 lab/humming/probe.py --out "$OUT" > "$OUT/probe.log" 2>&1
+  echo "[humming] probe exit $? at $((SECONDS - start)) s"; grep -E "^\[probe\]" "$OUT/probe.log" | cut -c1-700
+fi
 for spec in ${MATRICES:-humming-w4a8:150 humming-w4a16:90}; do
   name=${spec%%:*}; dl=${spec##*:}
   timeout -k 5 $((dl + 40)) python3 - "$name" "$dl" "$OUT" > "$OUT/matrix-$name.log" 2>&1 <<'PY'

@@ -108,14 +108,14 @@ def weights_for(preset):
     return g, w
 
 
-def time_launch(be, m, iters=20):
+def time_launch(be, m, block_m=None, iters=20):
     """The launch alone, median of ``iters`` calls, no L2 flush (as the matrix's table times it)."""
     from megamoe.bench.timing import time_fn
 
-    return time_fn(lambda: be.launch(m), warmup=2, repeats=iters, flush_l2=False, device="cuda").median_us
+    return time_fn(lambda: be.launch(m, block_m), warmup=2, repeats=iters, flush_l2=False, device="cuda").median_us
 
 
-def run_case(be, g, weights_ref, t, recipes: dict, *, seed, tag, routing=None, save=False, time_it=True):
+def run_case(be, g, weights_ref, t, recipes: dict, *, seed, tag, routing=None, save=False, time_it=True, block_m=None):
     from megamoe.fused.compare import compare_l2_inputs, match_pool_tokens
     from megamoe.layouts.staging import per_token_cast_to_fp8
     from megamoe.reference import moe_forward
@@ -124,20 +124,20 @@ def run_case(be, g, weights_ref, t, recipes: dict, *, seed, tag, routing=None, s
 
     inp = make_inputs(g, t, seed=seed, **(routing or {})).to("cuda")
     rec = {"backend": be.name, "geometry": g.name, "T": t, "tag": tag, "seed": seed,
-           "forced_block_m": be.force_block_m}
+           "forced_block_m": block_m}
     try:
-        rec["plan"] = be.plan(t).describe()
+        rec["plan"] = be.plan(t, block_m).describe()
     except Exception as exc:  # noqa: BLE001
         rec["plan"] = repr(exc)
     be.poison_intermediates()
     m = be.stage(inp, t)
-    y = be.launch(m).clone()
+    y = be.launch(m, block_m).clone()
     torch.cuda.synchronize()
     rec["nan_out"] = int(torch.isnan(y.float()).sum())
     inter = be.intermediates()
     # second launch, not poisoned: determinism
     be.stage(inp, t)
-    y2 = be.launch(m).clone()
+    y2 = be.launch(m, block_m).clone()
     torch.cuda.synchronize()
     rec["rerun_bitwise_equal"] = bool(torch.equal(y.view(torch.int16), y2.view(torch.int16)))
     for rname, recipe in recipes.items():
@@ -151,7 +151,7 @@ def run_case(be, g, weights_ref, t, recipes: dict, *, seed, tag, routing=None, s
                 d["stage_error"] = repr(exc)
         rec[rname] = d
     if time_it and t:
-        rec["launch_us"] = time_launch(be, m)
+        rec["launch_us"] = time_launch(be, m, block_m)
     if save and inter is not None and t:
         x_q, _ = per_token_cast_to_fp8(inp.x)
         tok = match_pool_tokens(inter["pool_x"], x_q)
@@ -203,15 +203,12 @@ def main():
 
         plans = {}  # every plan once, built in the library's one pool (FlashInfer's builds are parallel JIT compiles)
         for be, bm, t in jobs:
-            be.force_block_m = bm
-            for key, fn in be.build_jobs([t]).items():
+            for key, fn in be.build_jobs([t], bm).items():
                 plans.setdefault((id(be), key), fn)
         log(f"building {len(plans)} FlashInfer plans")
         errs = [repr(exc) for _, exc, _ in build_plans(plans, max_workers=10)]
         RESULTS["fi_build_errors"] = errs
         log("built", len(plans), "errors", errs[:2])
-        for _, (g, w, be) in setups.items():
-            be.force_block_m = None
 
     fi_setup()
 
@@ -223,12 +220,10 @@ def main():
             recs["fi_g64"] = FLASHINFER_MXFP4.with_(l2_group=64)
             recs["fi_cont"] = FLASHINFER_MXFP4.with_(l2_scale="continuous")
         for t in fi_tokens[preset]:
-            be.force_block_m = None
             guarded(f"fi {preset} T{t}")(run_case)(be, g, wref, t, recs, seed=100 + t, tag="auto", save=preset == "small")
         for t, bm in fi_forced[preset]:
-            be.force_block_m = bm
-            guarded(f"fi {preset} T{t} bm{bm}")(run_case)(be, g, wref, t, {"fi": FLASHINFER_MXFP4}, seed=100 + t, tag=f"bm{bm}", save=preset == "small")
-        be.force_block_m = None
+            guarded(f"fi {preset} T{t} bm{bm}")(run_case)(be, g, wref, t, {"fi": FLASHINFER_MXFP4}, seed=100 + t, tag=f"bm{bm}",
+                                                          save=preset == "small", block_m=bm)
         # routing edge cases (small only, cheap)
         if preset == "small":
             for tag, routing in (("masked", {"mask_prob": 0.3}), ("skew", {"skew": 1.5}), ("empty", {"empty_experts": (0, 5)}),

@@ -4,7 +4,8 @@
                       of your own; the harness rotates among input sets when timing it
     FusedBench        a ``megamoe.fused`` backend class (``FusedBackend``), driven through its one spelling:
                       ``cls(g, capacity=...)``, ``prepare(cls.synthetic_weights(w))``, ``allocate()``,
-                      ``build_jobs``, ``stage`` (untimed) and ``launch`` (timed), ``plan``, ``set_force_block_m``.
+                      ``build_jobs``, ``stage`` (untimed) and ``launch`` (timed), ``plan``, each given its
+                      ``block_m`` as an argument (``with_block_m``: a view at a forced BLOCK_M).
                       The staged buffer cannot be rotated, so the L2 is flushed between calls instead.
 
 Two properties steer how a backend is timed (``select_timing``):
@@ -128,7 +129,8 @@ def _jsonable(v):
 
 class FusedBench(BenchBackend):
     """One ``megamoe.fused`` backend (see the module docstring). ``with_block_m`` gives a view that shares the
-    prepared object and pins its BLOCK_M on every entry point; the base pins the plan's own choice (None)."""
+    prepared object and hands its BLOCK_M to every call (``block_m=``); the base hands None, the plan's own choice.
+    Nothing is pinned on the shared object, so a view and the base cannot leak into each other."""
 
     rotatable = False
 
@@ -139,11 +141,9 @@ class FusedBench(BenchBackend):
         self.host_bound = not self.graph_capturable and not self.fused
         self.owner = obj is None
         self.obj = cls(g, capacity=capacity) if obj is None else obj
+        self.obj.resolve_block_m(block_m)  # a view at a BLOCK_M the backend cannot honour is refused when made
         self.build_lane = self.obj.build_lane
         self.max_tokens = self.obj.capacity
-
-    def _pin(self) -> None:
-        self.obj.set_force_block_m(self.block_m)
 
     def prepare(self, weights) -> None:
         self.obj.prepare(self.cls.synthetic_weights(weights))
@@ -151,15 +151,10 @@ class FusedBench(BenchBackend):
 
     def build_jobs(self, token_counts, block_m: int | None = None) -> dict:
         token_counts = [t for t in token_counts if t <= self.max_tokens]
-        self.obj.set_force_block_m(block_m if block_m is not None else self.block_m)
-        try:
-            return self.obj.build_jobs(token_counts)
-        finally:
-            self._pin()
+        return self.obj.build_jobs(token_counts, block_m if block_m is not None else self.block_m)
 
     def run(self, inputs):
-        self._pin()
-        return self.obj.run(inputs)
+        return self.obj.run(inputs, block_m=self.block_m)
 
     def reference(self, inputs, weights):
         """The recipe's reference with exact block sums: the sweep's check is a bound (calc_diff <= 1e-3), and
@@ -175,31 +170,28 @@ class FusedBench(BenchBackend):
         return (self.name, repr(self._check_recipe(num_tokens)))
 
     def timer(self, input_sets):
-        self._pin()
-        t = input_sets[0].num_tokens
+        t, bm = input_sets[0].num_tokens, self.block_m
+        self.obj.resolve_block_m(bm)  # refused here, before staging, not inside the timed call
         self.obj.stage(input_sets[0], t)
-        return (lambda: self.obj.launch(t)), None
+        return (lambda: self.obj.launch(t, bm)), None
 
     def stage_parts(self, inputs) -> dict:
         """The public ``stage`` (input validation included, which syncs the host) and the bare cast + copy into
-        the buffer (the ``_stage`` hook)."""
-        self._pin()
+        the buffer (the ``_stage`` hook). Staging does not depend on BLOCK_M."""
         t = inputs.num_tokens
         self.obj.stage(inputs, t)  # allocate / validate once
         return {"stage() incl. input validation": lambda: self.obj.stage(inputs, t),
                 "cast + copy into the buffer": lambda: self.obj._stage(inputs, t)}
 
     def plan(self, num_tokens: int) -> dict:
-        self._pin()
-        p = self.obj.plan(num_tokens)
+        p = self.obj.plan(num_tokens, self.block_m)
         return {"block_m": p.block_m, "forced": p.forced, **{k: _jsonable(v) for k, v in p.detail.items()}}
 
     def legal_block_ms(self) -> tuple[int, ...]:
         return tuple(self.obj.legal_block_ms())
 
     def with_block_m(self, block_m: int) -> "FusedBench":
-        self.obj.set_force_block_m(block_m)  # raises on an illegal BLOCK_M
-        self._pin()
+        """A view at ``block_m`` sharing the prepared object; one the backend cannot honour is refused."""
         return FusedBench(self.cls, self.g, self.obj.capacity, obj=self.obj, block_m=block_m)
 
     def provenance(self) -> dict | None:

@@ -211,23 +211,23 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_launch(be, m: int, iters: int) -> float:
+def _time_launch(be, m: int, block_m: int | None, iters: int) -> float:
     """The launch alone in us: the median over ``iters`` calls of the CUDA events around each, after two warm-up
     calls, the L2 cache not flushed. For the table only: ``megamoe bench`` is the timing harness."""
     for _ in range(2):
-        be.launch(m)
+        be.launch(m, block_m)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        be.launch(m)
+        be.launch(m, block_m)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
-def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) -> dict:
+def _repeat_check(be, inp, m: int, block_m: int | None, y_first: torch.Tensor, repeats: int, t: int) -> dict:
     """Stage and launch the same step ``repeats`` more times (output poisoned each time); how many outputs
     differ from the first, in how many rows at most, and what the differing rows of the first few such
     relaunches look like (token, its routed slots, elements differing, still NaN-poisoned, largest change)."""
@@ -240,7 +240,7 @@ def _repeat_check(be, inp, m: int, y_first: torch.Tensor, repeats: int, t: int) 
         if isinstance(getattr(be, "y", None), torch.Tensor):  # the backend's output buffer, poisoned
             be.y.fill_(float("nan"))
         be.stage(inp, m)
-        y = be.launch(m)[:t]
+        y = be.launch(m, block_m)[:t]
         bad = relaunches.add(y)
         for tok in torch.nonzero(bad).flatten()[:4].tolist() if len(seen) < 4 else []:
             a, b = y[tok].float(), y_first[tok].float()
@@ -300,9 +300,13 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         key = (c.geometry, c.weights)
         if key in backends:
             continue
-        g, w = _weights(c.geometry, c.weights, dev, cls)
         cap = max([x.launch_tokens for x in cases if (x.geometry, x.weights) == key] + [1])
-        be = cls(g, capacity=cap, **({"accept_lossy_scales": True} if c.weights in ("lossy", "below-window") else {}))
+        be = cls(get_geometry_safe(c.geometry), capacity=cap,
+                 **({"accept_lossy_scales": True} if c.weights in ("lossy", "below-window") else {}))
+        for x in cases:  # a BLOCK_M this backend cannot honour: refused before weights are made or a kernel runs
+            if (x.geometry, x.weights) == key:
+                be.resolve_block_m(x.block_m)
+        g, w = _weights(c.geometry, c.weights, dev, cls)
         be.prepare(w if cls.weight_format == "mxfp4" else _fp8(w))
         be.allocate()
         backends[key] = be
@@ -311,11 +315,9 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         for c in cases:
             if (c.geometry, c.weights) != key or c.launch_tokens <= 0:
                 continue
-            be.force_block_m = c.block_m
-            for k, fn in be.build_jobs([c.launch_tokens]).items():
+            for k, fn in be.build_jobs([c.launch_tokens], c.block_m).items():
                 jobs.setdefault((id(be), k), fn)
                 lanes[(id(be), k)] = be.build_lane
-        be.force_block_m = None
     for k, exc, _ in build_plans(jobs, lanes, max_workers=12):
         log(f"[matrix] build of {k[1]} failed: {type(exc).__name__}: {exc}")
     log(f"[matrix] {backend_name}: {len(cases)} cases, plans built in {time.time() - t0:.0f}s")
@@ -328,7 +330,7 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         be = backends[(c.geometry, c.weights)]
         restore = None
         try:
-            be.force_block_m = c.block_m
+            bm = c.block_m
             g = be.g
             inp = make_inputs(g, c.num_tokens, seed=1000 + c.seed, **c.routing_kwargs()).to(dev)
             m = c.launch_tokens
@@ -345,12 +347,12 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
             _, res, t_ref = refs[c.ref_key()]
             if c.broken:
                 restore = _break(be, c)
-            row["plan"] = be.plan(m).describe() if m else "no launch (0 tokens)"
+            row["plan"] = be.plan(m, bm).describe() if m else "no launch (0 tokens)"
             be.poison_intermediates()
             be.stage(inp, m)
-            y = be.launch(m)[: c.num_tokens].clone()
+            y = be.launch(m, bm)[: c.num_tokens].clone()
             _sync(dev)
-            row["plan"] = be.plan(m).describe() if m else row["plan"]  # now known for every backend
+            row["plan"] = be.plan(m, bm).describe() if m else row["plan"]  # now known for every backend
             inter = be.intermediates() if c.num_tokens else None
             y_full = y
             if sel is not None:
@@ -373,9 +375,9 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
                 row["calc_diff_vs_exact_decode"] = calc_diff(y, y_exact)
                 row["ref_vs_exact_decode"] = calc_diff(res.y[0], y_exact)
             if m and repeats and not c.broken:  # the same staged step again: a kernel must give the same bits
-                row.update(_repeat_check(be, inp, m, y_full, repeats, c.num_tokens))
+                row.update(_repeat_check(be, inp, m, bm, y_full, repeats, c.num_tokens))
             if m and time_iters and not c.broken and dev.type == "cuda":
-                row["launch_us"] = _time_launch(be, m, time_iters)
+                row["launch_us"] = _time_launch(be, m, bm, time_iters)
             passed = row["nan"] == 0 and row["calc_diff"] <= MAX_DIFF and row.get("code_match", 1.0) >= MIN_CODE_MATCH
             if c.routing == "allmasked":
                 passed = passed and row["masked_rows_zero"]
@@ -388,7 +390,6 @@ def run_matrix(backend_name: str, cases=None, out_json: str | None = None, *, mm
         finally:
             if restore is not None:
                 restore()
-            be.force_block_m = None
         rows.append(row)
         relaunched = f" relaunches differing {row['repeats_differing']}/{row['repeats']}" if row.get("repeats") else ""
         log(f"[matrix] {c.id:45s} {row.get('status'):12s} diff {row.get('calc_diff', float('nan')):.2e}{relaunched} "

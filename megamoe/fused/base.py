@@ -10,8 +10,12 @@ Life cycle (one rank; every rank of a group calls the same sequence):
     y = be.launch(num_tokens)     # the kernel alone: no host sync, no allocation   -> [num_tokens, H]
     y = be.run(inputs)            # stage + launch, returns y[:T]
 
-``plan(num_tokens)`` reports the plan / BLOCK_M a launch will use; ``force_block_m`` pins it for
-tests. ``intermediates()`` returns what the kernel leaves in its buffer (pool rows of x, the L2 input
+``plan(num_tokens, block_m=None)`` reports the plan / BLOCK_M a launch will use. BLOCK_M is an argument of
+every call whose plan depends on it (``plan``, ``build_jobs`` / ``build``, ``launch``, ``run``): None is the
+plan's own choice (or the ``force_block_m`` the instance was made with), and a value the backend cannot honour
+is refused (ValueError naming ``block_m``, the legal values and the value given) before anything runs;
+``legal_block_ms()`` lists what may be asked, and a backend whose tile is fixed says by what (``fixed_tile``).
+``intermediates()`` returns what the kernel leaves in its buffer (pool rows of x, the L2 input
 FP8 codes and scales) for the stage-level checks. All-SM persistent kernels must not run beside other
 GPU work: ``launch`` runs on the current stream and the caller keeps that stream to itself.
 CUDA graphs: capture only after ``build`` has built every plan the graph will launch.
@@ -20,6 +24,7 @@ CUDA graphs: capture only after ``build`` has built every plan the graph will la
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +46,11 @@ class Plan:
     forced: bool = False
     detail: dict = field(default_factory=dict)
 
+    DESCRIBED = ("block_n", "swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source", "batch_invariant",
+                 "down_repicked", "decode_loss")
+
     def describe(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in ("block_n", "swap_ab", "rs_swap_ab", "num_stages", "num_experts_per_wave", "source", "decode_loss"))
+        extra = ", ".join(f"{k}={v}" for k, v in self.detail.items() if k in self.DESCRIBED)
         return f"BLOCK_M {self.block_m}{' (forced)' if self.forced else ''}{'; ' + extra if extra else ''}"
 
 
@@ -73,15 +81,40 @@ def cuda_hopper_reason() -> str:
     return ""
 
 
+def _takes_block_m(fn) -> bool:
+    """Whether a hook takes ``block_m`` (a subclass written before BLOCK_M was an argument does not)."""
+    return "block_m" in inspect.signature(fn).parameters
+
+
 def _checked_launch(launch):
     """``launch`` with its token count checked first (an int in [0, capacity]: 6.9 is refused, not run as
-    6). Host-side only, so a launch stays free of syncs and capturable in a CUDA graph."""
+    6) and its ``block_m`` resolved (``FusedBackend.resolve_block_m``). Host-side only, so a launch stays free of
+    syncs and capturable in a CUDA graph."""
+    takes = _takes_block_m(launch)
 
     @functools.wraps(launch)
-    def checked(self, num_tokens: int) -> torch.Tensor:
-        return launch(self, as_int("num_tokens", num_tokens, lo=0, hi=self.capacity, who=f"{self.name} launch"))
+    def checked(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
+        m = as_int("num_tokens", num_tokens, lo=0, hi=self.capacity, who=f"{self.name} launch")
+        bm = self.resolve_block_m(block_m)
+        return launch(self, m, bm) if takes else launch(self, m)
 
     checked.checks_token_count = True
+    checked.takes_block_m = takes
+    return checked
+
+
+def _checked_plan(plan):
+    """``plan`` with its ``block_m`` resolved first, as ``launch`` resolves it, so the plan reported is the one a
+    launch with the same arguments runs."""
+    takes = _takes_block_m(plan)
+
+    @functools.wraps(plan)
+    def checked(self, num_tokens: int, block_m: int | None = None) -> Plan:
+        bm = self.resolve_block_m(block_m)
+        return plan(self, num_tokens, bm) if takes else plan(self, num_tokens)
+
+    checked.checks_block_m = True
+    checked.takes_block_m = takes
     return checked
 
 
@@ -99,9 +132,14 @@ class LossyScalesOptIn:
 class FusedBackend:
     """Base class; subclasses set the class attributes and implement the ``_`` hooks.
 
-    Every subclass's ``launch`` is wrapped (``__init_subclass__``) so that its token count is checked
-    the same way whichever backend it is: the documented ``stage_into`` + ``launch`` path never hands a
-    kernel a truncated or out-of-capacity count.
+    Every subclass's ``launch`` and ``plan`` are wrapped (``__init_subclass__``) so that the token count and
+    ``block_m`` are checked the same way whichever backend it is: the documented ``stage_into`` + ``launch``
+    path never hands a kernel a truncated or out-of-capacity count, nor a BLOCK_M it would not run.
+
+    BLOCK_M hooks: a backend that can choose BLOCK_M (``legal_block_ms()`` not empty) takes ``block_m`` in
+    ``plan(num_tokens, block_m=None)``, ``_build_job(num_tokens, block_m=None)`` and ``launch(num_tokens,
+    block_m=None)``, already resolved (an int from ``legal_block_ms()``, or None for the plan's own choice). A
+    backend with a fixed tile keeps ``plan(num_tokens)`` / ``launch(num_tokens)``: no block_m ever reaches it.
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -109,6 +147,14 @@ class FusedBackend:
         own = cls.__dict__.get("launch")
         if own is not None and not getattr(own, "checks_token_count", False):
             cls.launch = _checked_launch(own)
+        own = cls.__dict__.get("plan")
+        if own is not None and not getattr(own, "checks_block_m", False):
+            cls.plan = _checked_plan(own)
+        # Hooks that would never see a block_m asked per call: such a backend refuses one (resolve_block_m) rather
+        # than run its own plan while the caller records another.
+        cls._hooks_without_block_m = tuple(
+            name for name in ("plan", "_build_job", "launch")
+            if not getattr(getattr(cls, name), "takes_block_m", _takes_block_m(getattr(cls, name))))
 
     name: str = ""
     recipe: Recipe
@@ -125,11 +171,16 @@ class FusedBackend:
     # Whether ``--backends all`` stands for this backend too (``registry.all_backend_names``). False only for a
     # backend kept for what it shows, not to be raced, with its reason beside it; a backend named runs either way.
     in_all: bool = True
+    # A backend whose BLOCK_M cannot be chosen (``legal_block_ms()`` empty) says here what fixes its tile; the
+    # refusal of any block_m quotes it.
+    fixed_tile: str = ""
+    _hooks_without_block_m: tuple[str, ...] = ()  # set per subclass (__init_subclass__)
 
     def __init__(self, geometry, *, capacity: int, force_block_m: int | None = None, group=None) -> None:
         """``geometry`` (a Geometry or a preset name); ``capacity``: the most tokens one rank stages in a
-        step (the symmetric buffer is sized for it); ``force_block_m`` pins the plan's BLOCK_M (tests,
-        studies); ``group``: the EP process group (None: a 1-rank group is made at ``allocate``)."""
+        step (the symmetric buffer is sized for it); ``force_block_m``: the BLOCK_M of every call that passes
+        no ``block_m`` (None: the plan's own), checked here and fixed for the instance's life; ``group``: the
+        EP process group (None: a 1-rank group is made at ``allocate``)."""
         from ..geometry import get_geometry
 
         if capacity is None:
@@ -139,9 +190,8 @@ class FusedBackend:
         self.group = group
         self._prepared = False
         self._allocated = False
-        self.force_block_m = None
-        if force_block_m is not None:
-            self.set_force_block_m(force_block_m)
+        self._force_block_m = None
+        self._force_block_m = self.resolve_block_m(force_block_m, "force_block_m")
 
     # ---------------------------------------------------------------- availability
     @classmethod
@@ -177,18 +227,42 @@ class FusedBackend:
 
     # ---------------------------------------------------------------- plans
     def legal_block_ms(self) -> tuple[int, ...]:
+        """The BLOCK_Ms ``block_m`` may ask for; () when the tile is fixed (``fixed_tile`` says by what)."""
         raise NotImplementedError
 
-    def set_force_block_m(self, block_m: int | None) -> None:
-        if block_m is not None:
-            block_m = as_int("force_block_m", block_m, who=self.name)
-        if block_m is not None and block_m not in self.legal_block_ms():
-            raise ValueError(
-                f"{self.name}: force_block_m must be one of {self.legal_block_ms()} (or None), got {block_m}"
-            )
-        self.force_block_m = block_m
+    @property
+    def force_block_m(self) -> int | None:
+        """The BLOCK_M of calls that pass none (the constructor's ``force_block_m``; None: the plan's own)."""
+        return self._force_block_m
 
-    def plan(self, num_tokens: int) -> Plan:
+    @force_block_m.setter
+    def force_block_m(self, value) -> None:
+        raise AttributeError(f"{self.name}: force_block_m is fixed at construction (state re-pinned between calls "
+                             f"is how a plan and its record drift apart); pass block_m= to plan, build, launch or run "
+                             f"instead (got {value!r})")
+
+    def resolve_block_m(self, block_m, arg: str = "block_m") -> int | None:
+        """The BLOCK_M a call runs: ``block_m``, or the instance's ``force_block_m`` when it is None. Refused before
+        anything runs, naming ``arg``, the legal values and the value given: a non-int (TypeError), a value not in
+        ``legal_block_ms()`` (ValueError; any value when the tile is fixed), or a value asked per call of a backend
+        whose hooks do not take ``block_m`` (it would run its own plan under the caller's label)."""
+        if block_m is None:
+            return self._force_block_m
+        bm = as_int(arg, block_m, who=self.name)
+        legal = tuple(self.legal_block_ms())
+        if not legal:
+            fixed = self.fixed_tile or "it has no BLOCK_M to choose"
+            raise ValueError(f"{self.name}: {arg} must be None, its tile is fixed ({fixed}): legal values (), got {bm}")
+        if bm not in legal:
+            raise ValueError(f"{self.name}: {arg} must be one of {legal} (or None), got {bm}")
+        if arg == "block_m" and self._hooks_without_block_m:
+            raise ValueError(
+                f"{self.name}: {arg}={bm} would be ignored: its {', '.join(self._hooks_without_block_m)} take no "
+                "block_m argument (a backend that chooses BLOCK_M takes it in plan(num_tokens, block_m=None), "
+                "_build_job(num_tokens, block_m=None) and launch(num_tokens, block_m=None))")
+        return bm
+
+    def plan(self, num_tokens: int, block_m: int | None = None) -> Plan:
         raise NotImplementedError
 
     def recipe_for(self, num_tokens: int, mma: str | None = None) -> Recipe:
@@ -196,13 +270,15 @@ class FusedBackend:
         (None: the recipe's own). Backends whose numerics depend on the plan override this."""
         return self.recipe if mma is None else self.recipe.with_(mma=mma)
 
-    def build_jobs(self, token_counts) -> dict:
-        """{plan key: zero-argument callable that builds it} for every plan the token counts need under the
-        current ``force_block_m`` (several counts often share one plan)."""
+    def build_jobs(self, token_counts, block_m: int | None = None) -> dict:
+        """{plan key: zero-argument callable that builds it} for every plan the token counts need at ``block_m``
+        (None: the plan's own; several counts often share one plan)."""
+        bm = self.resolve_block_m(block_m)
+        takes = "_build_job" not in self._hooks_without_block_m
         jobs: dict = {}
         for t in token_counts:
             if t > 0:
-                key, fn = self._build_job(int(t))
+                key, fn = self._build_job(int(t), bm) if takes else self._build_job(int(t))
                 jobs.setdefault((self.name, key), fn)
         return jobs
 
@@ -212,20 +288,22 @@ class FusedBackend:
         run one at a time (``megamoe.fused.build``): the kernel package, shared by its backends."""
         return None if self.parallel_builds else (self.kernel_module or self.name)
 
-    def build(self, token_counts, max_workers: int = 8) -> int:
-        """Build every plan the token counts need (``megamoe.fused.build``). Returns how many were built."""
+    def build(self, token_counts, max_workers: int = 8, block_m: int | None = None) -> int:
+        """Build every plan the token counts need at ``block_m`` (``megamoe.fused.build``). Returns how many were
+        built."""
         from .build import build_plans
 
+        self.resolve_block_m(block_m)  # the argument's error before the life cycle's
         self._need_allocated("build")
-        jobs = self.build_jobs(token_counts)
+        jobs = self.build_jobs(token_counts, block_m)
         errors = build_plans(jobs, {k: self.build_lane for k in jobs}, max_workers)
         if errors:
             raise errors[0][1]
         return len(jobs)
 
-    def _build_job(self, num_tokens: int):
-        """(hashable key of the plan, zero-argument callable that builds it)."""
-        return (num_tokens,), (lambda: None)
+    def _build_job(self, num_tokens: int, block_m: int | None = None):
+        """(hashable key of the plan, zero-argument callable that builds it) at the resolved ``block_m``."""
+        return (num_tokens, block_m), (lambda: None)
 
     # ---------------------------------------------------------------- life cycle
     def prepare(self, weights) -> None:
@@ -293,16 +371,17 @@ class FusedBackend:
         self._staged = m
         return m
 
-    def launch(self, num_tokens: int) -> torch.Tensor:
-        """Run the kernel on what ``stage`` wrote. Returns y [num_tokens, H] bf16 (a view of the
-        backend's output buffer, overwritten by the next launch)."""
+    def launch(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
+        """Run the kernel on what ``stage`` wrote, at ``block_m`` (None: the plan's own). Returns y [num_tokens, H]
+        bf16 (a view of the backend's output buffer, overwritten by the next launch)."""
         raise NotImplementedError
 
-    def run(self, inputs: MoEInputs, num_tokens: int | None = None) -> torch.Tensor:
-        """stage + launch -> y [T, H]; a NaN / Inf in y (from inputs check_inputs accepted) raises
+    def run(self, inputs: MoEInputs, num_tokens: int | None = None, block_m: int | None = None) -> torch.Tensor:
+        """stage + launch at ``block_m`` -> y [T, H]; a NaN / Inf in y (from inputs check_inputs accepted) raises
         ``validate.NonFiniteOutputError`` instead of being returned (one more host sync)."""
+        self.resolve_block_m(block_m)  # refused before staging, not after
         m = self.stage(inputs, num_tokens)
-        y = self.launch(m)[: inputs.num_tokens]
+        y = self.launch(m, block_m)[: inputs.num_tokens]
         check_output("y", y, self.name, "the kernel's FP32 accumulators overflowed (activations near the bf16 "
                      "maximum) or the kernel misbehaved; the reference says which (megamoe.reference)")
         return y

@@ -154,8 +154,10 @@ class DeepGEMMFP4(LossyScalesOptIn, FusedBackend):
 
         return shift_into_window(weights, cls.recipe)
 
+    fixed_tile = "DeepGEMM picks BLOCK_M in C++ from the token count, with no override"
+
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
-        return ()  # chosen in C++ from the token count, no override
+        return ()  # fixed_tile
 
     # ------------------------------------------------------------------ weights and buffer
     def _prepare(self, weights) -> None:

@@ -186,8 +186,10 @@ class DeepGEMMFP8(FusedBackend):
             _import, "deep_gemm", ("fp8_mega_moe", "get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90"))
         return (False, source_build_reason(cls.name)) if ok and source_build_reason(cls.name) else (ok, why)
 
+    fixed_tile = "sgl-deep-gemm 0.1.5.post1 picks BLOCK_M in C++ from the token count, with no override"
+
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
-        return ()  # chosen in C++, not forceable in 0.1.5.post1
+        return ()  # fixed_tile
 
     def _prepare(self, weights) -> None:
         from ..layouts.deepgemm_sm90 import fp8_block_weights_for_kernel, to_deepgemm_sm90_fp8
@@ -250,8 +252,8 @@ class DeepGEMMFP8(FusedBackend):
 
         return ("dg", num_tokens), warm
 
-    def build(self, token_counts, max_workers: int = 1) -> int:
-        return super().build(token_counts, max_workers=1)  # launches: one at a time
+    def build(self, token_counts, max_workers: int = 1, block_m: int | None = None) -> int:
+        return super().build(token_counts, max_workers=1, block_m=block_m)  # launches: one at a time
 
     allows_zero_tokens = True
 

@@ -7,9 +7,9 @@ Marlin order, gate/up interleave, sign braid, chunk-major 8704-byte tiles).
 Plans: FlashInfer picks a ``FusedPlan`` from the token count (``select_mxfp4_fused_plan``); each distinct
 plan is a JIT build. On the H200 (132 SMs) the reachable BLOCK_Ms are 8 and 24 (swap-AB) and 64 (no
 swap); the kernel also compiles 16 / 32 (swap-AB) and 128 (split-M) but the selector never picks them
-on this card. ``force_block_m`` replaces the selected plan's tile fields with those the selector uses
-for that BLOCK_M (swap-AB, register-source operand, pipeline depth), keeping the token-dependent
-experts-per-wave.
+on this card. A ``block_m`` asked of ``plan`` / ``build`` / ``launch`` replaces the selected plan's tile
+fields with those the selector uses for that BLOCK_M (swap-AB, register-source operand, pipeline depth),
+keeping the token-dependent experts-per-wave.
 
 Intermediates (``intermediates()``): the kernel's symmetric buffer holds the dispatched pool
 ``l1_token_buffer`` (e4m3 [P, H]), the L2 input ``l2_token_buffer`` (e4m3 [P, I]) and its scales
@@ -66,7 +66,7 @@ class FlashInferMXFP4(FusedBackend):
         from ..layouts.ranges import repair_ranges
 
         self.kernel_weights = repair_ranges(weights, self.recipe)  # canonical form of what the kernel reads
-        p = prepare_flashinfer_sm90(weights)
+        p = prepare_flashinfer_sm90(self.kernel_weights)  # repaired already: its repair and check find one analysis
         self.l1, self.l2 = p.l1.contiguous(), p.l2.contiguous()
         self.gs1, self.gs2 = p.l1_global_scales.contiguous(), p.l2_global_scales.contiguous()
 
@@ -90,10 +90,10 @@ class FlashInferMXFP4(FusedBackend):
         return fm.select_mxfp4_fused_plan(b.num_sms, self.num_ranks, g.num_experts, g.num_topk, g.hidden,
                                           g.intermediate, self.capacity, m)
 
-    def kernel_plan(self, m: int):
-        """The FusedPlan a launch of m tokens uses (the forced variant when force_block_m is set)."""
+    def kernel_plan(self, m: int, block_m: int | None = None):
+        """The FusedPlan a launch of m tokens uses: the selector's, or its variant at ``block_m``."""
         p = self._select(m)
-        bm = self.force_block_m
+        bm = block_m
         if bm is None or bm == p.block_m:
             return p
         if bm == 64:
@@ -108,18 +108,18 @@ class FlashInferMXFP4(FusedBackend):
                                        single_active_dispatch_warp=True)
         raise ValueError(f"{self.name}: cannot force BLOCK_M {bm}")
 
-    def plan(self, num_tokens: int) -> Plan:
+    def plan(self, num_tokens: int, block_m: int | None = None) -> Plan:
         self._need_allocated("plan")
-        p = self.kernel_plan(int(num_tokens))
-        return Plan(p.block_m, forced=self.force_block_m is not None, detail=dataclasses.asdict(p))
+        p = self.kernel_plan(int(num_tokens), block_m)
+        return Plan(p.block_m, forced=block_m is not None, detail=dataclasses.asdict(p))
 
     def _module(self, p):
         fm = _import()
         factory = fm.gen_megamoe_sm90_mxfp4_module
         return fm._get_jit_module(factory, *fm._jit_args(factory, p, self.buf))
 
-    def _build_job(self, num_tokens: int):
-        p = self.kernel_plan(num_tokens)
+    def _build_job(self, num_tokens: int, block_m: int | None = None):
+        p = self.kernel_plan(num_tokens, block_m)
         return p, (lambda: self._module(p))
 
     # ------------------------------------------------------------------ run
@@ -127,10 +127,11 @@ class FlashInferMXFP4(FusedBackend):
         super()._stage(inputs, m)  # stage_into the buffer's views
         self.buf.commit_staged(m)
 
-    def launch(self, num_tokens: int) -> torch.Tensor:
+    def launch(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
         fm = _import()
         m = int(num_tokens)
-        p = self.kernel_plan(m)
+        p = self.kernel_plan(m, block_m)
+        self._launched_block_m = p.block_m  # what intermediates() reports: the plan this launch ran
         fm._run_kernel(fm.gen_megamoe_sm90_mxfp4_module, "megamoe_sm90_mxfp4_fused", p, self.y, self.l1, self.l2,
                        self.buf, m, None, self.gs1, self.gs2)
         return self.y[:m]
@@ -153,11 +154,7 @@ class FlashInferMXFP4(FusedBackend):
         nk = g.intermediate // 64
         sf = self._region(self._off["l2_sf"], psf * nk * 4).view(torch.float32).view(nk, psf)
         return {"pool_x": pool_x.clone(), "l2_in": l2.clone(), "l2_in_sf_kmajor": sf.clone(), "l2_group": 128,
-                "block_m": self._last_block_m()}
-
-    def _last_block_m(self) -> int | None:
-        m = getattr(self, "_staged", None)
-        return None if not m else self.kernel_plan(m).block_m
+                "block_m": getattr(self, "_launched_block_m", None)}
 
     def destroy(self) -> None:
         buf = getattr(self, "buf", None)

@@ -25,9 +25,13 @@ each (expert, sublayer)'s E8M0 bytes into a window of 12 (``megamoe.layouts.humm
 refused, or accepted and rewritten exactly as the kernel rewrites them with ``accept_lossy_scales=True``.
 
 The tuning configuration (tile, stages, MMA) comes from ``humming.tune.get_heuristics_config``, as a list of
-row intervals; ``plan(m)`` names the configs the launch of m tokens uses for both GEMMs. ``force_block_m``
-picks, for both GEMMs, the config of their lists whose block M it is (the tiles Humming itself would run at
-another size), so the matrix can run every tile Humming can be given.
+row intervals; ``plan(m)`` names the configs the launch of m tokens uses for both GEMMs. A ``block_m`` asked of
+``plan`` / ``build`` / ``launch`` picks, for both GEMMs, the config of their lists whose block M it is (the tiles
+Humming itself would run at another size), so the matrix can run every tile Humming can be given. Two departures from vLLM's
+call, both named in the plan: where the down list's pick for m * K rows has another block M than the slots'
+alignment (vLLM would run it and read a misaligned index; ``pick_configs``), the down GEMM gets its list's config
+of the aligned block M; and ``VLLM_BATCH_INVARIANT=1`` is honoured as vLLM honours it (tuning lists without
+stream-K).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import os
 
 import torch
 
@@ -44,8 +49,57 @@ from ..recipe import HUMMING_W4A8, HUMMING_W4A16, Recipe
 from .base import FusedBackend, LossyScalesOptIn, Plan, cuda_hopper_reason
 
 REQUIRED = ("forward", "transform", "schema", "tune", "layer")
-COMPUTE_CONFIG = {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"}
+COMPUTE_CONFIG = {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"}  # vLLM's default
 W4A8_INPUT = {"dtype": "float8e4m3", "input_scale_group_size": 128}
+
+
+def batch_invariant_from_env() -> bool:
+    """vLLM's ``VLLM_BATCH_INVARIANT`` (an integer, 0 by default), read the way vLLM reads it: with it set,
+    Humming's tuning lists hold no stream-K configs and every row's K reduction runs in one CTA."""
+    return bool(int(os.environ.get("VLLM_BATCH_INVARIANT", "0")))
+
+
+def _interval_pick(lst, n: int):
+    """The config of a tuning list that holds n rows, by vLLM's rule (lo < n <= hi); None when none does."""
+    for lo, hi, c in lst:
+        if lo < n <= hi:
+            return c
+    return None
+
+
+def pick_configs(tuning13, tuning2, n: int, block_m: int | None = None, who: str = "humming"):
+    """(align block M, gate/up config, down config, re-pick note or None) for a launch of n = tokens * K slots.
+
+    vLLM (``HummingIndexedExperts``) aligns the slots to the block M of the gate/up config that holds n rows and
+    hands the down GEMM its own list, from which Humming picks by the same rule. The indexed kernel reads
+    ``sorted_ids`` / ``expert_ids`` in blocks of its own block M, so where the down list's pick has another
+    block M than the align, the down GEMM reads a misaligned index and computes wrong rows
+    (docs/kernel-numerics.md, Humming). Here the down GEMM then gets the config of its list with the align's
+    block M whose row interval lies nearest n, and the plan says so. At a ``block_m`` asked, both GEMMs take the
+    first config of their list with that block M."""
+    if block_m is not None:
+        def first(lst, which):
+            for _, _, c in lst:
+                if int(c["block_shape"][0]) == block_m:
+                    return c
+            raise ValueError(f"{who}: block_m={block_m} is in no {which} tuning config")
+        return block_m, first(tuning13, "gate/up"), first(tuning2, "down"), None
+    c13 = _interval_pick(tuning13, n)
+    c2 = _interval_pick(tuning2, n)
+    if c13 is None or c2 is None:
+        raise ValueError(f"{who}: no tuning config for {n} rows")
+    bm = int(c13["block_shape"][0])
+    if int(c2["block_shape"][0]) == bm:
+        return bm, c13, c2, None
+    same = [(lo, hi, c) for lo, hi, c in tuning2 if int(c["block_shape"][0]) == bm]
+    if not same:
+        raise ValueError(f"{who}: the down tuning list has no config of block M {bm} (the gate/up list's for {n} "
+                         f"rows), so no down config can read the aligned slots")
+    lo, hi, c2_new = min(same, key=lambda t: 0 if t[0] < n <= t[1] else min(abs(n - t[0]), abs(n - t[1])))
+    note = (f"down config re-picked: Humming's down list gives block M {int(c2['block_shape'][0])} for {n} rows, "
+            f"the slots are aligned to {bm} (the gate/up config's), so the config of block M {bm} for rows "
+            f"({lo}, {hi}] runs instead")
+    return bm, c13, c2_new, note
 
 
 def _import():
@@ -140,8 +194,11 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         self.meta13, self.w13 = self._sublayer("w13", w13.weight, w13.weight_scale, 2 * g.intermediate, g.hidden,
                                                [g.intermediate, g.intermediate])
         self.meta2, self.w2 = self._sublayer("w2", w2.weight, w2.weight_scale, g.hidden, g.intermediate, [g.hidden])
-        self.tuning13 = get_heuristics_config(self.meta13, gemm_type="indexed", device=self.device)
-        self.tuning2 = get_heuristics_config(self.meta2, gemm_type="indexed", device=self.device)
+        self.batch_invariant = batch_invariant_from_env()
+        self.compute_config = dict(COMPUTE_CONFIG, use_batch_invariant=self.batch_invariant)
+        self.tuning13, self.tuning2 = (get_heuristics_config(m, gemm_type="indexed", device=self.device,
+                                                             use_batch_invariant=self.batch_invariant)
+                                       for m in (self.meta13, self.meta2))
 
     # ------------------------------------------------------------------ plans
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
@@ -161,45 +218,39 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         if not ok:
             return None
         return _geometry_tuning(self.name, self.g.num_experts, self.g.hidden, self.g.intermediate,
-                                json.dumps(self.input_config))
+                                json.dumps(self.input_config), batch_invariant_from_env())
 
-    def set_force_block_m(self, block_m: int | None) -> None:
-        if block_m is not None and not self.legal_block_ms():
-            raise ValueError(f"{self.name}: force_block_m needs Humming's tuning list (a Hopper GPU and humming-kernels)")
-        super().set_force_block_m(block_m)
+    @property
+    def fixed_tile(self) -> str:
+        """Why no block_m can be chosen when the tuning lists are unknown (legal_block_ms() is then empty)."""
+        return "the tiles come from Humming's tuning list, which needs a Hopper GPU and humming-kernels"
 
-    def _configs(self, num_tokens: int) -> tuple[int, dict, dict]:
-        """(align block, gate/up config, down config) of a launch of num_tokens, as vLLM picks them: the
-        interval of each list that holds n = num_tokens * K rows; under force_block_m, the first config of
-        each list with that block M."""
-        n = int(num_tokens) * self.g.num_topk
+    def _configs(self, num_tokens: int, block_m: int | None = None) -> tuple[int, dict, dict]:
+        """(align block, gate/up config, down config) of a launch of num_tokens (``pick_configs``; ``block_m``
+        already checked against ``legal_block_ms``)."""
+        bm, c13, c2, _ = pick_configs(self.tuning13, self.tuning2, int(num_tokens) * self.g.num_topk, block_m,
+                                      who=self.name)
+        return bm, c13, c2
 
-        def pick(lst):
-            if self.force_block_m is not None:
-                for _, _, c in lst:
-                    if int(c["block_shape"][0]) == self.force_block_m:
-                        return c
-            for lo, hi, c in lst:
-                if lo < n <= hi:
-                    return c
-            raise ValueError(f"{self.name}: no tuning config for {n} rows")
-
-        c13, c2 = pick(self.tuning13), pick(self.tuning2)
-        return int(c13["block_shape"][0]), c13, c2
-
-    def plan(self, num_tokens: int) -> Plan:
+    def plan(self, num_tokens: int, block_m: int | None = None) -> Plan:
         if not hasattr(self, "tuning13"):
             return Plan(block_m=0, detail={"source": "humming.tune heuristics (not yet prepared)"})
-        bm, c13, c2 = self._configs(num_tokens)
+        bm, c13, c2, repicked = pick_configs(self.tuning13, self.tuning2, int(num_tokens) * self.g.num_topk,
+                                             block_m, who=self.name)
         detail = {"source": "humming.tune.get_heuristics_config", "tiles": f"gate/up {_config_summary(c13)}; "
                   f"down {_config_summary(c2)}", "gate_up_config": c13, "down_config": c2}
+        if self.batch_invariant:
+            detail["batch_invariant"] = True  # VLLM_BATCH_INVARIANT=1: no stream-K configs
+        if repicked is not None:
+            detail["down_repicked"] = repicked
         if self.decode_loss:
             detail["decode_loss"] = self.decode_loss["summary"]
-        return Plan(block_m=bm, forced=self.force_block_m is not None, detail=detail)
+        return Plan(block_m=bm, forced=block_m is not None, detail=detail)
 
-    def _tuning_arg(self, lst, cfg) -> str:
-        """The tuning list handed to humming_forward: the whole list (vLLM), or the forced config alone."""
-        if self.force_block_m is None:
+    def _tuning_arg(self, lst, cfg, n: int, block_m: int | None) -> str:
+        """The tuning list handed to humming_forward: the whole list, as vLLM hands it, when Humming's own pick
+        from it for n rows is cfg; otherwise (a ``block_m`` asked, a re-picked down config) cfg alone."""
+        if block_m is None and _interval_pick(lst, n) is cfg:
             return json.dumps(lst)
         return json.dumps([[0, 1 << 30, cfg]])
 
@@ -238,16 +289,18 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         self.topk_weights[:t].copy_(inputs.topk_weights)
         self.topk_weights[t:m].zero_()
 
-    def _build_job(self, num_tokens: int):
-        bm, c13, c2 = self._configs(num_tokens)
+    def _build_job(self, num_tokens: int, block_m: int | None = None):
+        bm, c13, c2 = self._configs(num_tokens, block_m)
 
         def warm():  # Humming JIT-compiles every config of the tuning list a GEMM is handed, at its first call
             self._stage(self._padding_inputs(), num_tokens)
             self._staged = num_tokens
-            self.launch(num_tokens)
+            self.launch(num_tokens, block_m)
             torch.cuda.synchronize()
 
-        return ("humming", bm, json.dumps([c13, c2], sort_keys=True, default=str)), warm
+        # block_m in the key too: a launch at one hands Humming that config alone, the plan's own the whole list, and
+        # each JIT-compiles what it is handed
+        return ("humming", bm, block_m, json.dumps([c13, c2], sort_keys=True, default=str)), warm
 
     # ------------------------------------------------------------------ run
     def _quant(self, meta, x: torch.Tensor, out: torch.Tensor | None):
@@ -257,8 +310,9 @@ class _Humming(LossyScalesOptIn, FusedBackend):
             return x, None
         return may_quant_input(meta, x, quanted_input=out)
 
-    def launch(self, num_tokens: int) -> torch.Tensor:
-        """The whole chain on what ``stage`` wrote -> y [num_tokens, H] bf16 (a view of the output buffer)."""
+    def launch(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
+        """The whole chain on what ``stage`` wrote, at ``block_m`` -> y [num_tokens, H] bf16 (a view of the output
+        buffer)."""
         from humming.forward import humming_forward
 
         from .humming_glue import align_block_size, combine_into, swiglu_into
@@ -272,21 +326,21 @@ class _Humming(LossyScalesOptIn, FusedBackend):
         y = self.y[:m]
         if m == 0:
             return y
-        bm, c13, c2 = self._configs(m)
+        bm, c13, c2 = self._configs(m, block_m)
         idx = self.topk_idx[:m]
         align_block_size(idx, g.num_experts, bm, sorted_ids=self.sorted_ids, expert_ids=self.expert_ids,
                          num_padded=self.num_padded, counts=self.counts, cursor=self.cursor)
         common = dict(sorted_ids=self.sorted_ids, expert_ids=self.expert_ids, num_tokens_padded=self.num_padded,
-                      locks=self.locks, valid_shape_m=n, compute_config=json.dumps(COMPUTE_CONFIG))
+                      locks=self.locks, valid_shape_m=n, compute_config=json.dumps(self.compute_config))
         xq, xs = self._quant(self.meta13, self.x[:m], None if self.x_q is None else self.x_q[:m])
         humming_forward(self.meta13, xq, self.w13["weight"], weight_scale=self.w13.get("weight_scale"),
                         weight_scale_2=self.w13.get("weight_scale_2"), outputs=self.gate_up[:n], input_scale=xs,
-                        top_k=k, tuning_config=self._tuning_arg(self.tuning13, c13), **common)
+                        top_k=k, tuning_config=self._tuning_arg(self.tuning13, c13, n, block_m), **common)
         swiglu_into(self.gate_up[:n], self.act[:n], float(g.clamp))
         aq, as_ = self._quant(self.meta2, self.act[:n], None if self.act_q is None else self.act_q[:n])
         humming_forward(self.meta2, aq, self.w2["weight"], weight_scale=self.w2.get("weight_scale"),
                         weight_scale_2=self.w2.get("weight_scale_2"), outputs=self.down[:n], input_scale=as_,
-                        top_k=1, tuning_config=self._tuning_arg(self.tuning2, c2), **common)
+                        top_k=1, tuning_config=self._tuning_arg(self.tuning2, c2, n, block_m), **common)
         combine_into(self.down[:n].view(m, k, g.hidden), self.topk_weights[:m], idx, y)
         return y
 
@@ -332,7 +386,7 @@ def _layer_config(shape_n: int, shape_k: int, weight_schema, input_schema, num_e
 
 
 @functools.lru_cache(maxsize=None)
-def _geometry_tuning(name: str, e: int, h: int, i: int, input_config: str):
+def _geometry_tuning(name: str, e: int, h: int, i: int, input_config: str, batch_invariant: bool = False):
     """The tuning lists of a geometry from its layer configs alone (no weights), cached per geometry."""
     from humming.schema import HummingInputSchema, Mxfp4WeightSchema
     from humming.tune import get_heuristics_config
@@ -344,7 +398,7 @@ def _geometry_tuning(name: str, e: int, h: int, i: int, input_config: str):
     out = []
     for n, k in ((2 * i, h), (h, i)):
         config = _layer_config(n, k, ws, in_schema, e, dev)
-        out.append(get_heuristics_config(config, gemm_type="indexed", device=dev))
+        out.append(get_heuristics_config(config, gemm_type="indexed", device=dev, use_batch_invariant=batch_invariant))
     return tuple(out)
 
 

@@ -81,12 +81,13 @@ class MegaMoEDecode(FusedBackend):
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
         return (1, 2, 4)  # tokens per program pass (the kernel has no BLOCK_M tile of its own)
 
-    def launch_config(self, num_tokens: int):
-        return default_launch_config(num_tokens, self.force_block_m)
+    def launch_config(self, num_tokens: int, block_m: int | None = None):
+        """The LaunchConfig of a launch of num_tokens at ``block_m`` (None: ``default_block_m``)."""
+        return default_launch_config(num_tokens, self.resolve_block_m(block_m))
 
-    def plan(self, num_tokens: int) -> Plan:
-        cfg = self.launch_config(int(num_tokens))
-        return Plan(cfg.block_m, forced=self.force_block_m is not None,
+    def plan(self, num_tokens: int, block_m: int | None = None) -> Plan:
+        cfg = self.launch_config(int(num_tokens), block_m)
+        return Plan(cfg.block_m, forced=block_m is not None,
                     detail={"source": "tokens per program pass", "l1_warps": cfg.l1_warps, "l2_warps": cfg.l2_warps,
                             "l1_prefetch": cfg.l1_prefetch, "l2_prefetch": cfg.l2_prefetch})
 
@@ -106,20 +107,20 @@ class MegaMoEDecode(FusedBackend):
                              "(docs/decode-kernel.md says what EP > 1 needs)")
         self.buf = DecodeBuffers.allocate(self.g, self.capacity, self.device, split_tokens=self.split_tokens)
 
-    def _build_job(self, num_tokens: int):
+    def _build_job(self, num_tokens: int, block_m: int | None = None):
         """Triton compiles per specialization (constexprs, and whether int arguments such as T and W are 1 or
         multiples of 16): launch once on padding for every token count, so that a capture compiles nothing."""
-        cfg = self.launch_config(num_tokens)
+        cfg = self.launch_config(num_tokens, block_m)
 
         def warm() -> None:
             self._stage(self._padding_inputs(), num_tokens)
-            self.launch(num_tokens)
+            self.launch(num_tokens, block_m)
             torch.cuda.synchronize()
 
         return ("decode", num_tokens, cfg), warm
 
-    def build(self, token_counts, max_workers: int = 8) -> int:
-        return super().build(token_counts, max_workers=1)  # launches share the buffers: one at a time
+    def build(self, token_counts, max_workers: int = 8, block_m: int | None = None) -> int:
+        return super().build(token_counts, max_workers=1, block_m=block_m)  # launches share the buffers: one at a time
 
     # ------------------------------------------------------------------ run
     def _stage(self, inputs: MoEInputs, m: int) -> None:
@@ -129,20 +130,20 @@ class MegaMoEDecode(FusedBackend):
         stage_into(inputs.x, inputs.topk_idx, inputs.topk_weights, b.x_q, b.x_sf, b.topk_idx, b.topk_weights, m,
                    num_experts=self.g.num_experts, check=False)  # check_inputs ran in stage()
 
-    def launch(self, num_tokens: int) -> torch.Tensor:
-        """The launches on what ``stage`` wrote (num_tokens checked by the base class's wrapper, then by
-        ``moe_decode.check_launch``: no more than were staged; no host sync)."""
+    def launch(self, num_tokens: int, block_m: int | None = None) -> torch.Tensor:
+        """The launches on what ``stage`` wrote (num_tokens and block_m checked by the base class's wrapper, then
+        by ``moe_decode.check_launch``: no more than were staged; no host sync)."""
         from ..decode import moe_decode
 
         m = int(num_tokens)
-        return moe_decode(self.dw, self.buf, m, self.g.clamp, self.launch_config(m))
+        return moe_decode(self.dw, self.buf, m, self.g.clamp, self.launch_config(m, block_m))
 
-    def run(self, inputs: MoEInputs, num_tokens: int | None = None) -> torch.Tensor:
+    def run(self, inputs: MoEInputs, num_tokens: int | None = None, block_m: int | None = None) -> torch.Tensor:
         """``FusedBackend.run``; a non-finite y whose cause is a scale byte of the prepared weights (written in place
         after prepare: prepare refuses every such byte) names that byte (tensor, expert, row, group) instead of
         blaming the activations. The search runs on this error path only."""
         try:
-            return super().run(inputs, num_tokens)
+            return super().run(inputs, num_tokens, block_m)
         except NonFiniteOutputError as exc:
             experts = sorted(set(inputs.topk_idx[inputs.topk_idx >= 0].tolist()))
             cause = self.dw.bad_scale(experts)
@@ -179,16 +180,19 @@ class MegaMoEDecodeTC(MegaMoEDecode):
     def _device_reasons(cls, major: int, minor: int) -> list[str]:
         return [] if major == 9 else [f"needs SM90 (wgmma FP8), got compute capability {major}.{minor}"]
 
-    def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
-        return (16,)  # tokens per MMA pass (the N of the tensor-core tile)
+    fixed_tile = "16 tokens per MMA pass, the N of its tensor-core tile"
 
-    def launch_config(self, num_tokens: int):
+    def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
+        return ()  # fixed_tile: nothing to choose, so a BLOCK_M asked is refused rather than accepted and dropped
+
+    def launch_config(self, num_tokens: int, block_m: int | None = None):
         from ..decode.tc import tc_launch_config
 
+        self.resolve_block_m(block_m)  # refuses any block_m: the tile is fixed, never a choice silently dropped
         return tc_launch_config(num_tokens, self.g.num_topk)
 
     def plan(self, num_tokens: int) -> Plan:
-        return Plan(16, forced=False, detail={"source": "tokens per MMA pass (N)", "warps": 4})
+        return Plan(16, forced=False, detail={"source": f"fixed: {self.fixed_tile}", "warps": 4})
 
     def _prepare(self, weights) -> None:
         from ..decode.layout import fold_global_scales

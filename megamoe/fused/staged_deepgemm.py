@@ -316,8 +316,10 @@ class StagedDeepGEMM(FusedBackend):
             ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"))
         return (False, source_build_reason(cls.name)) if ok and source_build_reason(cls.name) else (ok, why)
 
+    fixed_tile = "the contiguous layout's M alignment, deep_gemm.get_mk_alignment_for_contiguous_layout()"
+
     def legal_block_ms(self, num_tokens: int | None = None) -> tuple[int, ...]:
-        return ()
+        return ()  # fixed_tile
 
     def _deep_gemm(self):
         import deep_gemm as dg

@@ -15,6 +15,14 @@ scale byte and multiplies the expert's global scale by 2**-s, so decode(codes, b
 is the same float as before, bit for bit. L1's gate and up share one global scale, so one shift.
 A shift exists iff the expert's nonzero-group bytes span at most the window; else ValueError.
 Recipes without global scales can only fold existing power-of-two global scales into the bytes.
+
+The per-expert analysis runs once per (weights, recipe) along a backend's path: ``synthetic_weights``, its
+``prepare``, and the converter inside it each ask about the same weights, and once they are in the window the
+later asks are answered by one min / max over the scale bytes (``scale_bytes_within``: if every byte is in the
+window, no nonzero group can be out). That test reads the bytes on every call, as the cheap checks do
+(``megamoe.validate``), so no write made since can hide; what it cannot clear goes to the full analysis, whose
+refusals are unchanged. ``repair_ranges`` hands back its input when nothing would move, so the next ask finds
+weights already in the window.
 """
 
 from __future__ import annotations
@@ -150,12 +158,23 @@ def _tensor_range(e: int, name: str, packed: torch.Tensor, scale: torch.Tensor, 
     )
 
 
+def _readable(weights, recipe: Recipe) -> None:
+    """What every range question asks first: MXFP4Weights, no byte 0xFF (NaN: no window holds it), global scales
+    finite and positive."""
+    if not isinstance(weights, MXFP4Weights):
+        raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
+    check_mxfp4_values(weights, f"scale ranges for {recipe.name}")
+
+
 def analyze_ranges(weights: MXFP4Weights, recipe) -> RangeReport:
     """Count, per expert and tensor, the nonzero scale groups outside ``recipe``'s legal bytes."""
     recipe = get_recipe(recipe)
-    if not isinstance(weights, MXFP4Weights):
-        raise TypeError(f"weights must be MXFP4Weights, got {type(weights).__name__}")
-    check_mxfp4_values(weights, f"scale ranges for {recipe.name}")  # 0xFF is NaN: no window holds it
+    _readable(weights, recipe)
+    return _analyze(weights, recipe)
+
+
+def _analyze(weights: MXFP4Weights, recipe: Recipe) -> RangeReport:
+    """``analyze_ranges`` on weights ``_readable`` has passed: every expert's two tensors, one by one."""
     lo, hi = _window(recipe)
     entries = []
     for e in range(weights.num_experts):
@@ -198,6 +217,17 @@ def _explain(weights: MXFP4Weights, t: TensorRange, recipe: Recipe) -> str:
                     "kernel has no per-expert global scale to absorb them, so no exact repair exists")
 
 
+def scale_bytes_within(weights: MXFP4Weights, lo: int, hi: int) -> bool:
+    """Whether every scale byte, of all-zero groups too, lies in lo..hi: then no nonzero group is out of the window
+    and the per-expert analysis has nothing to find. One min / max over the scale bytes (1/16 of the weights)."""
+    for scale in (weights.l1_scale, weights.l2_scale):
+        if scale.numel():
+            b = torch.aminmax(scale)
+            if int(b.min) < lo or int(b.max) > hi:
+                return False
+    return True
+
+
 def check_ranges(weights: MXFP4Weights, recipe) -> None:
     """Raise ValueError if any nonzero group's byte is out of ``recipe``'s window (or any byte is 0xFF),
     naming the expert, the tensor (l1 / l2), the offending bytes and how many weights would decode
@@ -207,7 +237,10 @@ def check_ranges(weights: MXFP4Weights, recipe) -> None:
         from .humming import check_humming_window
 
         check_humming_window(weights, who=recipe.name, span=recipe.max_scale_span)
-    report = analyze_ranges(weights, recipe)
+    _readable(weights, recipe)
+    if scale_bytes_within(weights, *_window(recipe)):
+        return  # in the window already (a repaired or shifted copy, asked again): nothing the analysis could refuse
+    report = _analyze(weights, recipe)
     bad = report.bad()
     if not bad:
         return
@@ -276,7 +309,10 @@ def repair_ranges(weights: MXFP4Weights, recipe) -> MXFP4Weights:
         check_ranges(weights, recipe)
         return weights
     lo, hi = _window(recipe)
-    report = analyze_ranges(weights, recipe)
+    _readable(weights, recipe)
+    if _already_repaired(weights, lo, hi):
+        return weights  # what the rebuild below would give, bit for bit, without scanning every expert again
+    report = _analyze(weights, recipe)
     refused = [t for t in report.entries if t.shift is None]
     if refused:
         raise ValueError(f"cannot rebase {len(refused)} expert tensor(s) for {recipe.name}; first: "
@@ -290,6 +326,16 @@ def repair_ranges(weights: MXFP4Weights, recipe) -> MXFP4Weights:
         gs = getattr(weights, f"{name}_global_scale")
         new[f"{name}_global_scale"] = _rebased_global_scale(name, ones if gs is None else gs, shifts)
     return replace(weights, **new)
+
+
+def _already_repaired(weights: MXFP4Weights, lo: int, hi: int) -> bool:
+    """Whether ``repair_ranges`` would rebuild these weights unchanged: every byte in the window (no shift; the
+    all-zero groups it clamps already in), global scales present (it would add ones) and normal floats (it refuses
+    a subnormal or zero one, shift or not: ``_rebased_global_scale``)."""
+    for gs in (weights.l1_global_scale, weights.l2_global_scale):
+        if gs is None or not bool((gs.abs() >= torch.finfo(torch.float32).tiny).all()):
+            return False
+    return scale_bytes_within(weights, lo, hi)
 
 
 def _rebased_global_scale(name: str, gs: torch.Tensor, shifts: list[int]) -> torch.Tensor:
