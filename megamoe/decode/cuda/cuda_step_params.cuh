@@ -42,7 +42,7 @@ struct Items {  // the step's valid slots in slot order (T = 1: one row each); i
 
 // The CTA's tiles in the order it takes them (gate/up and down tiles numbered item-major, as in the Triton launches):
 // in gate/up round r its gate/up tile blockIdx.x + r G, then those of its down tiles blockIdx.x + m G whose item's
-// gate/up tiles all lie in rounds <= r - lag; the rest after the last round. An down tile waits only for its own item's
+// gate/up tiles all lie in rounds <= r - lag; the rest after the last round. A down tile waits only for its own item's
 // gate/up tiles (a count per item in Params::sync), so early items' down overlaps the later gate/up rounds and no CTA
 // waits on the whole grid but for the last items. No deadlock: the gate/up tiles of round r come before any wait a CTA
 // makes in round r, and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the
