@@ -32,7 +32,7 @@
 #include <vector>
 
 // The step's own PTX wrappers (mbarriers, bulk copies) and stage shape: kStageBytes, kCodeBytes, kTraceSlots.
-#include "../../megamoe/decode/cuda/cuda_step_ops.cuh"
+#include "probe_kernel/cuda_step_ops.cuh"
 #include "../common/bench_common.cuh"  // flushed_mean_us, ldg_read
 
 constexpr int kDepth = 20, kH = 4096, kI = 2048, kExperts = 256;

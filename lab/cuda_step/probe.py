@@ -103,7 +103,10 @@ def main() -> int:
         if lag != probe_step.LAG:
             run(f"cuda_lag{lag}", lambda: probe(lag=lag))
     M = probe_step.MODES  # the variants --modes times and --timelines / --traces record
-    variants = {"cuda": {}, "bare": {"mode": M["bare"]}, "bare_noscales": {"mode": M["bare"] | M["no-scales"]},
+    # "studied": the lab's instance 0, the step as its studies measured it (with the probe hooks), beside "cuda", the
+    # library's step without them
+    variants = {"cuda": {}, "studied": {}, "bare": {"mode": M["bare"]},
+                "bare_noscales": {"mode": M["bare"] | M["no-scales"]},
                 "prefetch": {"mode": M["prefetch"]}, "noload": {"mode": M["no-load"]}, "touch": {"mode": M["touch"]},
                 "touch_bare": {"mode": M["touch"] | M["bare"]}, "empty": {"mode": M["empty"]},
                 "plain": {"mode": M["plain"]}, "empty_plain": {"mode": M["empty"] | M["plain"]},

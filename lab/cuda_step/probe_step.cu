@@ -1,6 +1,6 @@
-// The 1-token CUDA step's probe instances: the library's kernel (megamoe/decode/cuda/cuda_step_kernel.cuh) compiled
-// once per probe mode with the lab's hooks (probes.cuh), and the C entry points lab/cuda_step/step.py calls through
-// ctypes. Instance 0 is the step itself, so that a probe run times it from the same library.
+// The 1-token CUDA step's probe instances: the step's kernel with its probe hooks (probe_kernel/, the library's at
+// 1a7f0ec) compiled once per probe mode with the lab's hooks (probes.cuh), and the C entry points
+// lab/cuda_step/step.py calls through ctypes. Instance 0 is the step itself as the studies measured it.
 
 #include "probes.cuh"
 

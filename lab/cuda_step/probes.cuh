@@ -1,6 +1,6 @@
 // The 1-token CUDA step's probe modes: what each flag of Params::mode asks, their building blocks, and the
-// ProbeHooks policy that hands those to the probe instances of the library's kernel (probe_step.cu compiles them over
-// megamoe/decode/cuda/cuda_step_kernel.cuh; the library compiles the step alone, kProbe 0, with the empty policy).
+// ProbeHooks policy that hands those to the probe instances of the step's kernel (probe_step.cu compiles them over the
+// lab's copy, probe_kernel/cuda_step_kernel.cuh; the library's step has none of these hooks).
 //
 // The flags. Bare: stream every block, skip the decode and the MMAs (y is wrong); no scales (bare only): leave out
 // the scale words' copies; prefetch: ask the L2 cache for the CTA's down-GEMM weights once its last gate/up block is
@@ -25,7 +25,7 @@
 // (probe_step.cu's kInstances lists the combinations).
 #pragma once
 
-#include "../../megamoe/decode/cuda/cuda_step_kernel.cuh"
+#include "probe_kernel/cuda_step_kernel.cuh"
 
 namespace {
 namespace probe {

@@ -1,11 +1,13 @@
-"""Is the library's CUDA step the kernel the lab measures? Compile the library's source (megamoe/decode/cuda/
-cuda_step.cu) and the lab's probe build (probe_step.cu) for sm_90a with the library's flags, and compare the SASS of
-the step's instance (step1_kernel<0>) in each, instruction by instruction and encoding by encoding; with ``--rev``,
-also the step as a git revision compiled it (its own .cu, whatever its files were called then).
+"""Which step does the lab measure? The lab's probe build (probe_step.cu, over its copy of the kernel in
+probe_kernel/) compiles the step as instance 0 (step1_kernel<0>); it must be the step as the library compiled it at
+``STUDIED`` (the last revision whose headers carried the probe hooks; git export), instruction by instruction and
+encoding by encoding. The library's step now (megamoe/decode/cuda/cuda_step.cu) is that code without the probe modes'
+reads, and is reported beside it; ``--rev`` compares with another revision's step instead.
 
-    python3 lab/cuda_step/sass_same.py [--rev f81e963]     (nvcc and cuobjdump; no GPU) -> exit 1 if any differs
+    python3 lab/cuda_step/sass_same.py [--rev f81e963]     (nvcc, cuobjdump and git; no GPU) -> exit 1 if they differ
 
-The function's name is left out of the comparison (it holds the source file's name).
+All for sm_90a with the library's flags. The function's name is left out of the comparison (it holds the source
+file's name).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from megamoe.decode import cuda_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = "step1_kernelILi0EE"  # the mangled name's part that says: the instance of kProbe 0
+LIBRARY_STEP = "step1_kernelENS_6ParamsE"  # the library's step (no template since the probe hooks left it)
+STUDIED = "1a7f0ec"  # the library's step the lab's studies measured (the probe modes' reads in it)
 FLAGS = tuple(f for f in cuda_step.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC", "-shared"))  # a cubin of them
 
 
@@ -77,26 +81,22 @@ def revision_source(rev: str, dest: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rev", help="also compare with the step as this git revision compiled it")
+    ap.add_argument("--rev", default=STUDIED, help=f"the revision whose step the lab's instance 0 must be ({STUDIED})")
     args = ap.parse_args(argv)
     if cuda_step.nvcc() is None or cuobjdump() is None:
         print("needs nvcc and cuobjdump (CUDA_HOME/bin, PATH or Triton's)", file=sys.stderr)
         return 2
+    count = lambda sass: len(re.findall(r"/[*][0-9a-f]{4,}[*]/", sass))  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        library = step_sass(cuda_step.SOURCE, work)
-        others = {"lab/cuda_step/probe_step.cu": step_sass(Path(__file__).with_name("probe_step.cu"), work)}
-        if args.rev:
-            (work / "rev").mkdir()
-            others[f"revision {args.rev}"] = step_sass(revision_source(args.rev, work / "rev"), work / "rev")
-    count = len(re.findall(r"/\*[0-9a-f]{4,}\*/", library))
-    same = True
-    for name, sass in others.items():
-        verdict = "the same" if sass == library else "DIFFERENT"
-        same &= sass == library
-        print(f"{name}: {verdict} ({len(re.findall(r'/[*][0-9a-f]{4,}[*]/', sass))} instructions; the library's "
-              f"{count})")
-    return 0 if same else 1
+        lab = step_sass(Path(__file__).with_name("probe_step.cu"), work)
+        (work / "rev").mkdir()
+        rev = step_sass(revision_source(args.rev, work / "rev"), work / "rev")
+        library = step_sass(cuda_step.SOURCE, work, LIBRARY_STEP)
+    print(f"lab/cuda_step/probe_step.cu's step: {'the same as' if lab == rev else 'DIFFERENT from'} revision "
+          f"{args.rev}'s ({count(lab)} instructions; the revision's {count(rev)})")
+    print(f"the library's step now: {count(library)} instructions (without the probe modes' reads)")
+    return 0 if lab == rev else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""The 1-token CUDA step with its probe modes: the library's kernel (megamoe/decode/cuda_step.py) compiled once per
-probe mode over its own header, with the lab's hooks (probe_step.cu, probes.cuh), and launched with every knob the
-studies turn.
+"""The 1-token CUDA step with its probe modes: the step's kernel as the library had it at 1a7f0ec, with the probe
+hooks the library's step no longer carries (probe_kernel/), compiled once per probe mode with the lab's hooks
+(probe_step.cu, probes.cuh), and launched with every knob the studies turn.
 
     step(tw, buf, clamp, *, sync=None, stages=None, stamps=None, mode=0, inflight=None, lag=None, trace=None)
 
-``mode`` 0 is the step itself (instance 0 of this library: the same code as the library's, byte for byte in SASS),
-so a probe run times the step and its variants from one build. The LL modes keep words past the step's counts: give
+``mode`` 0 is the step itself as the studies measured it (instance 0 of this library: 1a7f0ec's library step, byte for
+byte in SASS; the library's step now is the same code without the probe modes' reads: sass_same.py), so a probe run
+times the step and its variants from one build. The LL modes keep words past the step's counts: give
 them ``sync_buffer``'s tensor (``buf.step_sync`` holds the counts only).
 """
 
@@ -30,7 +31,7 @@ STAMP_POINTS = ("set up", "last L1 block asked for", "last block asked for", "L1
 TRACE_SLOTS = 160  # step(trace=...): per CTA, when each stage was issued and when each block was found landed
 INFLIGHT = 0  # stages the load warp keeps on their way at most (0: no bound but the ring's free stages)
 LAG = cuda_step.LAG  # the step's: gate/up rounds a down tile waits after its item's last gate/up round
-# step(mode=...): megamoe/decode/cuda/cuda_step_params.cuh's kMode* (probes.cuh says what each asks)
+# step(mode=...): probe_kernel/cuda_step_params.cuh's kMode* (probes.cuh says what each asks)
 MODES = {"bare": 1, "no-scales": 2, "prefetch": 4, "no-load": 8, "touch": 16, "empty": 32, "plain": 64, "ahead": 128,
          "no-wait": 256, "relaxed": 512, "regs": 1024, "regs-l1": 2048, "ll": 4096, "ll-combine": 8192}
 RUNTIME_FLAGS = ("bare", "no-scales", "prefetch", "no-load", "plain")  # read at run time by any kernel instance
@@ -69,8 +70,8 @@ def sync_buffer(tw, device) -> torch.Tensor:
 
 def build(out_dir: str | os.PathLike | None = None) -> Path:
     """Compile probe_step.cu (every instance) as the library builds its step (``cuda_step.build``: its flags, cached
-    by the hash of the sources, the library's headers and probes.cuh)."""
-    parts = {*cuda_step.SOURCE.parent.glob("cuda_step*.cuh"), *SOURCE.parent.glob("*.cuh")}
+    by the hash of the sources: probes.cuh and the kernel's copy in probe_kernel/)."""
+    parts = {*SOURCE.parent.glob("*.cuh"), *SOURCE.parent.glob("probe_kernel/*.cuh")}
     return build_shared(SOURCE.stem, SOURCE, parts, cuda_step.NVCC_FLAGS, out_dir, what="the CUDA step's probe "
                         "instances", exe=cuda_step.nvcc())
 

@@ -1,7 +1,7 @@
 """The lab's build of the 1-token CUDA step (step.py, probe_step.cu, probes.cuh): on a CPU, the probe modes it refuses
 before anything is built, the LL modes' sync buffer, that its source builds with nvcc into the instances step.py
-names, the host checks of two probe building blocks (probes_check.cu), and (slow) that the library's step and the
-lab's instance 0 compile to the same SASS; on an SM90 GPU, the library's step and the probe modes meant to keep y's
+names, the host checks of two probe building blocks (probes_check.cu), and (slow) that the lab's instance 0 compiles
+to the SASS of the step its studies measured (sass_same.STUDIED); on an SM90 GPU, the library's step and the probe modes meant to keep y's
 bits, bit for bit against the Triton launches and the reference (selfcheck.py)."""
 
 from __future__ import annotations
@@ -81,19 +81,27 @@ def test_the_probe_building_blocks_on_the_host(tmp_path):
 
 @pytest.mark.slow
 @needs_nvcc
-def test_the_library_and_the_lab_compile_the_same_step():
-    """The library's cuda_step.cu and the lab's probe_step.cu compile the step's instance to the same SASS, byte for
-    byte (what the lab measures is what users run); another instance differs (the comparison can tell)."""
+def test_the_labs_step_is_the_step_its_studies_measured():
+    """The lab's probe_step.cu compiles its instance 0 to the SASS of the library's step at sass_same.STUDIED, byte for
+    byte (its copy of the kernel is that step with the probe hooks); another instance differs (the comparison can
+    tell), and so does the library's step now, which has none of the probe modes' reads."""
     from lab.cuda_step import sass_same
 
     if sass_same.cuobjdump() is None:
         pytest.skip("no cuobjdump")
+    root = Path(step.__file__).resolve().parents[2]
+    known = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{sass_same.STUDIED}^{{commit}}"],
+                           capture_output=True)
+    if known.returncode:
+        pytest.skip(f"revision {sass_same.STUDIED} is not in this clone")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        library = sass_same.step_sass(cuda_step.SOURCE, work)
+        (work / "rev").mkdir()
+        studied = sass_same.step_sass(sass_same.revision_source(sass_same.STUDIED, work / "rev"), work / "rev")
         lab_source = Path(step.__file__).with_name("probe_step.cu")
-        assert sass_same.step_sass(lab_source, work) == library
-        assert sass_same.step_sass(lab_source, work, "step1_kernelILi16EE") != library  # probe mode touch
+        assert sass_same.step_sass(lab_source, work) == studied
+        assert sass_same.step_sass(lab_source, work, "step1_kernelILi16EE") != studied  # probe mode touch
+        assert sass_same.step_sass(cuda_step.SOURCE, work, sass_same.LIBRARY_STEP) != studied
 
 
 @pytest.mark.gpu

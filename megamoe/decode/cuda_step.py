@@ -9,10 +9,10 @@ step pays three ramps and tails around them (docs/decode-kernel-tc.md, "Where th
 one CTA per SM and streams the CTA's gate/up and then down blocks through a ring of shared-memory stages
 (``cp.async.bulk`` with mbarriers, which Triton does not expose), so the down GEMM's weights load while the gate/up
 GEMM finishes; each down tile waits only for its own expert's gate/up tiles, and two signal warps keep those
-cross-CTA waits off the computing warpgroups. It is level with the Triton launches on the H200 and slower on the
-H100, and no variant tried was 3% faster (docs/decode-kernel-tc.md, "The 1-token CUDA step": a recorded negative
-result), so the Triton launches stay the backend's 1-token path and this step is opt-in:
-``LaunchConfig.tc_cuda_step1`` turns it on. Its probe modes are the lab's (lab/cuda_step/).
+cross-CTA waits off the computing warpgroups. It is not faster than the Triton launches (docs/decode-kernel-tc.md,
+"The 1-token CUDA step": a recorded negative result), so the Triton launches are the backend's 1-token path and this
+step is opt-in: ``LaunchConfig.tc_cuda_step1`` turns it on. The kernel is the step alone, without probe code; the
+probe modes, and the step with the hooks they use, are the lab's (lab/cuda_step/).
 
 The kernel is built from its source with nvcc on first use (``build``; cached by the source's hash under
 ``$MEGAMOE_CACHE`` or ``~/.cache/megamoe``) and called through ctypes. ``unsupported`` says why a step cannot
@@ -33,8 +33,8 @@ from ..nvcc import build_shared, find_nvcc
 
 LAG = 2  # gate/up rounds a down tile waits after its item's last gate/up round (cuda_step_params.cuh's Schedule)
 MAX_TOPK = 8  # cuda/cuda_step_ops.cuh's kMaxTopK
-# The launch's tensors, in the order of the kernel's Params (cuda/cuda_step_kernel.cuh's kTensors): the weights'
-# (TCWeights), then the buffers' (DecodeBuffers).
+# The launch's tensors, in the order of the kernel's Params (cuda/cuda_step_params.cuh; cuda/cuda_step.cu's launch
+# takes their 20 pointers so): the weights' (TCWeights), then the buffers' (DecodeBuffers).
 WEIGHT_TENSORS = ("l1_codes", "l1_scales", "l2_codes", "l2_scales")
 BUFFER_TENSORS = ("x_q", "x_sf", "topk_idx", "topk_weights", "num_touched", "touched", "seg_start", "seg_count",
                   "row_token", "row_weight", "slot_row", "l2_q", "l2_sf", "slot_out", "y", "step_sync")

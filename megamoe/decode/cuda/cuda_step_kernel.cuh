@@ -1,7 +1,7 @@
 // The 1-token decode step's kernel: one persistent launch (recipe megamoe-decode-tc, the same bits as the three
-// Triton launches of megamoe/decode/triton_tc.py). cuda_step.cu compiles the step (kProbe 0) and launches it; Python
-// side: megamoe/decode/cuda_step.py (build, checks, launch). The lab compiles its probe instances over this header
-// (lab/cuda_step/probes.cuh, the ProbeHooks policy; its JOURNAL.md has where the time goes, run by run).
+// Triton launches of megamoe/decode/triton_tc.py). cuda_step.cu compiles the step and launches it; Python side:
+// megamoe/decode/cuda_step.py (build, checks, launch). The lab's probe modes run on its own copy of this kernel, which
+// has hooks this one does not (lab/cuda_step/probe_kernel/; its JOURNAL.md has where the time goes, run by run).
 // Building blocks: cuda_step_ops.cuh (PTX, numerics, the ring, a stage's sums); cuda_step_params.cuh (parameters,
 // routing, the order of a CTA's tiles, the gate/up epilogue, the combine). Names: l1_* / tpe1 / nb1 are the gate/up
 // GEMM's (its weights, tiles per expert, K blocks), l2_* / tpe2 / nb2 the down GEMM's; L1 and L2 alone are caches.
@@ -41,23 +41,7 @@
 
 namespace {
 
-// The probe modes' hooks, a policy per instance: the lab's probe instances (kProbe != 0) get theirs from
-// lab/cuda_step/probes.cuh, which specializes this template; the step (kProbe 0) calls none of them, since every call
-// sits in a branch that only a probe flag compiles, and this empty policy is all it sees.
-template <int kProbe, bool kIsProbe = (kProbe != 0)>
-struct ProbeHooks {
-  struct RegStream {};  // (probe modes regs and regs L1: the computing warpgroups' own loads)
-};
-
-// kProbe: 0 (the step), or a probe mode's bits (Params::mode), each compiled only into its own instance so that the
-// step's own code is the same with or without them.
-template <int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
-  using Hooks = ProbeHooks<kProbe>;
-  if constexpr (kProbe == kModeEmpty) {  // what a launch of this shape costs with nothing to do
-    if (threadIdx.x == 0) stamp(p, 6);
-    return;
-  }
   extern __shared__ __align__(1024) uint8_t smem[];
   const int H = p.H, I = p.I;
   const int nb1 = H / 128, nb2 = I / 128;  // K blocks of a gate/up / down tile
@@ -81,48 +65,29 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   uint32_t* gate_up_done = p.sync + tpe2;       // per item: its gate/up tiles whose outputs are stored (all CTAs)
 
   const int tid = threadIdx.x;
-  constexpr bool kLL = kProbe & kModeLL, kLLCombine = kProbe & kModeLLCombine, kAnyLL = kLL || kLLCombine;
-  constexpr int kSignalThreads = kLL ? 96 : 64;  // the warps past the load warp that wait at the end (barrier 3)
   if (tid == 0) {
-    stamp(p, 6);  // entered
-    uint64_t launches = 0;
-    if constexpr (kAnyLL) launches = Hooks::launch_count(p);  // before this CTA adds its share, at its end
     route_items(p, it);  // its loads go out first
-    if constexpr (kAnyLL) flag[1] = int(Hooks::launch_flag(launches));
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], 1);   // the load warp's expect_tx
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the warpgroup
     }
-    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], kLL ? 3 : 1);  // an arrival per input warp
+    for (int i = 0; i < kMaxTopK; ++i) mbar_init(&input_ready[i], 1);  // the input warp's arrival
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     epilogues = 0;
   }
   __syncthreads();  // the barriers and the routing: the load warp starts
 
   const Schedule sched{it.n * tpe1, it.n * tpe2, tpe1, tpe2, p.lag};
-  if (tid == 0) stamp(p, 0);  // set up
   if (tid >= kComputeThreads) {  // ---- the last warpgroup: loads and signals ----
     regs_dec<kOtherRegs>();  // the warpgroup as a whole, before its warps part
-    if constexpr (kLL) {
-      if (tid >= kComputeThreads + 32) {  // ---- three input warps: each item's row from its LL words ----
-        Hooks::ll_input_warp(p, sched, (tid - kComputeThreads) / 32 - 1, tid % 32, uint32_t(flag[1]), hs, hrow, sf2,
-                      input_ready);
-        named_sync(3, kComputeThreads + kSignalThreads);
-        return;
-      }
-    }
-    if (tid >= kComputeThreads + 96) {  // the idle warp; in probe mode touch it asks for the CTA's pages first
-      if constexpr (kProbe == kModeTouch) Hooks::touch_tiles(p, sched, it.expert, tid % 32);
-      return;
-    }
+    if (tid >= kComputeThreads + 96) return;  // the idle warp
     // Two signal warps keep the cross-CTA waits off the computing warpgroups' path; the release (which waits for
     // the stores it publishes) and the input reads (a round trip each) would each stall a warpgroup for microseconds
     // while the weights stream.
     if (tid >= kComputeThreads + 64) {  // ---- the input warp: each item's down input row, once it is complete ----
       const int lane = tid % 32;
       for_each_down_item(sched, [&](int item) {
-        if constexpr (!(kProbe & kModeNoWait))
-          if (lane == 0) wait_count(gate_up_done + item, uint32_t(tpe1));
+        if (lane == 0) wait_count(gate_up_done + item, uint32_t(tpe1));
         __syncwarp();
         const size_t src = size_t(it.row[item]);
         for (int c = lane; c < I / 16; c += 32)
@@ -130,10 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         for (int c = lane; c < I / 32; c += 32) sf2[item * (I / 32) + c] = __ldcg(p.l2_sf + src * (I / 32) + c);
         fence_async_smem();  // for the warpgroups' MMAs, which read the codes through the async proxy
         __syncwarp();
-        if (lane == 0) {
-          mbar_arrive(&input_ready[item]);
-          stamp(p, 4);  // the last down-GEMM input in (the last one's stamp stays)
-        }
+        if (lane == 0) mbar_arrive(&input_ready[item]);
       });
       named_sync(3, kComputeThreads + 64);  // every wait of this CTA's done, for the counts' reset
       return;
@@ -144,10 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         sched.for_each(
             [&](int tile, bool) {
               wait_count_cta(&epilogues, ++gate_up_tiles);  // warpgroup 0's epilogue stored the tile's outputs
-              if constexpr (kProbe == kModeRelaxed)
-                Hooks::add_relaxed(gate_up_done + tile / tpe1, 1);
-              else
-                add_release(gate_up_done + tile / tpe1, 1);
+              add_release(gate_up_done + tile / tpe1, 1);
             },
             [](int) {});
       }
@@ -161,31 +120,15 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
         if (lane == 1 && blockIdx.x == 0) write_route(p, it);
         return;
       }
-      if constexpr (kProbe & kModeRegs) return;  // the computing warpgroups load their own stages
       Cursor cur{0, 1};  // a fresh barrier passes a wait on parity 1: the first round finds every stage free
-      Cursor lag{0, 0};  // the stage issued `inflight` stages ago, whose landing the next issue waits for
-      int traced = 0;
-      uint32_t issued = 0;
       auto issue = [&](const uint8_t* codes, const uint8_t* scales) {
         const int s = cur.stage;
         uint8_t* dst = ring.data + size_t(s) * kStageBytes;
         mbar_wait(&ring.empty[s], cur.phase);
-        if (p.inflight && issued >= uint32_t(p.inflight)) {  // at most `inflight` stages still on their way
-          mbar_wait(&ring.full[lag.stage], lag.phase);
-          lag.advance(1, ring.stages);
-        }
-        ++issued;
-        if (p.mode & kModeNoLoad) {
-          mbar_arrive(&ring.full[s]);
-          cur.advance(1, ring.stages);
-          return;
-        }
-        const bool scales_too = !(p.mode & kModeNoScales);
-        mbar_expect_tx(&ring.full[s], scales_too ? kStageBytes : kCodeBytes);
+        mbar_expect_tx(&ring.full[s], kStageBytes);
         bulk_load(dst, codes, kCodeBytes, &ring.full[s]);
-        if (scales_too) bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
+        bulk_load(dst + kCodeBytes, scales, kStageBytes - kCodeBytes, &ring.full[s]);
         cur.advance(1, ring.stages);
-        trace(p.trace, 0, traced);
       };
       // A tile (tile index `tile`, tpe per expert, nb K blocks): kBlocks blocks of each quarter in turn
       auto issue_tile = [&](int tile, int tpe, int nb, const uint8_t* codes, const uint8_t* scales) {
@@ -196,30 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
             issue(codes + blk * 4096, scales + blk * 256);
           }
       };
-      // Probe mode prefetch: once its last gate/up block is asked for, the CTA's down weights not yet asked for are
-      // asked of the L2 cache, so that DRAM streams them while the ring waits for down-GEMM inputs. It delays the last
-      // gate/up tiles more than it saves (run 36), so the step leaves it off.
-      int next_down = blockIdx.x;
-      sched.for_each(
-          [&](int tile, bool last) {
-            if constexpr (kProbe == kModeAhead)
-              Hooks::prefetch_tile_l2(p, sched, it.expert, last ? next_down : tile + gridDim.x, !last);
-            if constexpr (!(kProbe & kModeRegsL1)) issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales);
-            if (!last) return;
-            stamp(p, 1);  // the last gate/up block asked for
-            if (!(p.mode & kModePrefetch)) return;
-            for (int k = next_down; k < sched.n2; k += gridDim.x) {
-              const size_t base = weight_tile(it.expert, k, tpe2);
-              bulk_prefetch_l2(p.l2_codes + base * nb2 * 4096, nb2 * 4096);
-              bulk_prefetch_l2(p.l2_scales + base * nb2 * 256, nb2 * 256);
-            }
-          },
-          [&](int tile) {
-            if constexpr (kProbe == kModeAhead) Hooks::prefetch_tile_l2(p, sched, it.expert, tile + gridDim.x, false);
-            issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales);
-            next_down = tile + gridDim.x;
-          });
-      stamp(p, 2);  // the last block asked for
+      sched.for_each([&](int tile, bool) { issue_tile(tile, tpe1, nb1, p.l1_codes, p.l1_scales); },
+                     [&](int tile) { issue_tile(tile, tpe2, nb2, p.l2_codes, p.l2_scales); });
       return;
     }
   }
@@ -238,34 +159,20 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
   const int wg = tid / 128, t = tid % 128;
   const int r0 = 16 * (t / 32) + (t % 32) / 4;
   const bool col0 = (t % 4) == 0;  // lanes holding column 0 (the token)
-  const bool bare = p.mode & kModeBare;
   Cursor cur{wg, 0};  // this warpgroup's stages are the CTA's list's wg, wg + kParts, ...
-  int traced = 0;
-  typename Hooks::RegStream regs{};  // probe modes regs, regs L1: this warpgroup's stages into registers, one ahead
-  if constexpr (kProbe & (kModeRegs | kModeRegsL1)) regs.start(p, sched, it.expert, wg, t, kProbe & kModeRegsL1);
-  auto regs_sums = [&](auto& stream, uint64_t desc, float(&dg)[kBlocks][4][2]) {  // the sums of the stage read ahead
-    const StageRegs s = stream.ahead;
-    stream.next(p, sched, it.expert, wg, t);
-    stage_sums_of(s, desc, dg, bare, [] {});
-  };
   int tiles_done = 0;
   uint32_t gate_up_tiles = 0;  // this CTA's gate/up epilogues done (warpgroup 0)
   int mine = 0;                // this CTA's down tiles
   uint32_t inputs = 0;         // items whose down-GEMM input row this warpgroup has seen arrive
 
-  auto gate_up_tile = [&](int tile, bool last) {
+  auto gate_up_tile = [&](int tile, bool) {
     const int item = tile / tpe1, ct = tile % tpe1;
     float* tb = terms + (tiles_done++ & 1) * kMaxTerms * 64;
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb1 / kParts; b += kBlocks) {
       const int kb = wg * (nb1 / kParts) + b;
       float dg[kBlocks][4][2];
-      if constexpr (kProbe & (kModeRegs | kModeRegsL1)) {
-        regs_sums(regs, b_desc(xs + kb * 128), dg);
-      } else {
-        const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
-        stage_sums(ring, cur, t, stage, b_desc(xs + kb * 128), dg, bare);
-      }
+      stage_sums(ring, cur, t, b_desc(xs + kb * 128), dg);
 #pragma unroll
       for (int j = 0; j < kBlocks; ++j) {
         const float blk0 = __fadd_rn(__fadd_rn(__fadd_rn(dg[j][0][0], dg[j][1][0]), dg[j][2][0]), dg[j][3][0]);
@@ -292,16 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     }
     named_sync(2, 128);
     if (t < 32) {
-      if constexpr (kLL) {
-        Hooks::l1_epilogue_ll(p, ep, it, item, ct, t, uint32_t(flag[1]));
-      } else {
-        float sf;
-        gate_up_epilogue(p, ep, it, item, ct, t, sf);
-      }
+      gate_up_epilogue(p, ep, it, item, ct, t);
       __syncwarp();  // the warp's stores, then the release warp raises the item's count for every CTA
       if (t == 0) store_release_cta(&epilogues, ++gate_up_tiles);
     }
-    if (last && t == 0) stamp(p, 3);  // this CTA's gate/up done
   };
 
   auto down_tile = [&](int tile) {
@@ -317,12 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
     float acc0 = 0.f, acc1 = 0.f;
     for (int b = 0; b < nb2 / kParts; b += kBlocks) {
       float dg[kBlocks][4][2];
-      if constexpr (kProbe & kModeRegs) {
-        regs_sums(regs, b_desc(hw + b * 128), dg);
-      } else {
-        const uint8_t* stage = stage_wait(ring, cur, t, p.trace, 1 + wg, traced);
-        stage_sums(ring, cur, t, stage, b_desc(hw + b * 128), dg, bare);
-      }
+      stage_sums(ring, cur, t, b_desc(hw + b * 128), dg);
 #pragma unroll
       for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
@@ -349,92 +245,22 @@ __global__ void __launch_bounds__(kThreads, 1) step1_kernel(const Params p) {
       const int row = it.row[item];
       p.slot_out[size_t(row) * H + 64 * ot + r0] = bf16_bits(acc0);
       p.slot_out[size_t(row) * H + 64 * ot + r0 + 8] = bf16_bits(acc1);
-      if constexpr (kLLCombine)
-        Hooks::ll_combine(p, it, item, ot, r0, bf16_bits(acc0), bf16_bits(acc1), uint32_t(flag[1]));
     }
   };
 
   sched.for_each(gate_up_tile, down_tile);
 
-  if constexpr (!kLLCombine)
-    if (wg == 0) combine_tiles(p, it, mine, flag, t);
+  if (wg == 0) combine_tiles(p, it, mine, flag, t);
   // The per-item counts back to zero for the next launch, by the last CTA to finish: every CTA has passed all its
   // waits by then.
-  named_sync(3, kComputeThreads + kSignalThreads);  // with the signal warps
+  named_sync(3, kComputeThreads + 64);  // with the signal warps
   if (tid == 0) {
     uint32_t* finished = gate_up_done + kMaxTopK;
     if (atomic_add_acq_rel(finished, 1u) == gridDim.x - 1) {
       for (int i = 0; i < kMaxTopK; ++i) gate_up_done[i] = 0;
       *finished = 0;
     }
-    stamp(p, 5);  // this CTA done
-    if constexpr (kAnyLL) Hooks::launch_done(p);
   }
-}
-
-}  // namespace
-
-// ---- host side: what cuda_step.cu and the lab's probe builds share ----------------------------------------------
-
-namespace {
-
-using Kernel = void (*)(Params);
-constexpr int kTensors = 20;  // the pointers of Params, l1_codes .. sync, in its order
-
-// Shared memory the kernel needs besides its ring, for the geometry (bytes): the layout at the kernel's start.
-int fixed_smem_bytes(int H, int I) {
-  const int bytes =
-      (H + kPad) + kMaxTopK * (I + kPad) + 4 * (2 * kMaxTerms * 64 + 64 + H / 128 + kMaxTopK * I / 32 + 4);
-  return (bytes + 7) / 8 * 8 + 8 * kMaxTopK + int(sizeof(Items)) + 4;  // + input_ready, the routing, a count
-}
-
-// An instance's dynamic shared memory limit and a check of its register count, once before its first launch (and
-// outside a CUDA graph capture). 0, a CUDA error code, or -(registers per thread) when setmaxnreg cannot work.
-int prepare_instance(Kernel kernel, int smem_bytes, bool setmaxnreg = true) {
-  const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (set != cudaSuccess) return int(set);
-  if (!setmaxnreg) return 0;
-  // setmaxnreg only moves registers within the CTA's allocation: the computing warpgroups' increase must fit in what
-  // the last warpgroup gives back, or their setmaxnreg.inc would wait forever. -registers per thread if not.
-  cudaFuncAttributes attr;
-  const cudaError_t got = cudaFuncGetAttributes(&attr, kernel);
-  if (got != cudaSuccess) return int(got);
-  if (kComputeThreads * (kComputeRegs - attr.numRegs) > 128 * (attr.numRegs - kOtherRegs)) return -attr.numRegs;
-  return 0;
-}
-
-// The step's parameters: `tensors` the kTensors pointers of Params in its order; the probe fields off (mode 0, no
-// stamps or trace, no bound on the stages in flight), for the lab to set.
-Params step_params(const void* const* tensors, float clamp, int H, int I, int K, int expert_lo, int num_local,
-                   int stages, int lag) {
-  auto in = [&](int i) { return static_cast<const uint8_t*>(tensors[i]); };
-  auto out = [&](int i) { return const_cast<void*>(tensors[i]); };
-  return Params{in(0), in(1), in(2), in(3), in(4), reinterpret_cast<const float*>(in(5)),
-                reinterpret_cast<const int64_t*>(in(6)), reinterpret_cast<const float*>(in(7)),
-                static_cast<int32_t*>(out(8)), static_cast<int32_t*>(out(9)), static_cast<int32_t*>(out(10)),
-                static_cast<int32_t*>(out(11)), static_cast<int32_t*>(out(12)), static_cast<float*>(out(13)),
-                static_cast<int32_t*>(out(14)), static_cast<uint8_t*>(out(15)), static_cast<float*>(out(16)),
-                static_cast<uint16_t*>(out(17)), static_cast<uint16_t*>(out(18)), static_cast<uint32_t*>(out(19)),
-                nullptr, nullptr, clamp, H, I, K, expert_lo, num_local, stages,
-                /*mode=*/0, /*inflight=*/0, lag};
-}
-
-// Launch `kernel` on `stream`, cooperative (every CTA resident at once) unless told otherwise; 0 or the CUDA error.
-int launch_instance(Kernel kernel, const Params& p, int grid, int smem_bytes, int device, void* stream,
-                    bool cooperative = true) {
-  const cudaError_t err = cudaSetDevice(device);  // this library's runtime keeps its own current device
-  if (err != cudaSuccess) return int(err);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem_bytes;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = cooperative ? 1 : 0;
-  return int(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 }  // namespace

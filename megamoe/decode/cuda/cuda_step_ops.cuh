@@ -21,7 +21,6 @@ constexpr int kComputeRegs = 112, kOtherRegs = 32;  // registers per thread afte
 constexpr int kMaxTerms = 48;  // terms of a tile's last three quarters: gate/up 3 H/512 blocks, down 3 I/128 groups
 constexpr int kMaxTopK = 8;
 constexpr int kPad = 160;                       // B reads up to 143 bytes past a k32 step's start
-constexpr int kTraceSlots = 160;                // probes: stages traced per row (Params::trace)
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------------
 
@@ -60,11 +59,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
           smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
-}
-
-// Ask the L2 cache for `bytes` (a multiple of 16) at src: the bytes stream from DRAM with nothing waiting on them.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 template <int kRegs>
@@ -155,23 +149,6 @@ struct Cursor {  // a stage of the ring and the parity of its current round
   }
 };
 
-__device__ __forceinline__ void trace(int64_t* tr, int row, int& n) {
-  if (tr != nullptr) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    tr[(blockIdx.x * (1 + kParts) + row) * kTraceSlots + min(n, kTraceSlots - 1)] = int64_t(t);
-  }
-  ++n;
-}
-
-// Wait for this warpgroup's next stage (``cur``) -> its bytes.
-__device__ __forceinline__ const uint8_t* stage_wait(const Ring& ring, const Cursor& cur, int tid, int64_t* tr, int row,
-                                                     int& n) {
-  mbar_wait(&ring.full[cur.stage], cur.phase);
-  if (tid == 0) trace(tr, row, n);
-  return ring.data + size_t(cur.stage) * kStageBytes;
-}
-
 // The warpgroup is done with its stage: one arrival per warp frees it; on to its next (stages go round the parts).
 __device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int tid) {
   __syncwarp();
@@ -179,64 +156,40 @@ __device__ __forceinline__ void stage_release(const Ring& ring, Cursor& cur, int
   cur.advance(kParts, ring.stages);
 }
 
-// What one thread of a warpgroup reads of a stage: its 8 bytes of each of the kBlocks x 4 group blocks (v, the
-// A operand's codes in fragment order) and the scale words of its rows r0 = 16 warp + lane / 4 and r0 + 8 in each
-// block (w).
-struct StageRegs {
+// Wait for this warpgroup's next stage, then the tensor-core sums of its kBlocks blocks, each group's already times
+// its factor (exact), for rows r0 = 16 warp + lane / 4 and r0 + 8: dg[j][g][0] (block j, group g, row r0),
+// dg[j][g][1] (row r0 + 8). Valid in lanes with lane % 4 == 0 (column 0). desc: the B descriptor of the stage's first
+// k32 step (the next steps' codes follow 32 bytes apart, one descriptor unit of 16 bytes is 2). Each thread reads its
+// 8 bytes of each of the kBlocks x 4 group blocks (v, the A operand's codes in fragment order) and the scale words of
+// its two rows in each block (w); the stage is freed as soon as they are decoded, before the MMAs (the weights are the
+// MMAs' A operand in registers, and B lies outside the ring). All kBlocks x 4 MMAs go out together and are waited for
+// once.
+__device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int tid, uint64_t desc,
+                                           float dg[kBlocks][4][2]) {
+  mbar_wait(&ring.full[cur.stage], cur.phase);
+  const uint8_t* stage = ring.data + size_t(cur.stage) * kStageBytes;
+  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
   uint2 v[kBlocks][4];
   uint32_t w[kBlocks][2];
-};
-
-// ... from a stage's codes (kBlocks x 4,096 bytes) and scale words (kBlocks x 256 bytes): in a ring slot (kGlobal
-// false: codes = the slot, scales = the slot + kCodeBytes), or straight from the weights (the lab's probe mode regs,
-// no ring: streaming loads that leave no line in the L1 cache)
-template <bool kGlobal>
-__device__ __forceinline__ void stage_read(const uint8_t* codes, const uint8_t* scales, int tid, StageRegs& s) {
-  const int r0 = 16 * (tid / 32) + (tid % 32) / 4;
 #pragma unroll
   for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      const uint2* v = reinterpret_cast<const uint2*>(codes + j * 4096 + g * 1024 + 8 * tid);
-      s.v[j][g] = kGlobal ? __ldcs(v) : *v;
-    }
-    const uint8_t* words = scales + j * 256;
-    const uint32_t* w0 = reinterpret_cast<const uint32_t*>(words + 4 * r0);
-    const uint32_t* w1 = reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
-    s.w[j][0] = kGlobal ? __ldcs(w0) : *w0;
-    s.w[j][1] = kGlobal ? __ldcs(w1) : *w1;
-  }
-}
-
-// The tensor-core sums of a stage's kBlocks blocks (its bytes in s), each group's already times its factor (exact),
-// for rows r0 and r0 + 8: dg[j][g][0] (block j, group g, row r0), dg[j][g][1] (row r0 + 8). Valid in lanes with
-// lane % 4 == 0 (column 0). desc: the B descriptor of the stage's first k32 step (the next steps' codes follow 32
-// bytes apart, one descriptor unit of 16 bytes is 2). `consumed` runs as soon as the stage's bytes are decoded,
-// before the MMAs (the ring frees the stage there): the weights are the MMAs' A operand in registers, and B lies
-// outside the ring. All kBlocks x 4 MMAs go out together and are waited for once.
-template <class Consumed>
-__device__ __forceinline__ void stage_sums_of(const StageRegs& s, uint64_t desc, float dg[kBlocks][4][2], bool bare,
-                                              Consumed consumed) {
-  if (bare) {
-    consumed();
-#pragma unroll
-    for (int j = 0; j < kBlocks; ++j)
-#pragma unroll
-      for (int g = 0; g < 4; ++g)
-        dg[j][g][0] = dg[j][g][1] = __uint_as_float(s.v[j][g].x ^ s.v[j][g].y ^ s.w[j][0] ^ s.w[j][1]) * 0.f;
-    return;
+    for (int g = 0; g < 4; ++g) v[j][g] = *reinterpret_cast<const uint2*>(stage + j * 4096 + g * 1024 + 8 * tid);
+    const uint8_t* words = stage + kCodeBytes + j * 256;
+    w[j][0] = *reinterpret_cast<const uint32_t*>(words + 4 * r0);
+    w[j][1] = *reinterpret_cast<const uint32_t*>(words + 4 * (r0 + 8));
   }
   uint32_t a[kBlocks * 4][4];
 #pragma unroll
   for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      a[4 * j + g][0] = decode_lo(s.v[j][g].x);  // row r0, K 4 lq .. 4 lq + 3
-      a[4 * j + g][1] = decode_hi(s.v[j][g].x);  // row r0 + 8
-      a[4 * j + g][2] = decode_lo(s.v[j][g].y);  // row r0, K 16 + 4 lq ..
-      a[4 * j + g][3] = decode_hi(s.v[j][g].y);
+      a[4 * j + g][0] = decode_lo(v[j][g].x);  // row r0, K 4 lq .. 4 lq + 3
+      a[4 * j + g][1] = decode_hi(v[j][g].x);  // row r0 + 8
+      a[4 * j + g][2] = decode_lo(v[j][g].y);  // row r0, K 16 + 4 lq ..
+      a[4 * j + g][3] = decode_hi(v[j][g].y);
     }
-  consumed();  // the decode has consumed every byte the stage held for this thread
+  stage_release(ring, cur, tid);  // the decode has consumed every byte the stage held for this thread
   float d[kBlocks * 4][4];
 #pragma unroll
   for (int m = 0; m < kBlocks * 4; ++m) {  // every operand ready before the fence: no MMA waits on a late decode
@@ -256,17 +209,9 @@ __device__ __forceinline__ void stage_sums_of(const StageRegs& s, uint64_t desc,
   for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      dg[j][g][0] = __fmul_rn(d[4 * j + g][0], factor(s.w[j][0], g));
-      dg[j][g][1] = __fmul_rn(d[4 * j + g][2], factor(s.w[j][1], g));
+      dg[j][g][0] = __fmul_rn(d[4 * j + g][0], factor(w[j][0], g));
+      dg[j][g][1] = __fmul_rn(d[4 * j + g][2], factor(w[j][1], g));
     }
-}
-
-// The same sums of the ring's stage `stage`, freed once decoded.
-__device__ __forceinline__ void stage_sums(const Ring& ring, Cursor& cur, int tid, const uint8_t* stage, uint64_t desc,
-                                           float dg[kBlocks][4][2], bool bare) {
-  StageRegs s;
-  stage_read<false>(stage, stage + kCodeBytes, tid, s);
-  stage_sums_of(s, desc, dg, bare, [&] { stage_release(ring, cur, tid); });
 }
 
 // A count another CTA raises (release) reaches `target`: one thread polls it relaxed, then one acquire fence (an

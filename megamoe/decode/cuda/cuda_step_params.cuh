@@ -26,22 +26,10 @@ struct Params {
   uint16_t* slot_out;  // bf16 bits [S, H]
   uint16_t* y;         // bf16 bits [H]
   uint32_t* sync;      // [H/64 + kMaxTopK + 1]: combine counts per 64 columns, gate/up tiles done per item, CTAs done
-  int64_t* stamps;     // [gridDim.x, 8] or null: when each CTA reached points 0..6 (%globaltimer, ns)
-  int64_t* trace;      // [gridDim.x, 1 + kParts, kTraceSlots] or null: when the load warp issued each stage (row
-                       // 0) and when warpgroup w found each of its stages landed (row 1 + w)
   float clamp;
   int H, I, K, expert_lo, num_local, stages;
-  int mode;            // kMode* flags (0: the step itself)
-  int inflight;        // stages the load warp keeps on their way at most (0: as many as the ring has free)
   int lag;             // gate/up rounds a down tile waits after its item's last gate/up round (Schedule)
 };
-
-// Probe flags (Params::mode): 0 is the step itself, which is all the library launches. The lab's probe instances
-// (lab/cuda_step/probes.cuh says what each flag asks) set the others; the step's code reads the runtime ones (bare,
-// no scales, prefetch, no load; plain is the launch's) and compiles the rest only into the lab's instances.
-constexpr int kModeBare = 1, kModeNoScales = 2, kModePrefetch = 4, kModeNoLoad = 8, kModeTouch = 16, kModeEmpty = 32,
-              kModePlain = 64, kModeAhead = 128, kModeNoWait = 256, kModeRelaxed = 512, kModeRegs = 1024,
-              kModeRegsL1 = 2048, kModeLL = 4096, kModeLLCombine = 8192;
 
 struct Items {  // the step's valid slots in slot order (T = 1: one row each); in shared memory
   int n;
@@ -54,7 +42,7 @@ struct Items {  // the step's valid slots in slot order (T = 1: one row each); i
 
 // The CTA's tiles in the order it takes them (gate/up and down tiles numbered item-major, as in the Triton launches):
 // in gate/up round r its gate/up tile blockIdx.x + r G, then those of its down tiles blockIdx.x + m G whose item's
-// gate/up tiles all lie in rounds <= r - lag; the rest after the last round. An down tile waits only for its own item's
+// gate/up tiles all lie in rounds <= r - lag; the rest after the last round. A down tile waits only for its own item's
 // gate/up tiles (a count per item in Params::sync), so early items' down overlaps the later gate/up rounds and no CTA
 // waits on the whole grid but for the last items. No deadlock: the gate/up tiles of round r come before any wait a CTA
 // makes in round r, and those waits are for tiles of rounds <= r (tests/cuda/schedule_check.cu runs this code on the
@@ -137,8 +125,8 @@ __device__ void route_items(const Params& p, Items& it) {
 
 // SwiGLU, routing weight and the FP8 requant of channels 32 ct .. 32 ct + 31 of item `item` (one warp, lane t;
 // gate = ep[t], up = ep[32 + t]) -> l2_q, l2_sf: triton_tc._gate_up_epilogue, operation for operation.
-__device__ __forceinline__ uint32_t gate_up_epilogue(const Params& p, const float* ep, const Items& it, int item,
-                                                     int ct, int t, float& sf_out) {  // -> lane t's code, the scale
+__device__ __forceinline__ void gate_up_epilogue(const Params& p, const float* ep, const Items& it, int item, int ct,
+                                                 int t) {
   const float g = fminf(ep[t], p.clamp);
   const float uu = fminf(fmaxf(ep[32 + t], -p.clamp), p.clamp);
   const float e = static_cast<float>(exp(-static_cast<double>(g)));
@@ -150,11 +138,8 @@ __device__ __forceinline__ uint32_t gate_up_epilogue(const Params& p, const floa
   const float sf = __fmul_rn(fmaxf(amax, __uint_as_float(0x2EDBE6FFu)), __uint_as_float(0x3B124925u));
   const float qv = fminf(fmaxf(__fmul_rn(vw, __fdiv_rn(1.f, sf)), -448.f), 448.f);
   const int row = it.row[item];
-  const uint8_t code = e4m3_rtne_bits(qv);
-  p.l2_q[size_t(row) * p.I + 32 * ct + t] = code;
+  p.l2_q[size_t(row) * p.I + 32 * ct + t] = e4m3_rtne_bits(qv);
   if (t == 0) p.l2_sf[size_t(row) * (p.I / 32) + ct] = sf;
-  sf_out = sf;
-  return code;
 }
 
 // The combine of each of this CTA's `mine` 64-column down tiles (blockIdx.x + i gridDim.x), by the CTA that writes the
@@ -181,15 +166,6 @@ __device__ __forceinline__ void combine_tiles(const Params& p, const Items& it, 
       if (r >= 0) acc = __fadd_rn(acc, __uint_as_float(uint32_t(__ldcg(p.slot_out + size_t(r) * p.H + col)) << 16));
     }
     p.y[col] = bf16_bits(acc);
-  }
-}
-
-// Probes: when this CTA reached a point (Params::stamps, %globaltimer ns).
-__device__ __forceinline__ void stamp(const Params& p, int point) {
-  if (p.stamps != nullptr) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    p.stamps[blockIdx.x * 8 + point] = int64_t(t);
   }
 }
 
