@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megamoe.fused.registry import BACKENDS, BUILTIN, register_backend
 from megamoe.geometry import get_geometry
 from megamoe.testing import weights_for_recipe
 from megamoe.weights import random_mxfp4_weights
@@ -110,6 +111,22 @@ def small():
 def weights_for():
     """cached_weights as a fixture: weights_for(preset, seed=0, num_experts=None, recipe=None) -> (g, weights)."""
     return cached_weights
+
+
+@pytest.fixture
+def registered():
+    """Register classes for one test; every one is removed afterwards, whatever happened."""
+    names = []
+
+    def add(cls, **kw):
+        register_backend(cls, **kw)
+        names.append(cls.name)
+        return cls
+
+    yield add
+    for n in names:
+        BACKENDS.pop(n, None)
+    assert set(BACKENDS) == BUILTIN
 
 
 @pytest.fixture

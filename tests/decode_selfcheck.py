@@ -402,19 +402,31 @@ def interpreter_rows(script: Path, timeout: float = INTERPRETER_TIMEOUT_S, args:
     return {r["case"]: r for r in json.loads(lines[-1])}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def selfcheck_main(argv, doc: str, order_case, order_configs, case_rows, case_passed) -> int:
+    """The command line of a decode self-check (this one and ``decode_tc_selfcheck.py``): ``--device`` (cpu) and
+    ``--order``, the order patterns alone (``order_case(device, *config)`` per config, judged by ``passed_order``),
+    else the self-check's ``case_rows(device)`` (judged by ``case_passed``). Prints the rows as one JSON line;
+    exit 0 when every row passed, else 1."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--order", action="store_true", help="only the order patterns (run_order_case), seconds")
     args = ap.parse_args(argv)
     if args.order:
-        rows = [run_order_case(args.device, *c) for c in ORDER_CONFIGS]
-        print(json.dumps(rows))
-        return 0 if all(passed_order(r) for r in rows) else 1
-    # The interpreter runs programs one after another, so a repeat checks little there: once is enough.
-    rows = [run_case(c, args.device, repeat=i == 0) for i, c in enumerate(CPU_CASES)]
+        rows, ok = [order_case(args.device, *c) for c in order_configs], passed_order
+    else:
+        rows, ok = case_rows(args.device), case_passed
     print(json.dumps(rows))
-    return 0 if all(passed(r) for r in rows) else 1
+    return 0 if all(ok(r) for r in rows) else 1
+
+
+def case_rows(device) -> list[dict]:
+    """The self-check's rows: every case; only the first repeats (the interpreter runs programs one after another,
+    so a repeat checks little there: once is enough)."""
+    return [run_case(c, device, repeat=i == 0) for i, c in enumerate(CPU_CASES)]
+
+
+def main(argv=None) -> int:
+    return selfcheck_main(argv, __doc__, run_order_case, ORDER_CONFIGS, case_rows, passed)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,14 @@ A support module of the tests (``test_decode_tc.py``) and of the lab's decode pr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import time
 
 import torch
 
 from decode_selfcheck import (ORDER_A as A, ORDER_GEOMETRY, ORDER_SF, STAGE_FIELDS, DecodeCase, case_weights,
                               copy_staged, geometry_of, order_buffers, order_by_hand, order_l2_inputs, order_weights,
-                              passed_order, written)
+                              passed_order, selfcheck_main, written)
 from megamoe.decode import routing, tc
 from megamoe.decode.layout_tc import prepare_tc_weights
 from megamoe.decode.gemv import LaunchConfig
@@ -209,21 +207,17 @@ def run_order_case(device="cpu", pack: bool = True, split: int = 1) -> dict:
     return row
 
 
+def case_rows(device) -> list[dict]:
+    """The self-check's rows: every case unpacked and packed, L1's K split in 2 and 4, and L1's routing either way."""
+    rows = [run_tc_case(c, device, pack) for c in CPU_CASES for pack in (False, True)]
+    rows += [run_tc_case(c, device, True, split) for c in SPLIT_CASES for split in (2, 4)]
+    rows += [run_tc_case(c, device, True, route=flipped_route(c)) for c in ROUTE_CASES]
+    rows += [run_tc_case(c, device, True, 2, route=flipped_route(c)) for c in SPLIT_CASES]
+    return rows
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--order", action="store_true", help="only the order patterns (run_order_case), seconds")
-    args = ap.parse_args(argv)
-    if args.order:
-        rows = [run_order_case(args.device, pack, split) for pack, split in ORDER_CONFIGS]
-        print(json.dumps(rows))
-        return 0 if all(passed_order(r) for r in rows) else 1
-    rows = [run_tc_case(c, args.device, pack) for c in CPU_CASES for pack in (False, True)]
-    rows += [run_tc_case(c, args.device, True, split) for c in SPLIT_CASES for split in (2, 4)]
-    rows += [run_tc_case(c, args.device, True, route=flipped_route(c)) for c in ROUTE_CASES]
-    rows += [run_tc_case(c, args.device, True, 2, route=flipped_route(c)) for c in SPLIT_CASES]
-    print(json.dumps(rows))
-    return 0 if all(passed_tc(r) for r in rows) else 1
+    return selfcheck_main(argv, __doc__, run_order_case, ORDER_CONFIGS, case_rows, passed_tc)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ import torch
 
 from megamoe.bench.backends import FusedBench
 from megamoe.check.matrix import Case, run_matrix
-from megamoe.fused.base import FusedBackend, Plan
-from megamoe.fused.external import OneRank
-from megamoe.fused.registry import BACKENDS, BUILTIN, register_backend, unregister_backend
+from megamoe.fused.base import Plan
+from megamoe.fused.registry import BACKENDS, BUILTIN
 from megamoe.geometry import get_geometry
 from megamoe.inputs import make_inputs
-from megamoe.recipe import get_recipe
 from megamoe.reference import moe_forward
+
+from toy_backend import ToyBackend
 
 TINY = get_geometry("tiny")
 CAPACITY = 8
@@ -142,47 +142,26 @@ def test_flashinfer_launches_the_plan_of_the_block_m_it_is_given(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ a subclass's hooks
-class _Toy(FusedBackend):
-    """A CPU backend whose 'kernel' is the reference; legal BLOCK_Ms 8 and 16; records what each hook was handed."""
+class _Toy(ToyBackend):
+    """The CPU toy (its kernel the reference; legal BLOCK_Ms 8 and 16), recording what each hook was handed."""
 
     name = "toy-block-m"
-    recipe = get_recipe("flashinfer-mxfp4")
 
     def __init__(self, geometry, **kw):
-        super().__init__(geometry, group=OneRank(), **{k: v for k, v in kw.items() if k != "group"})
+        super().__init__(geometry, **kw)
         self.seen = []
-
-    @classmethod
-    def availability(cls):
-        return True, ""
-
-    @property
-    def device(self):
-        return torch.device("cpu")
-
-    def legal_block_ms(self, num_tokens=None):
-        return (8, 16)
 
     def plan(self, num_tokens, block_m=None):
         self.seen.append(("plan", block_m))
-        return Plan(block_m=block_m or 8, forced=block_m is not None)
+        return super().plan(num_tokens, block_m)
 
     def _build_job(self, num_tokens, block_m=None):
         self.seen.append(("build", block_m))
         return (block_m,), (lambda: None)
 
-    def _prepare(self, weights):
-        self.kernel_weights = weights
-
-    def _allocate(self):
-        pass
-
-    def _stage(self, inputs, m):
-        self.staged = inputs
-
     def launch(self, num_tokens, block_m=None):
         self.seen.append(("launch", block_m))
-        return moe_forward(self.staged, self.kernel_weights, self.recipe, self.g)
+        return super().launch(num_tokens, block_m)
 
 
 class _DeafToy(_Toy):
@@ -199,20 +178,6 @@ class _DeafToy(_Toy):
     def launch(self, num_tokens):
         self.seen.append(("launch", self.force_block_m))
         return moe_forward(self.staged, self.kernel_weights, self.recipe, self.g)
-
-
-@pytest.fixture
-def registered():
-    names = []
-
-    def add(cls):
-        register_backend(cls, replace=True)
-        names.append(cls.name)
-        return cls
-
-    yield add
-    for n in names:
-        unregister_backend(n)
 
 
 def test_the_matrix_hands_each_case_its_block_m(registered):

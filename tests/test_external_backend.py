@@ -12,11 +12,13 @@ import torch
 
 from megamoe import get_geometry
 from megamoe.fused.base import FusedBackend, Plan
-from megamoe.fused.external import OneRank, backend_from_callable
+from megamoe.fused.external import backend_from_callable
 from megamoe.check.matrix import Case, run_matrix
-from megamoe.fused.registry import BACKENDS, BUILTIN, get_backend_class, register_backend, unregister_backend
+from megamoe.fused.registry import BACKENDS, get_backend_class, register_backend, unregister_backend
 from megamoe.reference import moe_forward
 from megamoe.inputs import MoEInputs
+
+from toy_backend import ToyBackend
 
 RECIPE = "flashinfer-mxfp4"
 CASES = [Case("tiny", 7, seed=1), Case("tiny", 40, routing="masked", seed=2),
@@ -37,22 +39,6 @@ def drops_last_slot(inputs: MoEInputs, weights) -> torch.Tensor:
 
 def scaled_output(inputs: MoEInputs, weights) -> torch.Tensor:
     return (reference_kernel(inputs, weights).float() * 1.01).to(torch.bfloat16)
-
-
-@pytest.fixture
-def registered():
-    """Register classes for one test; every one is removed afterwards, whatever happened."""
-    names = []
-
-    def add(cls, **kw):
-        register_backend(cls, **kw)
-        names.append(cls.name)
-        return cls
-
-    yield add
-    for n in names:
-        BACKENDS.pop(n, None)
-    assert set(BACKENDS) == BUILTIN
 
 
 def _quiet(*_a, **_k):
@@ -78,41 +64,18 @@ def test_a_broken_kernel_fails_the_same_cases(registered, bug):
 
 
 def test_a_subclass_registered_as_a_decorator_runs_through_the_matrix(registered):
-    """The class route: a FusedBackend subclass with its own plan and staging, defined in the test."""
+    """The class route: a FusedBackend subclass with its own plan and launch, defined in the test (the rest, staging
+    included, from the CPU toy in tests/toy_backend.py)."""
 
-    class HalfBlockToy(FusedBackend):
+    class HalfBlockToy(ToyBackend):
         name = "toy-subclass"
-        recipe = __import__("megamoe").get_recipe(RECIPE)
-
-        def __init__(self, geometry, **kw):
-            super().__init__(geometry, group=OneRank(), **{k: v for k, v in kw.items() if k != "group"})
-
-        @classmethod
-        def availability(cls):
-            return True, ""
-
-        @property
-        def device(self):
-            return torch.device("cpu")
-
-        def legal_block_ms(self, num_tokens=None):
-            return (8, 16)
 
         def plan(self, num_tokens, block_m=None):
             return Plan(block_m=block_m or 8, forced=block_m is not None)
 
-        def _prepare(self, weights):
-            self.kernel_weights = weights
-
-        def _allocate(self):
-            pass
-
-        def _stage(self, inputs, m):
-            self.staged = inputs
-
         def launch(self, num_tokens, block_m=None):
             self.launched.append(block_m)
-            return moe_forward(self.staged, self.kernel_weights, self.recipe, self.g)  # no tile: the same bits at any
+            return super().launch(num_tokens, block_m)  # the reference: the same bits at any BLOCK_M
 
     assert registered(HalfBlockToy) is HalfBlockToy
     assert get_backend_class("toy-subclass") is HalfBlockToy
