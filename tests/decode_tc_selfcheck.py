@@ -29,7 +29,7 @@ import torch
 
 from decode_selfcheck import (ORDER_A as A, ORDER_GEOMETRY, ORDER_SF, STAGE_FIELDS, DecodeCase, case_weights,
                               copy_staged, geometry_of, order_buffers, order_by_hand, order_l2_inputs, order_weights,
-                              passed_order, selfcheck_main, written)
+                              selfcheck_main, written)
 from megamoe.decode import routing, tc
 from megamoe.decode.layout_tc import prepare_tc_weights
 from megamoe.decode.gemv import LaunchConfig

@@ -20,9 +20,9 @@ from megamoe.reference.gemm import group_scaled_gemm  # noqa: E402
 from megamoe.staging import triton_available  # noqa: E402
 from megamoe.weights import MXFP4Weights  # noqa: E402
 
-from decode_selfcheck import DecodeCase, interpreter_rows as run_interpreted  # noqa: E402
+from decode_selfcheck import DecodeCase, interpreter_rows as run_interpreted, passed_order  # noqa: E402
 from decode_tc_selfcheck import (  # noqa: E402
-    CPU_CASES, ORDER_CONFIGS, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_order, passed_tc, run_tc_case)
+    CPU_CASES, ORDER_CONFIGS, ROUTE_CASES, SPLIT_CASES, flipped_route, passed_tc, run_tc_case)
 
 
 def checkpoint_from_tc(tw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
